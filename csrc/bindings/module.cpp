@@ -1,0 +1,94 @@
+// peak._C: importing it registers the dispatcher ops (TORCH_LIBRARY blocks linked into this
+// module). The pybind11 part holds what must touch Python objects: build facts, and test-only
+// views into the core (the launch plan, the emulated CUDA grid).
+#include <torch/extension.h>
+
+#include "../core/grid_block.h"
+#include "../core/launch_plan.h"
+#include "../ops/emulated_ops.h"
+
+#ifndef PEAK_VERSION
+#error "PEAK_VERSION must be defined by the build"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+py::dict build_info() {
+  py::dict d;
+  d["peak_version"] = PEAK_VERSION;
+  d["torch_version"] = PEAK_TORCH_VERSION;
+  d["with_cuda"] = static_cast<bool>(PEAK_WITH_CUDA);
+  d["cuda_version"] = PEAK_CUDA_VERSION;
+  d["cuda_archs"] = PEAK_CUDA_ARCHS;
+  d["cxx_compiler"] = PEAK_CXX_COMPILER;
+  d["cpu_isa"] = PEAK_CPU_ISA;
+#if defined(__F16C__)
+  d["f16c"] = true;
+#else
+  d["f16c"] = false;
+#endif
+  return d;
+}
+
+py::list plan_launches(const std::vector<int64_t>& numels, int64_t chunk_size, int max_tensors,
+                       int max_blocks) {
+  py::list out;
+  for (const peak::Launch& l : peak::plan_launches(numels, chunk_size, {max_tensors, max_blocks})) {
+    py::list blocks;
+    for (const auto& b : l.blocks) blocks.append(py::make_tuple(b.slot, b.chunk));
+    py::dict d;
+    d["first_global_chunk"] = l.first_global_chunk;
+    d["slot_tensor"] = l.slot_tensor;
+    d["blocks"] = blocks;
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "peak's C++ core: dispatcher ops (torch.ops.peak.*) and build facts";
+  m.def("build_info", &build_info, "Facts recorded when this extension was built");
+  m.def("max_tensors_per_launch", &peak::max_tensors_per_launch, py::arg("depth"));
+  m.attr("max_blocks_per_launch") = peak::kMaxBlocksPerLaunch;
+  m.attr("threads_per_block") = peak::kThreadsPerBlock;
+  m.def("plan_launches", &plan_launches, py::arg("numels"), py::arg("chunk_size"),
+        py::arg("max_tensors"), py::arg("max_blocks"),
+        "The CUDA launcher's packing of chunks into launches (for tests and inspection)");
+
+  py::module_ emu = m.def_submodule(
+      "emulated", "The CUDA launcher's plan and block code run serially on the CPU (tests)");
+  emu.def(
+      "multi_tensor_scale_",
+      [](std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, at::Tensor scale,
+         at::Tensor found_inf, int64_t chunk_size, int64_t max_tensors, int64_t max_blocks,
+         int64_t threads) {
+        peak::emulated_ops::scale(inputs, outputs, scale, found_inf, chunk_size, max_tensors,
+                                  max_blocks, threads);
+      },
+      py::arg("inputs"), py::arg("outputs"), py::arg("scale"), py::arg("found_inf"),
+      py::arg("chunk_size"), py::arg("max_tensors"), py::arg("max_blocks"), py::arg("threads"));
+  emu.def(
+      "multi_tensor_axpby_",
+      [](std::vector<at::Tensor> xs, std::vector<at::Tensor> ys, std::vector<at::Tensor> outputs,
+         double a, double b, at::Tensor found_inf, int64_t check, int64_t chunk_size,
+         int64_t max_tensors, int64_t max_blocks, int64_t threads) {
+        peak::emulated_ops::axpby(xs, ys, outputs, a, b, found_inf, check, chunk_size,
+                                  max_tensors, max_blocks, threads);
+      },
+      py::arg("xs"), py::arg("ys"), py::arg("outputs"), py::arg("a"), py::arg("b"),
+      py::arg("found_inf"), py::arg("check"), py::arg("chunk_size"), py::arg("max_tensors"),
+      py::arg("max_blocks"), py::arg("threads"));
+  emu.def(
+      "multi_tensor_l2norm",
+      [](std::vector<at::Tensor> tensors, bool per_tensor, int64_t chunk_size,
+         int64_t max_tensors, int64_t max_blocks, int64_t threads) {
+        return peak::emulated_ops::l2norm(tensors, per_tensor, chunk_size, max_tensors,
+                                          max_blocks, threads);
+      },
+      py::arg("tensors"), py::arg("per_tensor"), py::arg("chunk_size"), py::arg("max_tensors"),
+      py::arg("max_blocks"), py::arg("threads"));
+}

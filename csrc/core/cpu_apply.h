@@ -1,0 +1,143 @@
+// The CPU launcher of multi-tensor apply: parallel over chunks, vectorised inside a chunk.
+//
+// NOTE: [CPU tiles]
+// Each chunk is walked in tiles of kTile elements: every list the op reads is converted to a
+// float tile (fp16 with F16C, bf16 with a shift: both vectorise), the op's per-element math runs
+// on float arrays (a loop the compiler vectorises, since the op is inlined and its state is a
+// local), and the lists it writes are converted back. The conversions round exactly as c10's
+// scalar casts do (round to nearest even; bf16 NaN -> 0x7fc0), so results equal torch's `.to()`.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "elementwise_ops.h"
+#include "grid_block.h"
+#include "launch_plan.h"
+
+namespace peak {
+namespace cpu {
+
+constexpr int64_t kTile = 512;
+
+inline void load_tile(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+
+inline void load_tile(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &widened, 4);
+  }
+}
+
+inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void store_tile(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
+
+inline void store_tile(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, 4);
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+    out[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+  }
+}
+
+inline void store_tile(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+
+template <typename Op, typename... T, size_t... D>
+inline void run_chunk(const std::array<void*, sizeof...(T)>& base, int64_t begin, int64_t end,
+                      Op op, typename Op::State& state, std::index_sequence<D...>) {
+  constexpr int Depth = sizeof...(T);
+  alignas(64) float tile[Depth][kTile];
+  op.load_scalars();
+  for (int64_t off = begin; off < end; off += kTile) {
+    const int64_t n = end - off < kTile ? end - off : kTile;
+    ((((Op::read_mask >> D) & 1u)
+          ? load_tile(static_cast<const T*>(base[D]) + off, tile[D], n)
+          : (void)0),
+     ...);
+    typename Op::State local = state;
+    for (int64_t i = 0; i < n; ++i) {
+      float v[Depth] = {tile[D][i]...};
+      op(v, local);
+      ((((Op::write_mask >> D) & 1u) ? (void)(tile[D][i] = v[D]) : (void)0), ...);
+    }
+    state = local;
+    ((((Op::write_mask >> D) & 1u) ? store_tile(tile[D], static_cast<T*>(base[D]) + off, n)
+                                   : (void)0),
+     ...);
+  }
+}
+
+// Runs `op` over every element of every tensor. Results per chunk go to `sink`, indexed by
+// global chunk (see NOTE: [Chunking]), exactly as the CUDA blocks leave them.
+template <typename Op, typename... T>
+void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
+           const BlockSink& sink) {
+  const std::vector<int64_t> offsets = chunk_offsets(lists.numels, chunk_size);
+  const int64_t total_chunks = offsets.back();
+  if (total_chunks == 0) return;
+  // chunk -> tensor, so that a task can start anywhere in the global chunk order.
+  std::vector<int32_t> chunk_tensor(total_chunks);
+  for (size_t t = 0; t + 1 < offsets.size(); ++t) {
+    for (int64_t c = offsets[t]; c < offsets[t + 1]; ++c) chunk_tensor[c] = static_cast<int32_t>(t);
+  }
+  int64_t total_elements = 0;
+  for (int64_t n : lists.numels) total_elements += n;
+  // Tasks of at least ~64K elements: many tiny tensors are batched into one task.
+  const int64_t avg = total_elements / total_chunks;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(avg, 1));
+
+  std::atomic<int> any_nonfinite{0};
+  at::parallel_for(0, total_chunks, grain, [&](int64_t first, int64_t last) {
+    int nonfinite = 0;
+    for (int64_t c = first; c < last; ++c) {
+      const int32_t t = chunk_tensor[c];
+      const int64_t begin = (c - offsets[t]) * chunk_size;
+      const int64_t end = std::min(begin + chunk_size, lists.numels[t]);
+      typename Op::State state{};
+      run_chunk<Op, T...>(lists.ptrs[t], begin, end, op, state,
+                          std::make_index_sequence<sizeof...(T)>{});
+      if constexpr (std::is_same_v<typename Op::State, FiniteState>) {
+        nonfinite |= state.nonfinite;
+      } else {
+        sink.partials[c] = state.sumsq;
+      }
+    }
+    if (nonfinite) any_nonfinite.store(1, std::memory_order_relaxed);
+  });
+  if (any_nonfinite.load() && sink.found_inf != nullptr) *sink.found_inf = 1.0f;
+}
+
+}  // namespace cpu
+}  // namespace peak

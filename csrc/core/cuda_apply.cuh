@@ -1,0 +1,56 @@
+// The CUDA launcher of multi-tensor apply. Everything except the launch itself is shared with
+// the CPU emulation of the grid (see grid_block.h and NOTE: [Chunking] in launch_plan.h).
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <cub/block/block_reduce.cuh>
+#include <type_traits>
+#include <vector>
+
+#include "elementwise_ops.h"
+#include "grid_block.h"
+#include "launch_plan.h"
+
+namespace peak {
+namespace cuda {
+
+template <typename Op, typename... T>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    multi_tensor_kernel(const __grid_constant__ TensorListMetadata<sizeof...(T)> meta,
+                        int64_t chunk_size, Op op, BlockSink sink) {
+  using State = typename Op::State;
+  op.load_scalars();
+  State state{};
+  grid_block_thread<Op, T...>(meta, blockIdx.x, threadIdx.x, blockDim.x, chunk_size, op, state);
+  if constexpr (std::is_same_v<State, FiniteState>) {
+    // Every writer stores the same 1.0f, so the race is benign (as in ATen and Apex).
+    if (state.nonfinite && sink.found_inf != nullptr) *sink.found_inf = 1.0f;
+  } else {
+    using Reduce = cub::BlockReduce<float, kThreadsPerBlock>;
+    __shared__ typename Reduce::TempStorage scratch;
+    const float block_sum = Reduce(scratch).Sum(state.sumsq);
+    if (threadIdx.x == 0) sink.partials[meta.first_global_chunk + blockIdx.x] = block_sum;
+  }
+}
+
+template <typename Op, typename... T>
+void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
+           const BlockSink& sink) {
+  constexpr int Depth = sizeof...(T);
+  const std::vector<Launch> launches =
+      plan_launches(lists.numels, chunk_size,
+                    {TensorListMetadata<Depth>::kMaxTensors, kMaxBlocksPerLaunch});
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  TensorListMetadata<Depth> meta;
+  for (const Launch& launch : launches) {
+    fill_metadata(launch, lists, meta);
+    multi_tensor_kernel<Op, T...><<<static_cast<unsigned>(launch.blocks.size()),
+                                    kThreadsPerBlock, 0, stream>>>(meta, chunk_size, op, sink);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace cuda
+}  // namespace peak

@@ -1,0 +1,91 @@
+// The per-element math of every multi-tensor op, written once for CPU and CUDA.
+//
+// An op is a small struct with:
+//   depth        number of tensor lists it walks (one element of each per call);
+//   read_mask    bit d set: list d is loaded before the call;
+//   write_mask   bit d set: list d is stored after the call;
+//   State        per-thread (CUDA) or per-chunk (CPU) accumulator, see below;
+//   load_scalars() reads per-step scalars that may live in device memory (once per block/chunk,
+//                never inside the element loop, so the CPU loop keeps them in registers);
+//   operator()(float* v, State& s)   the math, on float values of every list.
+// Launchers (cpu_apply.h, grid_block.h) own loads, stores, dtype conversions and scheduling.
+#pragma once
+
+#include <cmath>
+
+#include "host_device.h"
+
+namespace peak {
+
+// Accumulates "saw a non-finite value". An int, not a bool, so `|=` vectorises.
+struct FiniteState {
+  int nonfinite = 0;
+  PEAK_HD void observe(float x) { nonfinite |= is_finite(x) ? 0 : 1; }
+  PEAK_HD void merge(const FiniteState& o) { nonfinite |= o.nonfinite; }
+};
+
+// Sum of squares in fp32 (Apex and torch both accumulate norms in fp32).
+struct SumSquaresState {
+  float sumsq = 0.0f;
+  PEAK_HD void merge(const SumSquaresState& o) { sumsq += o.sumsq; }
+};
+
+// A per-step scalar given either as a value or as a pointer to a float in the tensors' memory
+// space (a device tensor on CUDA: no host sync to read it).
+struct StepScalar {
+  const float* ptr = nullptr;
+  float value = 0.0f;
+  PEAK_HD void load() {
+    if (ptr != nullptr) value = *ptr;
+  }
+};
+
+// out = in * scale; observes `in` (before scaling, as Apex and torch do).
+struct ScaleOp {
+  static constexpr int depth = 2;
+  static constexpr unsigned read_mask = 0b01;
+  static constexpr unsigned write_mask = 0b10;
+  using State = FiniteState;
+  StepScalar scale;
+
+  PEAK_HD void load_scalars() { scale.load(); }
+  PEAK_HD void operator()(float* v, State& s) const {
+    s.observe(v[0]);
+    v[1] = v[0] * scale.value;
+  }
+};
+
+// Which inputs of axpby report non-finite values (bit 0: x, bit 1: y).
+enum AxpbyCheck : int { kCheckNone = 0, kCheckX = 1, kCheckY = 2, kCheckBoth = 3 };
+
+// out = a*x + b*y. fmaf pins the rounding (one rounding of a*x, fused with b*y's product sum)
+// so CPU and CUDA give the same bits whatever each compiler would contract on its own.
+struct AxpbyOp {
+  static constexpr int depth = 3;
+  static constexpr unsigned read_mask = 0b011;
+  static constexpr unsigned write_mask = 0b100;
+  using State = FiniteState;
+  float a = 1.0f;
+  float b = 1.0f;
+  int check = kCheckBoth;
+
+  PEAK_HD void load_scalars() {}
+  PEAK_HD void operator()(float* v, State& s) const {
+    if (check & kCheckX) s.observe(v[0]);
+    if (check & kCheckY) s.observe(v[1]);
+    v[2] = fmaf(b, v[1], a * v[0]);
+  }
+};
+
+// Partial sums of squares for l2norm.
+struct SumSquaresOp {
+  static constexpr int depth = 1;
+  static constexpr unsigned read_mask = 0b1;
+  static constexpr unsigned write_mask = 0b0;
+  using State = SumSquaresState;
+
+  PEAK_HD void load_scalars() {}
+  PEAK_HD void operator()(float* v, State& s) const { s.sumsq = fmaf(v[0], v[0], s.sumsq); }
+};
+
+}  // namespace peak

@@ -1,0 +1,68 @@
+#include "checks.h"
+
+namespace peak {
+namespace {
+
+bool supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+}  // namespace
+
+void check_tensor_lists(const char* op, std::initializer_list<NamedList> lists) {
+  const NamedList& first = *lists.begin();
+  const size_t n = first.second.size();
+  for (const NamedList& l : lists) {
+    TORCH_CHECK(l.second.size() == n, op, ": ", l.first, " has ", l.second.size(),
+                " tensors but ", first.first, " has ", n,
+                "; pass lists of the same length (one entry per tensor)");
+  }
+  if (n == 0) return;
+  const c10::Device device = first.second[0].device();
+  for (const NamedList& l : lists) {
+    const at::ScalarType dtype = l.second[0].scalar_type();
+    TORCH_CHECK(supported_dtype(dtype), op, ": ", l.first, "[0] has dtype ", dtype,
+                "; supported dtypes are float32, float16 and bfloat16");
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor& t = l.second[i];
+      TORCH_CHECK(t.defined(), op, ": ", l.first, "[", i, "] is undefined (None)");
+      TORCH_CHECK(t.device() == device, op, ": ", l.first, "[", i, "] is on ", t.device(),
+                  " but ", first.first, "[0] is on ", device,
+                  "; all tensors of one call must be on one device (group them by device)");
+      TORCH_CHECK(t.scalar_type() == dtype, op, ": ", l.first, "[", i, "] has dtype ",
+                  t.scalar_type(), " but ", l.first, "[0] has ", dtype,
+                  "; each list must have one dtype (group tensors by dtype)");
+      TORCH_CHECK(t.layout() == at::kStrided, op, ": ", l.first, "[", i, "] has layout ",
+                  t.layout(), "; only dense (strided) tensors are supported");
+      TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", l.first, "[", i,
+                  "] is not dense (sizes ", t.sizes(), ", strides ", t.strides(),
+                  "); multi-tensor ops walk memory linearly, pass t.contiguous()");
+      const at::Tensor& ref = first.second[i];
+      TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", l.first, "[", i, "] has shape ",
+                  t.sizes(), " but ", first.first, "[", i, "] has shape ", ref.sizes());
+      TORCH_CHECK(t.numel() <= 1 || t.strides() == ref.strides(), op, ": ", l.first, "[", i,
+                  "] has strides ", t.strides(), " but ", first.first, "[", i, "] has ",
+                  ref.strides(), "; use the same memory format for corresponding tensors");
+    }
+  }
+}
+
+void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t,
+                         at::ScalarType dtype, const c10::Device& device) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.scalar_type() == dtype && t.numel() == 1 && t.device() == device, op, ": ", name,
+              " must be a ", dtype, " tensor with one element on ", device, " (got ",
+              t.scalar_type(), ", ", t.numel(), " elements, on ", t.device(), ")");
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+void check_chunk_size(const char* op, int64_t chunk_size) {
+  TORCH_CHECK(chunk_size > 0 && chunk_size <= (int64_t{1} << 30), op,
+              ": chunk_size must be in [1, 2**30], got ", chunk_size);
+}
+
+c10::Device lists_device(at::TensorList first_list, const at::Tensor& fallback) {
+  return first_list.empty() ? fallback.device() : first_list[0].device();
+}
+
+}  // namespace peak

@@ -1,0 +1,28 @@
+// Argument validation shared by every backend. Messages name the op, the argument and the fix.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+namespace peak {
+
+using NamedList = std::pair<const char*, at::TensorList>;
+
+// Lists walked element by element together: same length; per list one device and one dtype in
+// {float32, float16, bfloat16}; dense (non-overlapping) and, index by index, the same shape and
+// strides as the first list so that linear memory positions correspond.
+void check_tensor_lists(const char* op, std::initializer_list<NamedList> lists);
+
+// A 1-element float32 tensor on `device` (the overflow flag, a scale).
+void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t,
+                         at::ScalarType dtype, const c10::Device& device);
+
+void check_chunk_size(const char* op, int64_t chunk_size);
+
+// The device the lists live on, or the fallback's when the lists are empty.
+c10::Device lists_device(at::TensorList first_list, const at::Tensor& fallback);
+
+}  // namespace peak

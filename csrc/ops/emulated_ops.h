@@ -1,0 +1,25 @@
+// The multi-tensor ops run through the CUDA launcher's plan and block code, emulated on the CPU
+// (see core/emulated_grid.h). Test-only entry points, bound in peak._C.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace peak {
+namespace emulated_ops {
+
+void scale(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
+           const at::Tensor& found_inf, int64_t chunk_size, int64_t max_tensors,
+           int64_t max_blocks, int64_t threads);
+
+void axpby(at::TensorList xs, at::TensorList ys, at::TensorList outputs, double a, double b,
+           const at::Tensor& found_inf, int64_t check, int64_t chunk_size, int64_t max_tensors,
+           int64_t max_blocks, int64_t threads);
+
+std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tensor,
+                                          int64_t chunk_size, int64_t max_tensors,
+                                          int64_t max_blocks, int64_t threads);
+
+}  // namespace emulated_ops
+}  // namespace peak

@@ -1,0 +1,157 @@
+// CPU kernels of the peak ops, the emulated-grid variants used by tests, and the host epilogues.
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "../core/cpu_apply.h"
+#include "../core/emulated_grid.h"
+#include "../core/loss_scale_update.h"
+#include "emulated_ops.h"
+#include "multi_tensor_ops.h"
+
+namespace peak {
+
+void finish_norms_on_host(const float* partials, const std::vector<int64_t>& offsets,
+                          float* total, float* per_tensor) {
+  float sum = 0.0f;
+  for (size_t t = 0; t + 1 < offsets.size(); ++t) {
+    float tensor_sum = 0.0f;
+    for (int64_t c = offsets[t]; c < offsets[t + 1]; ++c) tensor_sum += partials[c];
+    if (per_tensor != nullptr) per_tensor[t] = std::sqrt(tensor_sum);
+    sum += tensor_sum;
+  }
+  *total = std::sqrt(sum);
+}
+
+void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                             const c10::optional<at::Tensor>& hysteresis_tracker,
+                             const at::Tensor& found_inf, double growth_factor,
+                             double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                             double min_scale, double max_scale) {
+  constexpr const char* name = "update_scale_";
+  const c10::Device device = scale.device();
+  check_scalar_tensor(name, "scale", scale, at::kFloat, device);
+  check_scalar_tensor(name, "growth_tracker", growth_tracker, at::kInt, device);
+  check_scalar_tensor(name, "found_inf", found_inf, at::kFloat, device);
+  if (hysteresis_tracker.has_value()) {
+    check_scalar_tensor(name, "hysteresis_tracker", *hysteresis_tracker, at::kInt, device);
+  }
+  TORCH_CHECK(growth_factor > 1.0, name, ": growth_factor must be > 1, got ", growth_factor);
+  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, name,
+              ": backoff_factor must be in (0, 1), got ", backoff_factor);
+  TORCH_CHECK(growth_interval >= 1, name, ": growth_interval must be >= 1, got ",
+              growth_interval);
+  TORCH_CHECK(hysteresis >= 1, name, ": hysteresis must be >= 1, got ", hysteresis);
+  TORCH_CHECK(hysteresis == 1 || hysteresis_tracker.has_value(), name, ": hysteresis=",
+              hysteresis, " needs a hysteresis_tracker (an int32 tensor of one element)");
+  TORCH_CHECK(min_scale >= 0.0 && min_scale <= max_scale, name,
+              ": need 0 <= min_scale <= max_scale, got min_scale=", min_scale,
+              ", max_scale=", max_scale);
+}
+
+namespace {
+
+struct CpuExec {
+  template <typename Op, typename... T>
+  void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
+             const BlockSink& sink) {
+    cpu::apply<Op, T...>(lists, chunk_size, op, sink);
+  }
+  void finish_norms(const at::Tensor& partials, const std::vector<int64_t>& offsets,
+                    at::Tensor& total, at::Tensor* per_tensor) {
+    finish_norms_on_host(partials.data_ptr<float>(), offsets, total.data_ptr<float>(),
+                         per_tensor ? per_tensor->data_ptr<float>() : nullptr);
+  }
+};
+
+struct EmulatedExec : CpuExec {
+  emulated::GridShape shape;
+  template <typename Op, typename... T>
+  void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
+             const BlockSink& sink) {
+    constexpr int kMax = TensorListMetadata<sizeof...(T)>::kMaxTensors;
+    TORCH_CHECK(shape.max_tensors >= 1 && shape.max_tensors <= kMax,
+                "emulated grid: max_tensors must be in [1, ", kMax, "]");
+    TORCH_CHECK(shape.max_blocks >= 1 && shape.max_blocks <= kMaxBlocksPerLaunch,
+                "emulated grid: max_blocks must be in [1, ", kMaxBlocksPerLaunch, "]");
+    TORCH_CHECK(shape.threads_per_block >= 1, "emulated grid: threads_per_block must be >= 1");
+    emulated::apply<Op, T...>(lists, chunk_size, op, sink, shape);
+  }
+};
+
+void multi_tensor_scale_cpu(at::TensorList inputs, at::TensorList outputs,
+                            const at::Tensor& scale, const at::Tensor& found_inf,
+                            int64_t chunk_size) {
+  CpuExec exec;
+  multi_tensor_scale(exec, inputs, outputs, scale, found_inf, chunk_size);
+}
+
+void multi_tensor_axpby_cpu(at::TensorList xs, at::TensorList ys, at::TensorList outputs,
+                            double a, double b, const at::Tensor& found_inf, int64_t check,
+                            int64_t chunk_size) {
+  CpuExec exec;
+  multi_tensor_axpby(exec, xs, ys, outputs, a, b, found_inf, check, chunk_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors,
+                                                           bool per_tensor, int64_t chunk_size) {
+  CpuExec exec;
+  return multi_tensor_l2norm(exec, tensors, per_tensor, chunk_size);
+}
+
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                      const c10::optional<at::Tensor>& hysteresis_tracker,
+                      const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                      int64_t growth_interval, int64_t hysteresis, double min_scale,
+                      double max_scale) {
+  check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+                          backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  update_loss_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int>(),
+                    hysteresis_tracker ? hysteresis_tracker->data_ptr<int>() : nullptr,
+                    found_inf.data_ptr<float>(),
+                    {growth_factor, backoff_factor, static_cast<int>(growth_interval),
+                     static_cast<int>(hysteresis), min_scale, max_scale});
+}
+
+}  // namespace
+
+namespace emulated_ops {
+
+static EmulatedExec make_exec(int64_t max_tensors, int64_t max_blocks, int64_t threads) {
+  EmulatedExec exec;
+  exec.shape = {static_cast<int>(max_tensors), static_cast<int>(max_blocks),
+                static_cast<int>(threads)};
+  return exec;
+}
+
+void scale(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
+           const at::Tensor& found_inf, int64_t chunk_size, int64_t max_tensors,
+           int64_t max_blocks, int64_t threads) {
+  auto exec = make_exec(max_tensors, max_blocks, threads);
+  multi_tensor_scale(exec, inputs, outputs, scale, found_inf, chunk_size);
+}
+
+void axpby(at::TensorList xs, at::TensorList ys, at::TensorList outputs, double a, double b,
+           const at::Tensor& found_inf, int64_t check, int64_t chunk_size, int64_t max_tensors,
+           int64_t max_blocks, int64_t threads) {
+  auto exec = make_exec(max_tensors, max_blocks, threads);
+  multi_tensor_axpby(exec, xs, ys, outputs, a, b, found_inf, check, chunk_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tensor,
+                                          int64_t chunk_size, int64_t max_tensors,
+                                          int64_t max_blocks, int64_t threads) {
+  auto exec = make_exec(max_tensors, max_blocks, threads);
+  return multi_tensor_l2norm(exec, tensors, per_tensor, chunk_size);
+}
+
+}  // namespace emulated_ops
+
+TORCH_LIBRARY_IMPL(peak, CPU, m) {
+  m.impl("multi_tensor_scale_", &multi_tensor_scale_cpu);
+  m.impl("multi_tensor_axpby_", &multi_tensor_axpby_cpu);
+  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_cpu);
+  m.impl("update_scale_", &update_scale_cpu);
+}
+
+}  // namespace peak

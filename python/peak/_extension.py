@@ -1,0 +1,45 @@
+"""Loads peak._C, refusing clearly when it is missing or was built for another torch."""
+import re
+
+import torch
+
+# The torch releases peak is built and tested against (inclusive, major.minor).
+SUPPORTED_TORCH = ((2, 13), (2, 14))
+REBUILD = "pip install --no-build-isolation -e .  (or: make build)"
+
+
+def _major_minor(version: str):
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    lo, hi = SUPPORTED_TORCH
+    if not lo <= _major_minor(version) <= hi:
+        raise ImportError(
+            f"peak supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, but torch {version} is "
+            f"installed. Install a supported torch (e.g. pip install torch==2.13.0), then "
+            f"rebuild peak: {REBUILD}")
+
+
+def load_extension():
+    check_torch_version()
+    try:
+        from . import _build_info
+    except ImportError:
+        raise ImportError(
+            "peak's C++ extension (peak._C) is not built: this looks like a source tree that "
+            f"was never installed. Build it with: {REBUILD}") from None
+    if _build_info.torch_version != torch.__version__:
+        raise ImportError(
+            f"peak._C was built against torch {_build_info.torch_version}, but torch "
+            f"{torch.__version__} is installed; a C++ extension only loads with the torch it was "
+            f"built for. Rebuild it: {REBUILD}")
+    try:
+        from . import _C
+    except ImportError as e:
+        raise ImportError(
+            f"peak._C failed to load ({e}). It was built against torch "
+            f"{_build_info.torch_version}; torch {torch.__version__} is installed. "
+            f"Rebuild it: {REBUILD}") from e
+    return _C

@@ -1,0 +1,129 @@
+"""Typed wrappers over ``torch.ops.peak.*`` (the C++ multi-tensor kernels), and their fake kernels.
+
+Every op works on lists of float32 / float16 / bfloat16 tensors on one device (group tensors by
+device and dtype first), does its math in float32, and is one pass over memory. The overflow flag
+``found_inf`` is a float32 tensor of one element on the tensors' device, set to 1.0 by an op that
+sees inf/NaN and never cleared by one: zero it yourself (``found_inf.zero_()``) when a new step
+begins. Scales may be device tensors so that nothing waits for the host.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "new_found_inf",
+    "multi_tensor_scale_",
+    "multi_tensor_axpby_",
+    "multi_tensor_l2norm",
+    "update_scale_",
+]
+
+#: Elements per chunk (one CUDA block, one CPU task); see NOTE: [Chunking] in csrc/core.
+DEFAULT_CHUNK_SIZE = 65536
+
+_CHECKS = {"none": 0, "x": 1, "y": 2, "both": 3}
+
+
+def _list(name: str, tensors) -> list[Tensor]:
+    if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    return list(tensors)
+
+
+def _scalar_tensor(name: str, value, like: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or a float32 tensor of one element, "
+                        f"got {type(value).__name__}")
+    return torch.full((1,), float(value), dtype=torch.float32, device=like.device)
+
+
+def new_found_inf(device: torch.device | str = "cpu") -> Tensor:
+    """A cleared overflow flag for ``device``."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: float | Tensor,
+                        found_inf: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    """``outputs[i] = inputs[i] * scale``; sets ``found_inf`` if any input holds inf/NaN.
+
+    ``outputs`` may be ``inputs`` (in place). Input and output dtypes may differ (e.g. fp16 grads
+    into fp32 master grads); the product is computed in fp32 and rounded once.
+    """
+    inputs = _list("inputs", inputs)
+    outputs = _list("outputs", outputs)
+    scale_t = _scalar_tensor("scale", scale, found_inf)
+    torch.ops.peak.multi_tensor_scale_(inputs, outputs, scale_t, found_inf, chunk_size)
+
+
+def multi_tensor_axpby_(xs: Sequence[Tensor], ys: Sequence[Tensor], outputs: Sequence[Tensor],
+                        a: float, b: float, found_inf: Tensor, *, check: str = "both",
+                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    """``outputs[i] = a * xs[i] + b * ys[i]``; ``check`` ("both", "x", "y", "none") picks which
+    inputs set ``found_inf`` when they hold inf/NaN. ``outputs`` may be ``xs`` or ``ys``."""
+    if check not in _CHECKS:
+        raise ValueError(f"check must be one of {sorted(_CHECKS)}, got {check!r}")
+    torch.ops.peak.multi_tensor_axpby_(_list("xs", xs), _list("ys", ys), _list("outputs", outputs),
+                                       float(a), float(b), found_inf, _CHECKS[check], chunk_size)
+
+
+def multi_tensor_l2norm(tensors: Sequence[Tensor], *, per_tensor: bool = False,
+                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[Tensor, Tensor]:
+    """The L2 norm of all elements of ``tensors`` (float32, shape ``[1]``) and, with
+    ``per_tensor=True``, each tensor's norm (float32, ``[len(tensors)]``; else empty).
+    Accumulated in fp32. An empty list has norm 0 (returned on the CPU)."""
+    tensors = _list("tensors", tensors)
+    if not tensors:
+        return torch.zeros(1), torch.zeros(0)
+    return torch.ops.peak.multi_tensor_l2norm(tensors, per_tensor, chunk_size)
+
+
+def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
+                  backoff_factor: float, growth_interval: int, *, hysteresis: int = 1,
+                  hysteresis_tracker: Tensor | None = None, min_scale: float = 0.0,
+                  max_scale: float = math.inf) -> None:
+    """The dynamic loss-scale update, in place and on the state's device (no host sync).
+
+    On overflow (``found_inf != 0``) the hysteresis tracker counts down; when it reaches 0 the
+    scale becomes ``max(scale * backoff_factor, min_scale)``; the growth tracker resets. Otherwise
+    the growth tracker counts up and the hysteresis tracker refills; after ``growth_interval``
+    clean updates in a row the scale becomes ``min(scale * growth_factor, max_scale)`` (kept only
+    if finite). With the defaults this is exactly ``torch._amp_update_scale_``.
+
+    ``scale``/``found_inf``: float32 ``[1]``; trackers: int32 ``[1]``.
+    """
+    torch.ops.peak.update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf,
+                                 float(growth_factor), float(backoff_factor), int(growth_interval),
+                                 int(hysteresis), float(min_scale), float(max_scale))
+
+
+# ---- fake kernels (shape/dtype propagation for torch.compile and FakeTensor) -------------------
+
+@torch.library.register_fake("peak::multi_tensor_scale_")
+def _(inputs, outputs, scale, found_inf, chunk_size):
+    return None
+
+
+@torch.library.register_fake("peak::multi_tensor_axpby_")
+def _(xs, ys, outputs, a, b, found_inf, check, chunk_size):
+    return None
+
+
+@torch.library.register_fake("peak::multi_tensor_l2norm")
+def _(tensors, per_tensor, chunk_size):
+    first = tensors[0]
+    total = first.new_empty((1,), dtype=torch.float32)
+    per = first.new_empty((len(tensors) if per_tensor else 0,), dtype=torch.float32)
+    return total, per
+
+
+@torch.library.register_fake("peak::update_scale_")
+def _(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+      growth_interval, hysteresis, min_scale, max_scale):
+    return None
