@@ -1,0 +1,27 @@
+"""peak.amp -- mixed-precision training.
+
+The Apex dialect (a drop-in for ``from apex import amp``)::
+
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+
+See docs/amp_api.md for the design (master weights, bf16, checkpoints).
+"""
+
+from ._amp_state import _amp_state, master_params
+from .frontend import Properties, initialize, load_state_dict, opt_levels, state_dict
+from .handle import AmpHandle, NoOpHandle, disable_casts, init, scale_loss
+from .loss_scaler import LossScaler
+
+__all__ = [
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    "disable_casts",
+    "init",
+    "LossScaler",
+]

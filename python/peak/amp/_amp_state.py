@@ -1,0 +1,72 @@
+"""The global state of the Apex dialect (``_amp_state``) and its two print/error helpers.
+
+Apex's tests and many user scripts poke at ``amp._amp_state`` directly (``loss_scalers[i]._loss_scale``,
+``opt_properties``, ``allow_incoming_model_not_fp32``, ``handle._deactivate()``), so the names are kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class AmpState:
+    def __init__(self) -> None:
+        # Escape hatches kept from Apex.
+        self.hard_override = False  # turn property-validation errors into printed warnings
+        self.allow_incoming_model_not_fp32 = False  # skip the "model is already half" check
+        self.verbosity = 1
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything a previous ``initialize`` set up (called at the start of ``initialize``)."""
+        if hasattr(self, "opt_properties"):
+            del self.opt_properties
+        self.loss_scalers: list = []
+        self.min_loss_scale = None
+        self.max_loss_scale = 2.0**24
+        self.handle = None
+        # Bumped on every initialize; optimizers remember the generation they were processed in so that
+        # objects from an earlier initialize (e.g. a re-run notebook cell) are recognised as stale.
+        self.generation = getattr(self, "generation", 0) + 1
+
+    @property
+    def initialized(self) -> bool:
+        return hasattr(self, "opt_properties")
+
+    @property
+    def enabled(self) -> bool:
+        return self.initialized and bool(self.opt_properties.enabled)
+
+
+_amp_state = AmpState()
+
+
+def warn_or_err(msg: str, exc_type: type = RuntimeError) -> None:
+    if _amp_state.hard_override:
+        print("Warning:  " + msg)
+    else:
+        raise exc_type(msg)
+
+
+def maybe_print(msg: str, rank0: bool = False) -> None:
+    if _amp_state.verbosity <= 0:
+        return
+    if rank0:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_rank() != 0:
+                return
+    print(msg)
+
+
+def master_params(optimizer):
+    """Generator over the parameters the optimizer steps: the fp32 master weights under O2, otherwise
+    the model's own parameters (params with ``requires_grad=False`` included, as in Apex).
+
+    Use it for gradient clipping after ``scale_loss`` exits::
+
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            yield p

@@ -1,0 +1,244 @@
+"""What ``amp.initialize`` does to models: input validation, casting, forward patching, state-dict hooks.
+
+Everything is checked in ``check_inputs`` before ``process`` changes anything, so an error leaves the
+models and optimizers exactly as they were.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+import weakref
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import _caster
+from ._amp_state import _amp_state, warn_or_err
+from ._process_optimizer import master_of, process_optimizer
+
+_LOW = (torch.float16, torch.bfloat16)
+
+# Models that went through an enabled amp.initialize (their params may be cast and forward patched).
+_initialized_models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_inputs(models, optimizers):
+    """Normalize ``models``/``optimizers`` to lists and reject every bad input, changing nothing."""
+    if isinstance(models, nn.Module):
+        models_list = [models]
+    elif isinstance(models, list) and all(isinstance(m, nn.Module) for m in models):
+        models_list = list(models)
+    else:
+        raise TypeError("models must be either a single model or a list of models.")
+
+    if optimizers is None:
+        optimizers_list = []
+    elif isinstance(optimizers, torch.optim.Optimizer):
+        optimizers_list = [optimizers]
+    elif isinstance(optimizers, list) and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        optimizers_list = list(optimizers)
+    else:
+        hint = " (got a tuple; pass a list)" if isinstance(optimizers, tuple) else ""
+        raise TypeError("optimizers must be either a single optimizer or a list of optimizers." + hint)
+
+    for i, model in enumerate(models_list):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            raise RuntimeError(
+                "Incoming model is an instance of {}. Parallel wrappers should only be applied to the model(s) "
+                "AFTER \nthe model(s) have been returned from amp.initialize.".format(
+                    f"torch.nn.parallel.{type(model).__name__}"))
+        for j in range(i):
+            if models_list[j] is model:
+                raise ValueError(f"models[{i}] is the same object as models[{j}]; pass each model once.")
+        if model in _initialized_models:
+            raise RuntimeError(
+                f"Model {type(model).__name__} (models[{i}]) was already passed through amp.initialize, which casts "
+                "its parameters and patches its forward. A given model should only be passed through "
+                "amp.initialize once: build a fresh model (e.g. re-run the cell that creates it) and pass that.")
+
+    for i, opt in enumerate(optimizers_list):
+        for j in range(i):
+            if optimizers_list[j] is opt:
+                raise ValueError(f"optimizers[{i}] is the same object as optimizers[{j}]; pass each optimizer once.")
+        if hasattr(opt, "_amp_stash"):
+            raise RuntimeError(
+                "A given optimizer should only be passed through amp.initialize once. "
+                f"optimizers[{i}] ({type(opt).__name__}) already was: build a fresh optimizer over the new "
+                "model's parameters and pass that.")
+
+    if not _amp_state.allow_incoming_model_not_fp32:
+        for model in models_list:
+            _check_fp32(model)
+
+    model_params = {id(p) for model in models_list for p in model.parameters()}
+    for i, opt in enumerate(optimizers_list):
+        for g, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                if id(p) not in model_params:
+                    raise ValueError(
+                        f"optimizers[{i}] ({type(opt).__name__}), param_groups[{g}], holds a parameter of shape "
+                        f"{tuple(p.shape)} that is not a parameter of any model passed to amp.initialize. Pass "
+                        "every model whose parameters the optimizer updates, e.g. "
+                        "amp.initialize([model_a, model_b], optimizer, ...), and build the optimizer from "
+                        "model.parameters().")
+    return models_list, optimizers_list
+
+
+def _check_fp32(model: nn.Module) -> None:
+    for kind, items in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            if t.is_floating_point() and t.dtype in _LOW:
+                what = "parameters" if kind == "param" else "buffers"
+                warn_or_err(
+                    f"Found {kind} {name} with type {t.dtype}, expected torch.float32.\n"
+                    "When using amp.initialize, you do not need to call .half() or .bfloat16() on your model\n"
+                    "before passing it, no matter what optimization level you choose: pass the FP32 model "
+                    f"and let the opt_level cast it.\n(Model {what} that are deliberately low precision: set "
+                    "amp._amp_state.allow_incoming_model_not_fp32 = True before amp.initialize.)")
+
+
+def first_device(models) -> torch.device:
+    for model in models:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            return t.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- process
+def process(models, optimizers, properties, cast_model_outputs) -> None:
+    cast_type = properties.cast_model_type
+    o1 = bool(properties.patch_torch_functions)
+    for model in models:
+        if cast_type:
+            cast_model(model, cast_type, keep_batchnorm_fp32=bool(properties.keep_batchnorm_fp32))
+            if cast_type in _LOW:
+                for module in model.modules():
+                    module.register_state_dict_post_hook(_upcast_state_dict_hook)
+        input_dtype = cast_type or None
+        output_dtype = (cast_model_outputs or torch.float32) if cast_type else cast_model_outputs
+        device_type = first_device([model]).type if o1 else None
+        if input_dtype is not None or output_dtype is not None or device_type is not None:
+            patch_forward(model, input_dtype, output_dtype, device_type)
+        if properties.master_weights:
+            for module in model.modules():
+                if module._parameters:
+                    module.register_load_state_dict_post_hook(_refresh_masters_hook)
+        _initialized_models.add(model)
+
+    for optimizer in optimizers:
+        process_optimizer(optimizer, properties)
+
+    if o1:
+        from .handle import AmpHandle  # noqa: PLC0415 (cycle)
+
+        _caster.enable(properties.low_precision_dtype)
+        _amp_state.handle = AmpHandle()
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+    """Cast floating params (with their grads) and buffers to ``dtype`` in place, keeping every
+    ``_BatchNorm`` (affine or not) in fp32 when ``keep_batchnorm_fp32``.  Parameter objects keep their
+    identity, so optimizers built before ``initialize`` still hold them."""
+    with torch.no_grad():
+        for module in model.modules():
+            if keep_batchnorm_fp32 and isinstance(module, _BatchNorm):
+                continue
+            for p in module._parameters.values():
+                if p is None or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                grad = p.grad
+                p.grad = None
+                p.data = p.data.to(dtype)
+                if grad is not None:
+                    p.grad = grad.to(dtype)
+            for name, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    module._buffers[name] = b.to(dtype)
+            if isinstance(module, nn.RNNBase):
+                module.flatten_parameters()
+
+
+def _upcast_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    """``model.state_dict()`` of a low-precision model holds fp32 tensors (exact upcasts), so checkpoints
+    load into fp32 models too; loading them back into the amp model rounds back to the same values."""
+    for name in itertools.chain(module._parameters, module._buffers):
+        key = prefix + name
+        t = state_dict.get(key)
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dtype in _LOW:
+            state_dict[key] = t.float()
+
+
+def _refresh_masters_hook(module, incompatible_keys) -> None:
+    """After ``model.load_state_dict``: a master weight that no longer rounds to its model weight is
+    re-derived from the model (the model was given new weights); one that still does is kept, so
+    loading the model and then the optimizer (which restores the exact masters) is bit-for-bit, in
+    either order."""
+    with torch.no_grad():
+        for p in module._parameters.values():
+            master = master_of.get(p) if p is not None else None
+            if master is not None and not torch.equal(master.to(p.dtype), p):
+                master.copy_(p)
+
+
+# ---------------------------------------------------------------------------------------------- forward
+class _ForwardConfig(NamedTuple):
+    input_dtype: torch.dtype | None
+    output_dtype: torch.dtype | None
+    device_type: str | None  # O1: run forward in the caster region for this device type
+    inner_forward: object  # an instance-level forward that was already there, else None
+
+
+def patch_forward(model, input_dtype, output_dtype, device_type) -> None:
+    """Replace ``model.forward`` (on the instance) by one that casts floating inputs to ``input_dtype``,
+    runs the original forward (under the O1 caster when ``device_type`` is set) and casts floating
+    outputs to ``output_dtype``.  Bound as a method so that ``copy.deepcopy(model)`` stays correct."""
+    inner = model.__dict__.get("forward")
+    model._amp_forward_config = _ForwardConfig(input_dtype, output_dtype, device_type, inner)
+    model.forward = types.MethodType(_amp_forward, model)
+
+
+def _amp_forward(self, *args, **kwargs):
+    cfg = self._amp_forward_config
+    if cfg.input_dtype is not None:
+        args = cast_tree(args, cfg.input_dtype)
+        kwargs = cast_tree(kwargs, cfg.input_dtype)
+    inner = cfg.inner_forward
+    if cfg.device_type is not None:
+        with _caster.region(cfg.device_type):
+            output = inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
+    else:
+        output = inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
+    if cfg.output_dtype is not None:
+        output = cast_tree(output, cfg.output_dtype)
+    return output
+
+
+def cast_tree(value, dtype):
+    """Cast the floating tensors in ``value`` to ``dtype``: tensors, objects with a ``.to`` method
+    (custom batch classes; they win over the container rules, as in Apex), mappings (type kept when it
+    can be rebuilt from pairs, else a dict), lists, tuples, namedtuples and sets.  Strings, numpy arrays,
+    modules and anything else pass through unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if value is None or isinstance(value, (str, bytes, nn.Module, int, float, bool)):
+        return value
+    if type(value).__module__ == "numpy":
+        return value
+    if hasattr(value, "to") and callable(value.to):
+        return value.to(dtype)
+    if isinstance(value, Mapping):
+        items = [(k, cast_tree(v, dtype)) for k, v in value.items()]
+        try:
+            return type(value)(items)
+        except TypeError:
+            return dict(items)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(cast_tree(v, dtype) for v in value))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(cast_tree(v, dtype) for v in value)
+    return value
