@@ -2,8 +2,8 @@
 // the CPU emulation of the grid (see grid_block.h and NOTE: [Chunking] in launch_plan.h).
 #pragma once
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cub/block/block_reduce.cuh>
 #include <type_traits>
@@ -42,7 +42,7 @@ void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const
   const std::vector<Launch> launches =
       plan_launches(lists.numels, chunk_size,
                     {TensorListMetadata<Depth>::kMaxTensors, kMaxBlocksPerLaunch});
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TensorListMetadata<Depth> meta;
   for (const Launch& launch : launches) {
     fill_metadata(launch, lists, meta);

@@ -1,7 +1,7 @@
 // CUDA kernels of the peak ops: the shared op bodies (multi_tensor_ops.h) over the CUDA launcher.
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CachingHostAllocator.h>
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cub/device/device_reduce.cuh>
@@ -34,7 +34,7 @@ struct CudaExec {
                     at::Tensor& total, at::Tensor* per_tensor) {
     const int64_t n = static_cast<int64_t>(offsets.size()) - 1;
     const auto device = partials.device();
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     at::Tensor host_offsets =
         at::empty({n + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
     std::copy(offsets.begin(), offsets.end(), host_offsets.data_ptr<int64_t>());
@@ -108,7 +108,7 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker
   check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                           backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
   const c10::cuda::CUDAGuard guard(scale.device());
-  update_scale_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+  update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
       scale.data_ptr<float>(), growth_tracker.data_ptr<int>(),
       hysteresis_tracker ? hysteresis_tracker->data_ptr<int>() : nullptr,
       found_inf.data_ptr<float>(),

@@ -1,0 +1,66 @@
+"""torch.library.opcheck for every peak op: schema, fake kernel, autograd registration and
+torch.compile (AOT dispatch) all agree with the real kernel."""
+import pytest
+import torch
+
+import peak  # noqa: F401  (registers the ops)
+
+from conftest import DEVICES
+
+
+def lists(device, dtype_in=torch.float16, dtype_out=torch.float32):
+    sizes = [3, 70, 129, 1]
+    xs = [torch.randn(n, device=device).to(dtype_in) for n in sizes]
+    outs = [torch.empty(n, device=device, dtype=dtype_out) for n in sizes]
+    return xs, outs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_multi_tensor_scale(device):
+    xs, outs = lists(device)
+    args = (xs, outs, torch.tensor([0.5], device=device), torch.zeros(1, device=device), 64)
+    torch.library.opcheck(torch.ops.peak.multi_tensor_scale_.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_multi_tensor_axpby(device):
+    xs, outs = lists(device)
+    ys = [torch.randn_like(o) for o in outs]
+    args = (xs, ys, outs, 0.5, 2.0, torch.zeros(1, device=device), 3, 64)
+    torch.library.opcheck(torch.ops.peak.multi_tensor_axpby_.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_opcheck_multi_tensor_l2norm(device, per_tensor):
+    xs, _ = lists(device, torch.bfloat16)
+    torch.library.opcheck(torch.ops.peak.multi_tensor_l2norm.default, (xs, per_tensor, 64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_hysteresis", [False, True])
+def test_opcheck_update_scale(device, with_hysteresis):
+    scale = torch.tensor([1024.0], device=device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    hyst = torch.ones(1, dtype=torch.int32, device=device) * 2 if with_hysteresis else None
+    args = (scale, growth, hyst, torch.ones(1, device=device), 2.0, 0.5, 10,
+            2 if with_hysteresis else 1, 0.0, float("inf"))
+    torch.library.opcheck(torch.ops.peak.update_scale_.default, args)
+
+
+def test_compiled_unscale_matches_eager():
+    """The ops inside a torch.compile'd function (through the fake kernels) do the same work."""
+    def unscale(grads, found_inf, inv_scale):
+        torch.ops.peak.multi_tensor_scale_(grads, grads, inv_scale, found_inf, 64)
+        return torch.ops.peak.multi_tensor_l2norm(grads, False, 64)[0]
+
+    grads = [torch.randn(n) * 1024 for n in (5, 100, 300)]
+    eager = [g.clone() for g in grads]
+    compiled = torch.compile(unscale, backend="aot_eager", fullgraph=True)
+    f1, f2 = torch.zeros(1), torch.zeros(1)
+    inv = torch.tensor([1 / 1024])
+    n1 = unscale(eager, f1, inv)
+    n2 = compiled(grads, f2, inv)
+    assert torch.equal(n1, n2) and torch.equal(f1, f2)
+    for a, b in zip(eager, grads):
+        assert torch.equal(a, b)
