@@ -113,9 +113,11 @@ def first_device(models) -> torch.device:
 def process(models, optimizers, properties, cast_model_outputs) -> None:
     cast_type = properties.cast_model_type
     o1 = bool(properties.patch_torch_functions)
+    fp32_originals: dict = {}  # id(param) -> its fp32 data before the cast (becomes the master)
     for model in models:
         if cast_type:
-            cast_model(model, cast_type, keep_batchnorm_fp32=bool(properties.keep_batchnorm_fp32))
+            fp32_originals.update(
+                cast_model(model, cast_type, keep_batchnorm_fp32=bool(properties.keep_batchnorm_fp32)))
             if cast_type in _LOW:
                 for module in model.modules():
                     module.register_state_dict_post_hook(_upcast_state_dict_hook)
@@ -131,7 +133,8 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
         _initialized_models.add(model)
 
     for optimizer in optimizers:
-        process_optimizer(optimizer, properties)
+        process_optimizer(optimizer, properties, fp32_originals)
+    fp32_originals.clear()
 
     if o1:
         from .handle import AmpHandle  # noqa: PLC0415 (cycle)
@@ -140,10 +143,12 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
         _amp_state.handle = AmpHandle()
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> dict:
     """Cast floating params (with their grads) and buffers to ``dtype`` in place, keeping every
     ``_BatchNorm`` (affine or not) in fp32 when ``keep_batchnorm_fp32``.  Parameter objects keep their
-    identity, so optimizers built before ``initialize`` still hold them."""
+    identity, so optimizers built before ``initialize`` still hold them.  Returns the fp32 data each cast
+    parameter had, by ``id(param)``, so that master weights start as the exact fp32 weights."""
+    originals = {}
     with torch.no_grad():
         for module in model.modules():
             if keep_batchnorm_fp32 and isinstance(module, _BatchNorm):
@@ -153,6 +158,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
                     continue
                 grad = p.grad
                 p.grad = None
+                if p.dtype == torch.float32:
+                    originals[id(p)] = p.data
                 p.data = p.data.to(dtype)
                 if grad is not None:
                     p.grad = grad.to(dtype)
@@ -161,6 +168,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
                     module._buffers[name] = b.to(dtype)
             if isinstance(module, nn.RNNBase):
                 module.flatten_parameters()
+    return originals
 
 
 def _upcast_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:

@@ -21,9 +21,9 @@ device; ``scale_loss`` reads it once to decide whether the next ``step()`` is sk
 from __future__ import annotations
 
 import types
-import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from peak import ops
 
@@ -34,7 +34,7 @@ from .loss_scaler import group_by_device_dtype
 _LOW = (torch.float16, torch.bfloat16)
 
 # model parameter -> its fp32 master (used by the model's load_state_dict hook to refresh masters).
-master_of: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
+master_of = WeakIdKeyDictionary()
 
 MASTERS_KEY = "amp_master_params"
 
@@ -64,13 +64,16 @@ class AmpOptimizerState:
         return self.pending_skip is not None
 
     # ------------------------------------------------------------------ params
-    def register_params(self, params) -> list:
+    def register_params(self, params, fp32_originals=None) -> list:
         """Sort ``params`` into masters / own masters; return the list to put into the param group
-        (low-precision params replaced by their new fp32 masters)."""
+        (low-precision params replaced by their new fp32 masters).  A master is the parameter's fp32
+        data from before ``initialize`` cast it when known (``fp32_originals``), else an upcast copy."""
         out = []
         for p in params:
             if self.master_weights and p.requires_grad and p.dtype in _LOW:
-                master = torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=True)
+                original = fp32_originals.pop(id(p), None) if fp32_originals else None
+                data = original if original is not None else p.detach().to(torch.float32, copy=True)
+                master = torch.nn.Parameter(data, requires_grad=True)
                 self.model_low_params.append(p)
                 self.masters.append(master)
                 master_of[p] = master
@@ -134,7 +137,7 @@ class AmpOptimizerState:
             self.grad_stash = None
 
 
-def process_optimizer(optimizer, properties) -> None:
+def process_optimizer(optimizer, properties, fp32_originals=None) -> None:
     from ._amp_state import _amp_state  # noqa: PLC0415
 
     stash = AmpOptimizerState(optimizer, bool(properties.master_weights),
@@ -142,7 +145,7 @@ def process_optimizer(optimizer, properties) -> None:
     had_state = len(optimizer.state) > 0
     for group in optimizer.param_groups:
         old = list(group["params"])
-        group["params"] = stash.register_params(old)
+        group["params"] = stash.register_params(old, fp32_originals)
         for p, q in zip(old, group["params"]):
             if p is not q and p in optimizer.state:
                 optimizer.state[q] = optimizer.state.pop(p)
@@ -217,6 +220,10 @@ def _add_param_group(self, param_group):
                         "tensors in sets will change between runs. Please use a list instead.")
     else:
         params = list(params)
+    held = {id(p) for p in stash.model_low_params}
+    if any(id(p) in held for p in params):
+        raise ValueError("some parameters appear in more than one parameter group (this optimizer already "
+                         "steps them through their fp32 master weights)")
     n_masters, n_own = len(stash.masters), len(stash.own_master_params)
     group = dict(param_group)
     group["params"] = stash.register_params(params)

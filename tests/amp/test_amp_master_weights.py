@@ -1,0 +1,241 @@
+"""O2 master weights: fp32 masters in param_groups, model refresh, add_param_group, optimizer state dicts."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from peak import amp
+from peak.amp._amp_state import _amp_state
+
+import amp_helpers as H
+
+LOWS = [pytest.param(d, id=n) for n, d in H.DTYPES.items()]
+
+
+def _o2(low, opt_cls=torch.optim.SGD, seed=0, **opt_kwargs):
+    model = H.make_cnn(seed)
+    opt_kwargs.setdefault("lr", 0.05)
+    opt = opt_cls(model.parameters(), **opt_kwargs)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=low, verbosity=0)
+    return model, opt
+
+
+def _step(model, opt, step):
+    x, y = H.batch(step, n=8, shape=(3, 6, 6))
+    opt.zero_grad()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("low", LOWS)
+def test_masters_replace_low_params_in_param_groups(low):
+    model = H.make_cnn()
+    fp32_values = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=low, verbosity=0)
+    masters = list(amp.master_params(opt))
+    assert all(a is b for a, b in zip(masters, opt.param_groups[0]["params"]))
+    for p, m, v in zip(model.parameters(), masters, fp32_values):
+        assert m.dtype == torch.float32 and m.requires_grad
+        if p.dtype == torch.float32:  # batch norm: its own master
+            assert m is p
+        else:
+            assert m is not p and p.dtype == low
+            assert torch.equal(m, v)  # the master starts as the exact fp32 weight
+            assert torch.equal(p, v.to(low))
+
+
+@pytest.mark.parametrize("low", LOWS)
+def test_o2_training_equals_manual_master_weight_loop(low):
+    """Reference: a hand-cast model (conv/linear low, BN fp32), fp32 masters kept by hand, torch SGD on
+    the masters, grads divided by the scale, model refreshed with master.to(low)."""
+    model = H.make_cnn()
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            m.to(low)
+    # masters start as the exact fp32 weights
+    ref_masters = [nn.Parameter(q.detach().clone()) if p.dtype == low else p
+                   for p, q in zip(ref.parameters(), model.parameters())]
+    ref_opt = torch.optim.SGD(ref_masters, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=low, verbosity=0)
+    scaler = _amp_state.loss_scalers[0]
+    for step in range(4):
+        S = scaler.loss_scale()
+        _step(model, opt, step)
+        x, y = H.batch(step, n=8, shape=(3, 6, 6))
+        ref_opt.zero_grad()
+        ref.zero_grad()
+        (nn.functional.cross_entropy(ref(x.to(low)).float(), y) * S).backward()
+        with torch.no_grad():
+            for p, m in zip(ref.parameters(), ref_masters):
+                m.grad = p.grad.float() / S if m is not p else p.grad / S
+            ref_opt.step()
+            for p, m in zip(ref.parameters(), ref_masters):
+                if m is not p:
+                    p.copy_(m)
+    for a, b in zip(amp.master_params(opt), ref_masters):
+        assert torch.equal(a, b)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("low", LOWS)
+def test_add_param_group_after_initialize(low):
+    def run(late):
+        m0, m1 = H.make_mlp(1), H.make_mlp(2)
+        with torch.no_grad():  # masters made by a late add_param_group start from the low-precision weights
+            for p in m1.parameters():
+                p.copy_(p.to(low))
+        groups = [{"params": list(m0.parameters())}]
+        if not late:
+            groups.append({"params": list(m1.parameters()), "lr": 0.01})
+        opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+        amp.initialize([m0, m1], opt, opt_level="O2", cast_model_type=low, verbosity=0)
+        if late:
+            opt.add_param_group({"params": m1.parameters(), "lr": 0.01})
+        for step in range(3):
+            x, y = H.batch(step, n=8, shape=(6,))
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy((m0(x) + m1(x)).float(), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return m0, m1, opt
+
+    late = run(True)
+    early = run(False)
+    assert all(p.dtype == torch.float32 for p in late[2].param_groups[1]["params"])
+    for a, b in zip(list(late[0].parameters()) + list(late[1].parameters()),
+                    list(early[0].parameters()) + list(early[1].parameters())):
+        assert a.dtype == low and torch.equal(a, b)
+    H.assert_bitwise_equal(list(amp.master_params(late[2])), list(amp.master_params(early[2])))
+
+
+def test_add_param_group_error_leaves_nothing_registered():
+    m0 = H.make_mlp(1)
+    opt = torch.optim.SGD(m0.parameters(), lr=0.1)
+    amp.initialize(m0, opt, opt_level="O2", verbosity=0)
+    n = len(opt._amp_stash.masters)
+    with pytest.raises(ValueError):  # torch: a parameter may appear in one group only
+        opt.add_param_group({"params": [m0[0].weight]})
+    assert len(opt._amp_stash.masters) == n and len(opt.param_groups) == 1
+    with pytest.raises(TypeError, match="Please use a list instead"):
+        opt.add_param_group({"params": {m0[0].weight}})
+
+
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first"])
+@pytest.mark.parametrize("low", LOWS)
+def test_optimizer_state_dict_restores_masters_bit_for_bit(low, order):
+    model, opt = _o2(low, torch.optim.Adam, lr=1e-2)
+    for step in range(3):
+        _step(model, opt, step)
+    sd = opt.state_dict()
+    masters = list(amp.master_params(opt))
+    saved = sd["amp_master_params"]
+    assert set(saved) == {i for i, m in enumerate(masters) if m.dtype == torch.float32
+                          and any(m is s for s in opt._amp_stash.masters)}
+    assert any(not torch.equal(m.to(low).float(), m) for m in saved.values())  # masters hold more bits
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": sd, "amp": amp.state_dict()})
+
+    model2, opt2 = _o2(low, torch.optim.Adam, seed=1, lr=1e-2)
+    if order == "model_first":
+        model2.load_state_dict(ckpt["model"])
+        opt2.load_state_dict(ckpt["opt"])
+    else:
+        opt2.load_state_dict(ckpt["opt"])
+        model2.load_state_dict(ckpt["model"])
+    amp.load_state_dict(ckpt["amp"])
+    H.assert_bitwise_equal(list(amp.master_params(opt2)), masters)
+    H.assert_bitwise_equal(H.snapshot(model2, opt2), H.snapshot(model, opt))
+    # and training continues identically (the first run's objects are stale now, so re-run it fresh)
+    for step in range(3, 5):
+        _step(model2, opt2, step)
+    reference_model, reference_opt = _o2(low, torch.optim.Adam, lr=1e-2)
+    for step in range(5):
+        _step(reference_model, reference_opt, step)
+    H.assert_bitwise_equal(H.snapshot(model2, opt2), H.snapshot(reference_model, reference_opt))
+
+
+def test_loading_new_model_weights_refreshes_masters():
+    model, opt = _o2(torch.float16)
+    other = H.make_cnn(seed=7)
+    model.load_state_dict(other.state_dict())
+    for p, m, q in zip(model.parameters(), amp.master_params(opt), other.parameters()):
+        if p.dtype == torch.float16:
+            assert torch.equal(m, q.detach().to(torch.float16).float())  # re-derived from the new model
+        assert torch.equal(p.float(), q.detach().to(p.dtype).float())
+    _step(model, opt, 0)  # the step starts from the loaded weights, not the old masters
+    assert torch.allclose(model[0].weight.float(), other[0].weight, atol=0.2)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_clears_model_and_master_grads(set_to_none):
+    model, opt = _o2(torch.float16)
+    x, y = H.batch(0, n=8, shape=(3, 6, 6))
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in list(model.parameters()) + list(amp.master_params(opt)):
+        assert p.grad is None if set_to_none else (p.grad is None or not p.grad.any())
+
+
+def test_lr_scheduler_created_after_initialize():
+    model, opt = _o2(torch.float16)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        for step in range(2):
+            _step(model, opt, step)
+            sched.step()
+    assert opt.param_groups[0]["lr"] == 0.05 * 0.25
+
+
+def test_closure():
+    model, opt = _o2(torch.float16)
+    with pytest.raises(RuntimeError, match="does not support closure use with optimizers"):
+        opt.step(lambda: 0.0)
+    m = H.make_mlp()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    amp.initialize(m, o, opt_level="O1", verbosity=0)
+    assert o.step(lambda: torch.tensor(3.0)) == 3.0  # O1 passes closures through
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+                                     torch.optim.SGD], ids=lambda c: c.__name__)
+def test_any_torch_optimizer(opt_cls):
+    model, opt = _o2(torch.bfloat16, opt_cls, lr=1e-3)
+    for step in range(2):
+        _step(model, opt, step)
+    for p, m in zip(model.parameters(), amp.master_params(opt)):
+        assert torch.equal(p, m.to(p.dtype))
+        for v in opt.state[m].values():
+            if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
+                assert v.dtype == torch.float32
+
+
+def test_clip_grad_norm_on_master_params():
+    model, opt = _o2(torch.float16)
+    x, y = H.batch(0, n=8, shape=(3, 6, 6))
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    total = nn.utils.clip_grad_norm_(amp.master_params(opt), 1e-3)
+    assert 1e-3 < total < 1e3  # the unscaled norm, not the scaled one
+    norm = torch.linalg.vector_norm(torch.stack([m.grad.norm() for m in amp.master_params(opt)]))
+    assert norm <= 1e-3 * 1.001
+
+
+def test_existing_optimizer_state_moves_to_masters():
+    model = H.make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = H.batch(0, n=8, shape=(3, 6, 6))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    momenta = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    for m, buf in zip(amp.master_params(opt), momenta):
+        assert torch.equal(opt.state[m]["momentum_buffer"], buf)
