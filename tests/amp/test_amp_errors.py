@@ -1,0 +1,179 @@
+"""Bad input: every error says what to do, and nothing is left half-patched."""
+import pytest
+import torch
+from torch import nn
+
+from peak import amp
+from peak.amp import _caster
+from peak.amp._amp_state import _amp_state
+
+import amp_helpers as H
+
+
+def _pair(seed=0):
+    model = H.make_mlp(seed)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _untouched(model, opt=None):
+    assert "forward" not in model.__dict__
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    if opt is not None:
+        assert not hasattr(opt, "_amp_stash") and "step" not in opt.__dict__
+
+
+def _backward_step(model, opt, loss_id=0):
+    x, y = H.batch(0, n=4, shape=(6,))
+    opt.zero_grad()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x).float(), y), opt, loss_id=loss_id) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+def test_scale_loss_before_initialize():
+    model, opt = _pair()
+    with pytest.raises(RuntimeError, match="must be called before `with amp.scale_loss`"):
+        with amp.scale_loss(torch.ones((), requires_grad=True), opt):
+            pass
+
+
+def test_state_dict_before_initialize():
+    with pytest.raises(RuntimeError, match="call model, optimizer = amp.initialize"):
+        amp.state_dict()
+    with pytest.raises(RuntimeError, match="before amp.initialize"):
+        amp.load_state_dict({})
+
+
+def test_same_model_twice():
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    fresh_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="already passed through amp.initialize.*build a fresh model"):
+        amp.initialize(model, fresh_opt, opt_level="O2", verbosity=0)
+    assert not hasattr(fresh_opt, "_amp_stash")
+    _backward_step(model, opt)  # the first initialize's state is intact
+
+
+def test_same_optimizer_twice():
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    new_model = H.make_mlp(1)
+    with pytest.raises(RuntimeError, match="should only be passed through amp.initialize once.*fresh optimizer"):
+        amp.initialize(new_model, opt, opt_level="O2", verbosity=0)
+    _untouched(new_model)  # the new model was not cast although it came first
+    _backward_step(model, opt)
+
+
+def test_same_object_twice_in_one_call():
+    model, opt = _pair()
+    with pytest.raises(ValueError, match=r"models\[1\] is the same object as models\[0\]"):
+        amp.initialize([model, model], opt, verbosity=0)
+    with pytest.raises(ValueError, match=r"optimizers\[1\] is the same object as optimizers\[0\]"):
+        amp.initialize(model, [opt, opt], verbosity=0)
+    _untouched(model, opt)
+
+
+@pytest.mark.parametrize("low", H.DTYPES.values(), ids=H.DTYPES.keys())
+def test_model_already_low_precision(low):
+    model = H.make_mlp().to(low)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=f"Found param 0.weight with type {low}, expected torch.float32(.|\n)*"
+                                           "do not need to call .half"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert not hasattr(opt, "_amp_stash") and "forward" not in model.__dict__
+    _amp_state.allow_incoming_model_not_fp32 = True  # the documented escape hatch
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert all(m.dtype == torch.float32 for m in amp.master_params(opt))
+
+
+def test_low_precision_buffer_is_reported():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    model[1].running_mean = model[1].running_mean.half()
+    with pytest.raises(RuntimeError, match="Found buffer 1.running_mean"):
+        amp.initialize(model, opt_level="O1", verbosity=0)
+
+
+def test_optimizer_params_not_the_models():
+    model, _ = _pair()
+    other = H.make_mlp(1)
+    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizers\[0\] \(SGD\), param_groups\[0\], holds a parameter of shape "
+                                         r"\(8, 6\) that is not a parameter of any model.*amp.initialize\(\[model_a"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    _untouched(model, opt)
+    _untouched(other)
+    amp.initialize([model, other], opt, opt_level="O2", verbosity=0)  # passing both models works
+
+
+def test_non_scalar_and_non_tensor_loss():
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    out = model(torch.randn(4, 6))
+    with pytest.raises(ValueError, match=r"loss must be a scalar.*shape \(4, 3\).*loss.mean\(\)"):
+        with amp.scale_loss(out, opt):
+            pass
+    with pytest.raises(TypeError, match="loss must be a torch.Tensor, got float"):
+        with amp.scale_loss(1.0, opt):
+            pass
+    assert opt._amp_stash.grad_stash is None  # nothing was prepared
+
+
+@pytest.mark.parametrize("loss_id", [1, 5, -1, "0"])
+def test_loss_id_out_of_range(loss_id):
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with pytest.raises(IndexError, match=r"num_losses=1\) created loss scalers 0..0; pass num_losses="):
+        _backward_step(model, opt, loss_id=loss_id)
+
+
+def test_optimizer_not_initialized_or_stale():
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    stray = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="was not passed through amp.initialize; pass it"):
+        _backward_step(model, stray)
+    new_model, new_opt = _pair(1)
+    amp.initialize(new_model, new_opt, opt_level="O2", verbosity=0)
+    with pytest.raises(RuntimeError, match="earlier amp.initialize call.*latest amp.initialize"):
+        _backward_step(model, opt)
+
+
+def test_bad_models_and_optimizers_types():
+    model, opt = _pair()
+    with pytest.raises(TypeError, match="models must be either a single model or a list of models"):
+        amp.initialize((model,), opt, verbosity=0)
+    with pytest.raises(TypeError, match="optimizers must be either a single optimizer or a list.*pass a list"):
+        amp.initialize(model, (opt,), verbosity=0)
+    with pytest.raises(RuntimeError, match="Parallel wrappers should only be applied to the model"):
+        amp.initialize(nn.DataParallel(model), opt, verbosity=0)
+    _untouched(model, opt)
+
+
+def test_reinitialize_with_new_objects_replaces_state():
+    # first run: O1, overflow halves the scale
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x, y = H.batch(0, n=4, shape=(6,))
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+        model[0].weight.grad[0, 0] = float("inf")
+    assert _amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    assert model(x).dtype == torch.float16 and _caster.low_dtype() == torch.float16
+    # the cell is re-run with new objects and another opt_level
+    model2, opt2 = _pair()
+    amp.initialize(model2, opt2, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+    assert _amp_state.opt_properties.opt_level == "O2"
+    assert _caster.low_dtype() is None  # O1 casting is off
+    assert model(x).dtype == torch.float32  # the old O1 model no longer autocasts
+    assert len(_amp_state.loss_scalers) == 1 and _amp_state.loss_scalers[0].loss_scale() == 1.0
+    _backward_step(model2, opt2)
+    assert model2[0].weight.dtype == torch.bfloat16
+
+
+def test_enabled_false_after_enabled_run_clears_state():
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    model2, opt2 = _pair(1)
+    amp.initialize(model2, opt2, enabled=False)
+    assert _caster.low_dtype() is None and _amp_state.loss_scalers == []
+    assert amp.state_dict() == {}
