@@ -56,5 +56,6 @@ def resume(directory, name):
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # tiny tensors (and the same thread count as the test process)
     for config_name in CONFIGS:
         resume(sys.argv[1], config_name)

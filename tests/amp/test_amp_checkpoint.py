@@ -18,6 +18,9 @@ import amp_helpers as H
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("amp_ckpt")
+    # CPU kernels' reduction order depends on the thread count: use the worker's (1) for bitwise equality
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     uninterrupted = {}
     for name, (level, low) in W.CONFIGS.items():
         model, opt = W.build(level, low)
@@ -26,6 +29,7 @@ def runs(tmp_path_factory):
         torch.save(ckpt, directory / f"{name}.ckpt.pt")
         W.train(model, opt, range(W.N_STEPS, W.N_STEPS + W.M_STEPS))
         uninterrupted[name] = W.state(model, opt)
+    torch.set_num_threads(threads)
     worker = os.path.join(os.path.dirname(__file__), "amp_ckpt_worker.py")
     proc = subprocess.run([sys.executable, worker, str(directory)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
