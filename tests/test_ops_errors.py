@@ -132,3 +132,11 @@ def test_update_scale_bad_state():
     with pytest.raises(RuntimeError, match=r"min_scale <= max_scale"):
         ops.update_scale_(s, g, flag(), 2.0, 0.5, 10, min_scale=4.0, max_scale=2.0)
     assert s.item() == 1024.0 and g.item() == 0, "a rejected update changes nothing"
+
+
+def test_partial_overlap_between_output_and_input_is_an_error():
+    buf = torch.randn(20)
+    with pytest.raises(RuntimeError, match=r"outputs\[0\] partially overlaps inputs\[0\]"):
+        ops.multi_tensor_scale_([buf[:10]], [buf[5:15]], 2.0, flag())
+    with pytest.raises(RuntimeError, match=r"outputs\[0\] partially overlaps ys\[0\]"):
+        ops.multi_tensor_axpby_([torch.ones(10)], [buf[:10]], [buf[1:11]], 1, 1, flag())

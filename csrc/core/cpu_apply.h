@@ -74,29 +74,58 @@ inline void store_tile(const float* src, c10::Half* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
 }
 
+template <typename T>
+constexpr bool kStagedType = !std::is_same_v<T, float>;
+
+// NOTE: [CPU lanes]
+// The element loop runs in groups of kLanes with one accumulator state per lane, so that
+// reductions (the l2norm's float sum, which the compiler may not reorder) still vectorise.
+// Lanes are merged in order at the end of the chunk: deterministic for a given chunk size.
+constexpr int kLanes = 16;
+
 template <typename Op, typename... T, size_t... D>
 inline void run_chunk(const std::array<void*, sizeof...(T)>& base, int64_t begin, int64_t end,
                       Op op, typename Op::State& state, std::index_sequence<D...>) {
   constexpr int Depth = sizeof...(T);
+  using State = typename Op::State;
   alignas(64) float tile[Depth][kTile];
   op.load_scalars();
+  State lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) lanes[l] = State{};
   for (int64_t off = begin; off < end; off += kTile) {
     const int64_t n = end - off < kTile ? end - off : kTile;
-    ((((Op::read_mask >> D) & 1u)
+    // fp32 lists are used where they lie; fp16/bf16 lists are converted through a float tile.
+    float* p[Depth] = {(kStagedType<T> ? tile[D] : reinterpret_cast<float*>(base[D]) + off)...};
+    ((((Op::read_mask >> D) & 1u) && kStagedType<T>
           ? load_tile(static_cast<const T*>(base[D]) + off, tile[D], n)
           : (void)0),
      ...);
-    typename Op::State local = state;
-    for (int64_t i = 0; i < n; ++i) {
-      float v[Depth] = {tile[D][i]...};
-      op(v, local);
-      ((((Op::write_mask >> D) & 1u) ? (void)(tile[D][i] = v[D]) : (void)0), ...);
+    int64_t i = 0;
+    // NOTE: [In place] An output list may be an input list (exactly the same memory; partial
+    // overlaps are rejected by the op's checks). Element i is read before it is written and no
+    // other element depends on it, so there is no loop-carried dependence: ivdep keeps the
+    // compiler from falling back to scalar code when its alias check sees the overlap.
+#pragma GCC ivdep
+    for (; i + kLanes <= n; i += kLanes) {
+#pragma GCC unroll 16
+      for (int l = 0; l < kLanes; ++l) {
+        float v[Depth] = {p[D][i + l]...};
+        op(v, lanes[l]);
+        ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i + l] = v[D]) : (void)0), ...);
+      }
     }
-    state = local;
-    ((((Op::write_mask >> D) & 1u) ? store_tile(tile[D], static_cast<T*>(base[D]) + off, n)
-                                   : (void)0),
+#pragma GCC ivdep
+    for (; i < n; ++i) {
+      float v[Depth] = {p[D][i]...};
+      op(v, lanes[0]);
+      ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i] = v[D]) : (void)0), ...);
+    }
+    ((((Op::write_mask >> D) & 1u) && kStagedType<T>
+          ? store_tile(tile[D], static_cast<T*>(base[D]) + off, n)
+          : (void)0),
      ...);
   }
+  for (int l = 0; l < kLanes; ++l) state.merge(lanes[l]);
 }
 
 // Runs `op` over every element of every tensor. Results per chunk go to `sink`, indexed by

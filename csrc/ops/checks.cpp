@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include <ATen/MemoryOverlap.h>
+
 namespace peak {
 namespace {
 
@@ -44,6 +46,17 @@ void check_tensor_lists(const char* op, std::initializer_list<NamedList> lists) 
                   "] has strides ", t.strides(), " but ", first.first, "[", i, "] has ",
                   ref.strides(), "; use the same memory format for corresponding tensors");
     }
+  }
+}
+
+void check_no_partial_overlap(const char* op, const NamedList& outputs, const NamedList& inputs) {
+  for (size_t i = 0; i < outputs.second.size(); ++i) {
+    const at::Tensor& out = outputs.second[i];
+    const at::Tensor& in = inputs.second[i];
+    if (out.numel() == 0) continue;
+    TORCH_CHECK(at::get_overlap_status(out, in) != at::MemOverlapStatus::Partial, op, ": ",
+                outputs.first, "[", i, "] partially overlaps ", inputs.first, "[", i,
+                "]; an output must be the input itself (in place) or separate memory");
   }
 }
 

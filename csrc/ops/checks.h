@@ -16,6 +16,10 @@ using NamedList = std::pair<const char*, at::TensorList>;
 // strides as the first list so that linear memory positions correspond.
 void check_tensor_lists(const char* op, std::initializer_list<NamedList> lists);
 
+// An output may be exactly an input (in place) or separate from it, never a partial overlap:
+// see NOTE: [In place] in core/cpu_apply.h.
+void check_no_partial_overlap(const char* op, const NamedList& outputs, const NamedList& inputs);
+
 // A 1-element float32 tensor on `device` (the overflow flag, a scale).
 void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t,
                          at::ScalarType dtype, const c10::Device& device);

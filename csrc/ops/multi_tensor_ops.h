@@ -65,6 +65,7 @@ void multi_tensor_scale(Exec& exec, at::TensorList inputs, at::TensorList output
   constexpr const char* name = "multi_tensor_scale_";
   check_chunk_size(name, chunk_size);
   check_tensor_lists(name, {{"inputs", inputs}, {"outputs", outputs}});
+  check_no_partial_overlap(name, {"outputs", outputs}, {"inputs", inputs});
   const c10::Device device = lists_device(inputs, found_inf);
   check_scalar_tensor(name, "found_inf", found_inf, at::kFloat, device);
   check_scalar_tensor(name, "scale", scale, at::kFloat, device);
@@ -89,6 +90,8 @@ void multi_tensor_axpby(Exec& exec, at::TensorList xs, at::TensorList ys,
   TORCH_CHECK(check >= kCheckNone && check <= kCheckBoth, name,
               ": check must be 0 (none), 1 (x), 2 (y) or 3 (both), got ", check);
   check_tensor_lists(name, {{"xs", xs}, {"ys", ys}, {"outputs", outputs}});
+  check_no_partial_overlap(name, {"outputs", outputs}, {"xs", xs});
+  check_no_partial_overlap(name, {"outputs", outputs}, {"ys", ys});
   const c10::Device device = lists_device(xs, found_inf);
   check_scalar_tensor(name, "found_inf", found_inf, at::kFloat, device);
   if (xs.empty()) return;
