@@ -177,3 +177,33 @@ def test_enabled_false_after_enabled_run_clears_state():
     amp.initialize(model2, opt2, enabled=False)
     assert _caster.low_dtype() is None and _amp_state.loss_scalers == []
     assert amp.state_dict() == {}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_failed_backward_restores_earlier_gradients(level):
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x, y = H.batch(0, n=4, shape=(6,))
+    opt.zero_grad()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    before = [None if p.grad is None else p.grad.clone() for p in amp.master_params(opt)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with amp.scale_loss(nn.functional.cross_entropy(model(x).float(), y), opt):
+            raise RuntimeError("boom")
+    after = [p.grad for p in amp.master_params(opt)]
+    H.assert_bitwise_equal(after, before)
+
+
+def test_same_optimizer_twice_in_scale_loss_counts_once():
+    grads = []
+    for opts in (lambda o: o, lambda o: [o, o]):
+        model, opt = _pair()
+        amp.initialize(model, opt, opt_level="O1", verbosity=0)
+        x, y = H.batch(0, n=4, shape=(6,))
+        opt.zero_grad()
+        for _ in range(2):
+            with amp.scale_loss(nn.functional.cross_entropy(model(x).float(), y), opts(opt)) as scaled:
+                scaled.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    H.assert_bitwise_equal(grads[0], grads[1])

@@ -100,6 +100,15 @@ class AmpOptimizerState:
         for p in self.own_master_params:
             p.grad = None
 
+    def abort_backward(self) -> None:
+        """Undo ``prepare_backward`` (the backward pass raised): restore the stashed gradients."""
+        if self.grad_stash is not None:
+            for p, s in zip(self.own_master_params, self.grad_stash):
+                p.grad = s
+        for p in self.model_low_params:
+            p.grad = None
+        self.grad_stash = None
+
     def post_backward(self, scaler) -> None:
         with torch.no_grad():
             if self.model_low_params:

@@ -19,7 +19,7 @@ def _check_optimizers(optimizers) -> list:
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
     elif isinstance(optimizers, (list, tuple)):
-        optimizers = list(optimizers)
+        optimizers = list({id(o): o for o in optimizers}.values())  # each once, in order
     else:
         raise TypeError(
             "amp.scale_loss: optimizers must be an optimizer or a list of optimizers (those returned by "
@@ -90,12 +90,18 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         yield loss.float()
         return
 
+    prepared = []
     if not delay_unscale:
-        for stash in stashes:
-            if not stash.params_have_scaled_gradients:
-                stash.prepare_backward()
+        prepared = [stash for stash in stashes if not stash.params_have_scaled_gradients]
+        for stash in prepared:
+            stash.prepare_backward()
 
-    yield scaler.scaled(loss)
+    try:
+        yield scaler.scaled(loss)
+    except BaseException:
+        for stash in prepared:  # e.g. a failed backward: put the earlier gradients back
+            stash.abort_backward()
+        raise
 
     if delay_unscale:
         for stash in stashes:
