@@ -1,25 +1,8 @@
-"""Shared test vocabulary: devices, dtypes with readable ids, per-dtype tolerances."""
+"""pytest hooks for the whole suite. Shared test vocabulary lives in peak_testing.py (a module
+name of its own: tests/amp has its own conftest, and `import conftest` would be ambiguous)."""
 import pytest
-import torch
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-DTYPE_IDS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-             torch.float64: "f64"}
-
-# Tolerances for results computed in fp32 and rounded once to the output dtype, compared with a
-# float64 reference: half an ulp of the output dtype plus fp32 rounding on the way.
-TOLERANCES = {
-    torch.float32: dict(rtol=2e-6, atol=1e-30),
-    torch.float16: dict(rtol=1e-3, atol=1e-7),
-    torch.bfloat16: dict(rtol=8e-3, atol=1e-30),
-}
-
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def dtype_id(dt):
-    return DTYPE_IDS[dt]
+from peak_testing import HAS_CUDA
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,10 +10,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
-
-
-def assert_close_to_reference(actual, reference, dtype=None):
-    """``actual`` against a float64 ``reference`` with the tolerance of ``dtype``."""
-    dtype = dtype or actual.dtype
-    torch.testing.assert_close(actual.double(), reference.double(), **TOLERANCES[dtype],
-                               equal_nan=True)

@@ -15,7 +15,7 @@ import torch
 import peak
 from peak import ops
 
-from conftest import DTYPES, TOLERANCES, assert_close_to_reference, dtype_id
+from peak_testing import DTYPES, TOLERANCES, assert_close_to_reference, dtype_id
 
 _C = peak._C
 

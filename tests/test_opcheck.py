@@ -5,7 +5,7 @@ import torch
 
 import peak  # noqa: F401  (registers the ops)
 
-from conftest import DEVICES
+from peak_testing import DEVICES
 
 
 def lists(device, dtype_in=torch.float16, dtype_out=torch.float32):
@@ -19,6 +19,13 @@ def lists(device, dtype_in=torch.float16, dtype_out=torch.float32):
 def test_opcheck_multi_tensor_scale(device):
     xs, outs = lists(device)
     args = (xs, outs, torch.tensor([0.5], device=device), torch.zeros(1, device=device), 64)
+    torch.library.opcheck(torch.ops.peak.multi_tensor_scale_.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_multi_tensor_scale_in_place(device):
+    xs, _ = lists(device)
+    args = (xs, None, torch.tensor([0.5], device=device), torch.zeros(1, device=device), 64)
     torch.library.opcheck(torch.ops.peak.multi_tensor_scale_.default, args)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from peak import ops
 
-from conftest import DEVICES
+from peak_testing import DEVICES
 
 
 def new_state(device, scale=2.0 ** 16, hysteresis=None):

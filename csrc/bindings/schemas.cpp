@@ -2,12 +2,14 @@
 // ops/ops_cuda.cu); fake kernels for torch.compile live in python/peak/ops.py.
 //
 // Aliasing: the input lists are marked mutable because callers may pass the same tensors as
-// outputs (in-place unscale, accumulate into the stash); the ops never write them otherwise.
+// outputs (accumulate into the stash); the ops never write them otherwise.
+// multi_tensor_scale_ with outputs=None works in place: the common unscale passes its list of
+// gradients once, which halves the cost of converting a long list at the dispatcher.
 #include <torch/library.h>
 
 TORCH_LIBRARY(peak, m) {
   m.def(
-      "multi_tensor_scale_(Tensor(a!)[] inputs, Tensor(b!)[] outputs, Tensor scale, "
+      "multi_tensor_scale_(Tensor(a!)[] inputs, Tensor(b!)[]? outputs, Tensor scale, "
       "Tensor(c!) found_inf, int chunk_size=65536) -> ()");
   m.def(
       "multi_tensor_axpby_(Tensor(a!)[] xs, Tensor(b!)[] ys, Tensor(c!)[] outputs, float a, "

@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -41,6 +41,12 @@ inline void load_tile(const c10::BFloat16* src, float* dst, int64_t n) {
 
 inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
+  }
+#endif
 #if defined(__F16C__)
   for (; i + 8 <= n; i += 8) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -65,6 +71,12 @@ inline void store_tile(const float* src, c10::BFloat16* dst, int64_t n) {
 
 inline void store_tile(const float* src, c10::Half* dst, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+  }
+#endif
 #if defined(__F16C__)
   for (; i + 8 <= n; i += 8) {
     __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);

@@ -79,11 +79,11 @@ struct EmulatedExec : CpuExec {
   }
 };
 
-void multi_tensor_scale_cpu(at::TensorList inputs, at::TensorList outputs,
+void multi_tensor_scale_cpu(at::TensorList inputs, const std::optional<at::TensorList>& outputs,
                             const at::Tensor& scale, const at::Tensor& found_inf,
                             int64_t chunk_size) {
   CpuExec exec;
-  multi_tensor_scale(exec, inputs, outputs, scale, found_inf, chunk_size);
+  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size);
 }
 
 void multi_tensor_axpby_cpu(at::TensorList xs, at::TensorList ys, at::TensorList outputs,

@@ -70,12 +70,12 @@ struct CudaExec {
   }
 };
 
-void multi_tensor_scale_cuda(at::TensorList inputs, at::TensorList outputs,
+void multi_tensor_scale_cuda(at::TensorList inputs, const std::optional<at::TensorList>& outputs,
                              const at::Tensor& scale, const at::Tensor& found_inf,
                              int64_t chunk_size) {
   const c10::cuda::CUDAGuard guard(found_inf.device());
   CudaExec exec;
-  multi_tensor_scale(exec, inputs, outputs, scale, found_inf, chunk_size);
+  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size);
 }
 
 void multi_tensor_axpby_cuda(at::TensorList xs, at::TensorList ys, at::TensorList outputs,

@@ -53,11 +53,13 @@ def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], sca
                         found_inf: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
     """``outputs[i] = inputs[i] * scale``; sets ``found_inf`` if any input holds inf/NaN.
 
-    ``outputs`` may be ``inputs`` (in place). Input and output dtypes may differ (e.g. fp16 grads
+    ``outputs`` may be ``inputs`` (in place; passing the very same list object sends it to C++
+    once, which is cheaper for long lists). Input and output dtypes may differ (e.g. fp16 grads
     into fp32 master grads); the product is computed in fp32 and rounded once.
     """
+    in_place = outputs is inputs
     inputs = _list("inputs", inputs)
-    outputs = _list("outputs", outputs)
+    outputs = None if in_place else _list("outputs", outputs)
     scale_t = _scalar_tensor("scale", scale, found_inf)
     torch.ops.peak.multi_tensor_scale_(inputs, outputs, scale_t, found_inf, chunk_size)
 

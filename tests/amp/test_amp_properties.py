@@ -1,7 +1,6 @@
 """opt_level property tables, overrides, validation and verbosity output (seeds 000/001/004, spec §2)."""
 import pytest
 import torch
-from torch import nn
 
 from peak import amp
 from peak.amp import _caster
