@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -151,8 +151,13 @@ class LossScaler:
 
     def unscale(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
                 scale_override=None) -> None:
-        """``master_grads[i] = model_grads[i] / S`` (may be the same tensors), flagging inf/NaN."""
-        for device, (xs, outs) in group_by_device_dtype(model_grads, master_grads):
+        """``master_grads[i] = model_grads[i] / S``, flagging inf/NaN.  Pass the same list twice to
+        unscale in place."""
+        in_place = model_grads is master_grads
+        lists = (model_grads,) if in_place else (model_grads, master_grads)
+        for device, grouped in group_by_device_dtype(*lists):
+            xs = grouped[0]
+            outs = xs if in_place else grouped[1]
             ops.multi_tensor_scale_(xs, outs, self._inv_scale(device, scale_override), self.found_inf_for(device))
 
     def unscale_with_stashed(self, model_grads: Sequence[torch.Tensor], stashed_grads: Sequence[torch.Tensor],
