@@ -33,18 +33,20 @@ class Backend:
         return (min(mt, _C.max_tensors_per_launch(depth)), self.max_blocks or _C.max_blocks_per_launch,
                 self.threads or _C.threads_per_block)
 
-    def scale_(self, inputs, outputs, scale, found_inf, chunk_size):
+    def scale_(self, inputs, outputs, scale, found_inf, chunk_size, per_tensor=None):
         if self.name.startswith("grid"):
             s = torch.tensor([scale], dtype=torch.float32)
-            _C.emulated.multi_tensor_scale_(inputs, outputs, s, found_inf, chunk_size, *self._grid(2))
+            _C.emulated.multi_tensor_scale_(inputs, outputs, s, found_inf, chunk_size, *self._grid(2),
+                                            per_tensor_found_inf=per_tensor)
         else:
-            ops.multi_tensor_scale_(inputs, outputs, scale, found_inf, chunk_size=chunk_size)
+            ops.multi_tensor_scale_(inputs, outputs, scale, found_inf, chunk_size=chunk_size,
+                                    per_tensor_found_inf=per_tensor)
 
     def axpby_(self, xs, ys, outputs, a, b, found_inf, check, chunk_size):
         if self.name.startswith("grid"):
             code = {"none": 0, "x": 1, "y": 2, "both": 3}[check]
-            _C.emulated.multi_tensor_axpby_(xs, ys, outputs, a, b, found_inf, code, chunk_size,
-                                            *self._grid(3))
+            _C.emulated.multi_tensor_axpby_(xs, ys, outputs, torch.tensor([a]), torch.tensor([b]),
+                                            found_inf, code, chunk_size, *self._grid(3))
         else:
             ops.multi_tensor_axpby_(xs, ys, outputs, a, b, found_inf, check=check,
                                     chunk_size=chunk_size)
@@ -132,6 +134,42 @@ def test_scale_flags_non_finite_at_chosen_index(backend, dtype, bad, where):
     mask = torch.ones_like(outs[t], dtype=torch.bool)
     mask[i] = False
     assert torch.equal(outs[t][mask], xs[t].float()[mask] * 0.5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=repr)
+@pytest.mark.parametrize("poisoned", [(), (0,), (4,), (1, 4), (129,), (0, 64, 129)],
+                         ids=lambda p: "t" + "_".join(map(str, p)) if p else "clean")
+def test_per_tensor_flags_name_the_overflowing_tensors(backend, poisoned):
+    sizes = SIZE_CASES["many"]  # 130 tensors: several launches on the grid backends
+    xs = make_tensors(sizes, torch.bfloat16, backend.device, seed=7)
+    for t in poisoned:
+        xs[t][sizes[t] - 1] = math.inf  # the last element: the tensor's last chunk
+    flags = torch.zeros(len(xs), device=backend.device)
+    flag = ops.new_found_inf(backend.device)
+    backend.scale_(xs, xs, 0.5, flag, CHUNK, per_tensor=flags)
+    assert flags.nonzero().flatten().tolist() == list(poisoned)
+    assert flag.item() == (1.0 if poisoned else 0.0)
+
+
+def test_per_tensor_flags_must_match_the_list():
+    with pytest.raises(RuntimeError, match=r"per_tensor_found_inf must be a contiguous float32 tensor with one element per input \(2\)"):
+        ops.multi_tensor_scale_([torch.ones(3)] * 2, [torch.ones(3)] * 2, 1.0, ops.new_found_inf(),
+                                per_tensor_found_inf=torch.zeros(3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=repr)
+def test_axpby_coefficients_as_device_tensors(backend):
+    xs = make_tensors([100, 7], torch.float16, backend.device, seed=3)
+    ys = make_tensors([100, 7], torch.float32, backend.device, seed=4)
+    outs = [torch.empty_like(y) for y in ys]
+    a, b = torch.tensor([0.125], device=backend.device), torch.tensor([2.0], device=backend.device)
+    if backend.name.startswith("grid"):
+        _C.emulated.multi_tensor_axpby_(xs, ys, outs, a, b, ops.new_found_inf(), 3, CHUNK,
+                                        *backend._grid(3))
+    else:
+        ops.multi_tensor_axpby_(xs, ys, outs, a, b, ops.new_found_inf(backend.device), chunk_size=CHUNK)
+    for x, y, o in zip(xs, ys, outs):
+        assert torch.equal(o, x.float() * 0.125 + y * 2.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=repr)
@@ -252,8 +290,8 @@ def test_grid_and_cpu_agree_bitwise(dtype):
     out_cpu = [torch.empty_like(x) for x in xs]
     out_grid = [torch.empty_like(x) for x in xs]
     ops.multi_tensor_axpby_(xs, xs, out_cpu, 0.3, 0.6, ops.new_found_inf(), chunk_size=CHUNK)
-    _C.emulated.multi_tensor_axpby_(xs, xs, out_grid, 0.3, 0.6, ops.new_found_inf(), 3, CHUNK,
-                                    7, 11, 32)
+    _C.emulated.multi_tensor_axpby_(xs, xs, out_grid, torch.tensor([0.3]), torch.tensor([0.6]),
+                                    ops.new_found_inf(), 3, CHUNK, 7, 11, 32)
     for a, b in zip(out_cpu, out_grid):
         assert torch.equal(a, b)
 

@@ -30,10 +30,20 @@ def test_opcheck_multi_tensor_scale_in_place(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_multi_tensor_scale_per_tensor_flags(device):
+    xs, outs = lists(device)
+    xs[2][5] = float("nan")
+    args = (xs, outs, torch.tensor([0.5], device=device), torch.zeros(1, device=device), 64,
+            torch.zeros(len(xs), device=device))
+    torch.library.opcheck(torch.ops.peak.multi_tensor_scale_.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_multi_tensor_axpby(device):
     xs, outs = lists(device)
     ys = [torch.randn_like(o) for o in outs]
-    args = (xs, ys, outs, 0.5, 2.0, torch.zeros(1, device=device), 3, 64)
+    args = (xs, ys, outs, torch.tensor([0.5], device=device), torch.tensor([2.0], device=device),
+            torch.zeros(1, device=device), 3, 64)
     torch.library.opcheck(torch.ops.peak.multi_tensor_axpby_.default, args)
 
 

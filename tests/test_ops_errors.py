@@ -97,7 +97,10 @@ def test_bad_chunk_size_and_check():
                                 check="z")
     with pytest.raises(RuntimeError, match="check must be 0"):
         torch.ops.peak.multi_tensor_axpby_([torch.ones(3)], [torch.ones(3)], [torch.ones(3)],
-                                           1.0, 1.0, flag(), 7, 64)
+                                           torch.ones(1), torch.ones(1), flag(), 7, 64)
+    with pytest.raises(RuntimeError, match=r"a must be a Float tensor with one element"):
+        ops.multi_tensor_axpby_([torch.ones(3)], [torch.ones(3)], [torch.ones(3)],
+                                torch.ones(2), 1.0, flag())
 
 
 def test_empty_lists_are_a_no_op():
@@ -125,9 +128,9 @@ def test_update_scale_bad_state():
         ops.update_scale_(s, g, flag(), 2.0, 0.5, 10, hysteresis=2)
     with pytest.raises(RuntimeError, match=r"growth_interval must be >= 1"):
         ops.update_scale_(s, g, flag(), 2.0, 0.5, 0)
-    with pytest.raises(RuntimeError, match=r"backoff_factor must be in \(0, 1\)"):
+    with pytest.raises(RuntimeError, match=r"backoff_factor must be in \(0, 1\]"):
         ops.update_scale_(s, g, flag(), 2.0, 1.5, 10)
-    with pytest.raises(RuntimeError, match=r"growth_factor must be > 1"):
+    with pytest.raises(RuntimeError, match=r"growth_factor must be >= 1"):
         ops.update_scale_(s, g, flag(), 0.5, 0.5, 10)
     with pytest.raises(RuntimeError, match=r"min_scale <= max_scale"):
         ops.update_scale_(s, g, flag(), 2.0, 0.5, 10, min_scale=4.0, max_scale=2.0)

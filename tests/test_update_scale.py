@@ -93,6 +93,14 @@ def test_hysteresis_backs_off_only_after_consecutive_overflows():
         assert s.item() == expected
 
 
+def test_static_scale_counts_clean_updates():
+    # growth 1 / backoff 1: the scale never moves, the tracker still counts (Apex's static scaler).
+    s, g, _ = new_state("cpu", scale=128.0)
+    for i, found in enumerate([0.0, 0.0, 1.0, 0.0]):
+        ops.update_scale_(s, g, torch.tensor([found]), 1.0, 1.0, 1000)
+    assert s.item() == 128.0 and g.item() == 1
+
+
 def test_floor_and_ceiling():
     s, g, _ = new_state("cpu", scale=4.0)
     for _ in range(5):

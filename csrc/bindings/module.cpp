@@ -65,16 +65,17 @@ PYBIND11_MODULE(_C, m) {
       "multi_tensor_scale_",
       [](std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, at::Tensor scale,
          at::Tensor found_inf, int64_t chunk_size, int64_t max_tensors, int64_t max_blocks,
-         int64_t threads) {
+         int64_t threads, std::optional<at::Tensor> per_tensor_found_inf) {
         peak::emulated_ops::scale(inputs, outputs, scale, found_inf, chunk_size, max_tensors,
-                                  max_blocks, threads);
+                                  max_blocks, threads, per_tensor_found_inf);
       },
       py::arg("inputs"), py::arg("outputs"), py::arg("scale"), py::arg("found_inf"),
-      py::arg("chunk_size"), py::arg("max_tensors"), py::arg("max_blocks"), py::arg("threads"));
+      py::arg("chunk_size"), py::arg("max_tensors"), py::arg("max_blocks"), py::arg("threads"),
+      py::arg("per_tensor_found_inf") = py::none());
   emu.def(
       "multi_tensor_axpby_",
       [](std::vector<at::Tensor> xs, std::vector<at::Tensor> ys, std::vector<at::Tensor> outputs,
-         double a, double b, at::Tensor found_inf, int64_t check, int64_t chunk_size,
+         at::Tensor a, at::Tensor b, at::Tensor found_inf, int64_t check, int64_t chunk_size,
          int64_t max_tensors, int64_t max_blocks, int64_t threads) {
         peak::emulated_ops::axpby(xs, ys, outputs, a, b, found_inf, check, chunk_size,
                                   max_tensors, max_blocks, threads);

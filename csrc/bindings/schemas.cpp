@@ -10,10 +10,10 @@
 TORCH_LIBRARY(peak, m) {
   m.def(
       "multi_tensor_scale_(Tensor(a!)[] inputs, Tensor(b!)[]? outputs, Tensor scale, "
-      "Tensor(c!) found_inf, int chunk_size=65536) -> ()");
+      "Tensor(c!) found_inf, int chunk_size=65536, Tensor(d!)? per_tensor_found_inf=None) -> ()");
   m.def(
-      "multi_tensor_axpby_(Tensor(a!)[] xs, Tensor(b!)[] ys, Tensor(c!)[] outputs, float a, "
-      "float b, Tensor(d!) found_inf, int check=3, int chunk_size=65536) -> ()");
+      "multi_tensor_axpby_(Tensor(a!)[] xs, Tensor(b!)[] ys, Tensor(c!)[] outputs, Tensor a, "
+      "Tensor b, Tensor(d!) found_inf, int check=3, int chunk_size=65536) -> ()");
   m.def(
       "multi_tensor_l2norm(Tensor[] tensors, bool per_tensor=False, int chunk_size=65536) "
       "-> (Tensor, Tensor)");

@@ -160,6 +160,8 @@ void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(avg, 1));
 
   std::atomic<int> any_nonfinite{0};
+  // One byte per chunk, so that threads never write the same per-tensor flag.
+  std::vector<uint8_t> chunk_nonfinite(sink.per_tensor_flags != nullptr ? total_chunks : 0, 0);
   at::parallel_for(0, total_chunks, grain, [&](int64_t first, int64_t last) {
     int nonfinite = 0;
     for (int64_t c = first; c < last; ++c) {
@@ -171,6 +173,7 @@ void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const
                           std::make_index_sequence<sizeof...(T)>{});
       if constexpr (std::is_same_v<typename Op::State, FiniteState>) {
         nonfinite |= state.nonfinite;
+        if (!chunk_nonfinite.empty()) chunk_nonfinite[c] = static_cast<uint8_t>(state.nonfinite);
       } else {
         sink.partials[c] = state.sumsq;
       }
@@ -178,6 +181,9 @@ void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const
     if (nonfinite) any_nonfinite.store(1, std::memory_order_relaxed);
   });
   if (any_nonfinite.load() && sink.found_inf != nullptr) *sink.found_inf = 1.0f;
+  for (size_t c = 0; c < chunk_nonfinite.size(); ++c) {
+    if (chunk_nonfinite[c]) sink.per_tensor_flags[chunk_tensor[c]] = 1.0f;
+  }
 }
 
 }  // namespace cpu

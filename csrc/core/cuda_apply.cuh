@@ -27,6 +27,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   if constexpr (std::is_same_v<State, FiniteState>) {
     // Every writer stores the same 1.0f, so the race is benign (as in ATen and Apex).
     if (state.nonfinite && sink.found_inf != nullptr) *sink.found_inf = 1.0f;
+    if (state.nonfinite && sink.per_tensor_flags != nullptr) {
+      sink.per_tensor_flags[meta.tensor_index[meta.block_to_slot[blockIdx.x]]] = 1.0f;
+    }
   } else {
     using Reduce = cub::BlockReduce<float, kThreadsPerBlock>;
     __shared__ typename Reduce::TempStorage scratch;

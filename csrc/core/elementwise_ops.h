@@ -65,15 +65,18 @@ struct AxpbyOp {
   static constexpr unsigned read_mask = 0b011;
   static constexpr unsigned write_mask = 0b100;
   using State = FiniteState;
-  float a = 1.0f;
-  float b = 1.0f;
+  StepScalar a;
+  StepScalar b;
   int check = kCheckBoth;
 
-  PEAK_HD void load_scalars() {}
+  PEAK_HD void load_scalars() {
+    a.load();
+    b.load();
+  }
   PEAK_HD void operator()(float* v, State& s) const {
     if (check & kCheckX) s.observe(v[0]);
     if (check & kCheckY) s.observe(v[1]);
-    v[2] = fmaf(b, v[1], a * v[0]);
+    v[2] = fmaf(b.value, v[1], a.value * v[0]);
   }
 };
 

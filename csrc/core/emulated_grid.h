@@ -40,6 +40,9 @@ void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, Op op
       }
       if constexpr (std::is_same_v<State, FiniteState>) {
         if (block_state.nonfinite && sink.found_inf != nullptr) *sink.found_inf = 1.0f;
+        if (block_state.nonfinite && sink.per_tensor_flags != nullptr) {
+          sink.per_tensor_flags[meta.tensor_index[meta.block_to_slot[block]]] = 1.0f;
+        }
       } else {
         sink.partials[meta.first_global_chunk + block] = block_state.sumsq;
       }

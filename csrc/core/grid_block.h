@@ -33,6 +33,7 @@ struct TensorListMetadata {
   static constexpr int kMaxTensors = max_tensors_per_launch(Depth);
   void* addresses[Depth][kMaxTensors];
   int64_t numel[kMaxTensors];
+  int32_t tensor_index[kMaxTensors];  // slot -> index in the caller's lists (per-tensor results)
   int32_t block_to_chunk[kMaxBlocksPerLaunch];  // plan_launches checks chunk counts fit
   uint8_t block_to_slot[kMaxBlocksPerLaunch];
   int64_t first_global_chunk;
@@ -59,6 +60,7 @@ void fill_metadata(const Launch& launch, const HostTensorLists<Depth>& lists,
     const int64_t t = launch.slot_tensor[slot];
     for (int d = 0; d < Depth; ++d) meta.addresses[d][slot] = lists.ptrs[t][d];
     meta.numel[slot] = lists.numels[t];
+    meta.tensor_index[slot] = static_cast<int32_t>(t);
   }
   for (size_t b = 0; b < launch.blocks.size(); ++b) {
     meta.block_to_slot[b] = static_cast<uint8_t>(launch.blocks[b].slot);
@@ -119,8 +121,9 @@ PEAK_HD void grid_block_thread(const TensorListMetadata<sizeof...(T)>& meta, int
 
 // Where blocks leave their results: the overflow flag, and per-chunk partials (l2norm).
 struct BlockSink {
-  float* found_inf = nullptr;  // may be null when the op reports nothing
-  float* partials = nullptr;   // one float per global chunk
+  float* found_inf = nullptr;         // may be null when the op reports nothing
+  float* partials = nullptr;          // one float per global chunk
+  float* per_tensor_flags = nullptr;  // optional: one flag per tensor of the caller's lists
 };
 
 }  // namespace peak

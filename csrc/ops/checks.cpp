@@ -69,6 +69,15 @@ void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t,
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+void check_flag_vector(const char* op, const char* name, const at::Tensor& t, size_t n,
+                       const c10::Device& device) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == static_cast<int64_t>(n) &&
+                  t.device() == device && t.is_contiguous(),
+              op, ": ", name, " must be a contiguous float32 tensor with one element per input (",
+              n, ") on ", device, " (got ", t.scalar_type(), ", ", t.numel(), " elements, on ",
+              t.device(), ")");
+}
+
 void check_chunk_size(const char* op, int64_t chunk_size) {
   TORCH_CHECK(chunk_size > 0 && chunk_size <= (int64_t{1} << 30), op,
               ": chunk_size must be in [1, 2**30], got ", chunk_size);

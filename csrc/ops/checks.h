@@ -24,6 +24,10 @@ void check_no_partial_overlap(const char* op, const NamedList& outputs, const Na
 void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t,
                          at::ScalarType dtype, const c10::Device& device);
 
+// A float32 tensor of `n` elements on `device` (per-tensor overflow flags).
+void check_flag_vector(const char* op, const char* name, const at::Tensor& t, size_t n,
+                       const c10::Device& device);
+
 void check_chunk_size(const char* op, int64_t chunk_size);
 
 // The device the lists live on, or the fallback's when the lists are empty.

@@ -11,10 +11,11 @@ namespace emulated_ops {
 
 void scale(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
            const at::Tensor& found_inf, int64_t chunk_size, int64_t max_tensors,
-           int64_t max_blocks, int64_t threads);
+           int64_t max_blocks, int64_t threads,
+           const std::optional<at::Tensor>& per_tensor_found_inf);
 
-void axpby(at::TensorList xs, at::TensorList ys, at::TensorList outputs, double a, double b,
-           const at::Tensor& found_inf, int64_t check, int64_t chunk_size, int64_t max_tensors,
+void axpby(at::TensorList xs, at::TensorList ys, at::TensorList outputs, const at::Tensor& a,
+           const at::Tensor& b, const at::Tensor& found_inf, int64_t check, int64_t chunk_size, int64_t max_tensors,
            int64_t max_blocks, int64_t threads);
 
 std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tensor,

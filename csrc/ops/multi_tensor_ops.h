@@ -61,7 +61,8 @@ inline std::vector<int64_t> numels_of(at::TensorList list) {
 template <typename Exec>
 void multi_tensor_scale(Exec& exec, at::TensorList inputs, at::TensorList outputs,
                         const at::Tensor& scale, const at::Tensor& found_inf,
-                        int64_t chunk_size) {
+                        int64_t chunk_size,
+                        const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt) {
   constexpr const char* name = "multi_tensor_scale_";
   check_chunk_size(name, chunk_size);
   check_tensor_lists(name, {{"inputs", inputs}, {"outputs", outputs}});
@@ -69,11 +70,15 @@ void multi_tensor_scale(Exec& exec, at::TensorList inputs, at::TensorList output
   const c10::Device device = lists_device(inputs, found_inf);
   check_scalar_tensor(name, "found_inf", found_inf, at::kFloat, device);
   check_scalar_tensor(name, "scale", scale, at::kFloat, device);
+  if (per_tensor_found_inf.has_value()) {
+    check_flag_vector(name, "per_tensor_found_inf", *per_tensor_found_inf, inputs.size(), device);
+  }
   if (inputs.empty()) return;
   ScaleOp op;
   op.scale.ptr = scale.data_ptr<float>();
   const auto lists = host_lists<2>({inputs, outputs});
-  const BlockSink sink{found_inf.data_ptr<float>(), nullptr};
+  const BlockSink sink{found_inf.data_ptr<float>(), nullptr,
+                       per_tensor_found_inf ? per_tensor_found_inf->data_ptr<float>() : nullptr};
   with_storage_type(inputs[0].scalar_type(), [&](auto in_t) {
     with_storage_type(outputs[0].scalar_type(), [&](auto out_t) {
       exec.template apply<ScaleOp, decltype(in_t), decltype(out_t)>(lists, chunk_size, op, sink);
@@ -83,7 +88,7 @@ void multi_tensor_scale(Exec& exec, at::TensorList inputs, at::TensorList output
 
 template <typename Exec>
 void multi_tensor_axpby(Exec& exec, at::TensorList xs, at::TensorList ys,
-                        at::TensorList outputs, double a, double b,
+                        at::TensorList outputs, const at::Tensor& a, const at::Tensor& b,
                         const at::Tensor& found_inf, int64_t check, int64_t chunk_size) {
   constexpr const char* name = "multi_tensor_axpby_";
   check_chunk_size(name, chunk_size);
@@ -94,10 +99,12 @@ void multi_tensor_axpby(Exec& exec, at::TensorList xs, at::TensorList ys,
   check_no_partial_overlap(name, {"outputs", outputs}, {"ys", ys});
   const c10::Device device = lists_device(xs, found_inf);
   check_scalar_tensor(name, "found_inf", found_inf, at::kFloat, device);
+  check_scalar_tensor(name, "a", a, at::kFloat, device);
+  check_scalar_tensor(name, "b", b, at::kFloat, device);
   if (xs.empty()) return;
   AxpbyOp op;
-  op.a = static_cast<float>(a);
-  op.b = static_cast<float>(b);
+  op.a.ptr = a.data_ptr<float>();
+  op.b.ptr = b.data_ptr<float>();
   op.check = static_cast<int>(check);
   const auto lists = host_lists<3>({xs, ys, outputs});
   const BlockSink sink{found_inf.data_ptr<float>(), nullptr};

@@ -36,9 +36,10 @@ void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_t
   if (hysteresis_tracker.has_value()) {
     check_scalar_tensor(name, "hysteresis_tracker", *hysteresis_tracker, at::kInt, device);
   }
-  TORCH_CHECK(growth_factor > 1.0, name, ": growth_factor must be > 1, got ", growth_factor);
-  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, name,
-              ": backoff_factor must be in (0, 1), got ", backoff_factor);
+  // growth 1 and backoff 1 are allowed: a static scale that still counts clean updates.
+  TORCH_CHECK(growth_factor >= 1.0, name, ": growth_factor must be >= 1, got ", growth_factor);
+  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor <= 1.0, name,
+              ": backoff_factor must be in (0, 1], got ", backoff_factor);
   TORCH_CHECK(growth_interval >= 1, name, ": growth_interval must be >= 1, got ",
               growth_interval);
   TORCH_CHECK(hysteresis >= 1, name, ": hysteresis must be >= 1, got ", hysteresis);
@@ -81,13 +82,15 @@ struct EmulatedExec : CpuExec {
 
 void multi_tensor_scale_cpu(at::TensorList inputs, const std::optional<at::TensorList>& outputs,
                             const at::Tensor& scale, const at::Tensor& found_inf,
-                            int64_t chunk_size) {
+                            int64_t chunk_size, const std::optional<at::Tensor>& per_tensor_found_inf) {
   CpuExec exec;
-  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size);
+  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size,
+                     per_tensor_found_inf);
 }
 
 void multi_tensor_axpby_cpu(at::TensorList xs, at::TensorList ys, at::TensorList outputs,
-                            double a, double b, const at::Tensor& found_inf, int64_t check,
+                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& found_inf,
+                            int64_t check,
                             int64_t chunk_size) {
   CpuExec exec;
   multi_tensor_axpby(exec, xs, ys, outputs, a, b, found_inf, check, chunk_size);
@@ -126,13 +129,14 @@ static EmulatedExec make_exec(int64_t max_tensors, int64_t max_blocks, int64_t t
 
 void scale(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
            const at::Tensor& found_inf, int64_t chunk_size, int64_t max_tensors,
-           int64_t max_blocks, int64_t threads) {
+           int64_t max_blocks, int64_t threads,
+           const std::optional<at::Tensor>& per_tensor_found_inf) {
   auto exec = make_exec(max_tensors, max_blocks, threads);
-  multi_tensor_scale(exec, inputs, outputs, scale, found_inf, chunk_size);
+  multi_tensor_scale(exec, inputs, outputs, scale, found_inf, chunk_size, per_tensor_found_inf);
 }
 
-void axpby(at::TensorList xs, at::TensorList ys, at::TensorList outputs, double a, double b,
-           const at::Tensor& found_inf, int64_t check, int64_t chunk_size, int64_t max_tensors,
+void axpby(at::TensorList xs, at::TensorList ys, at::TensorList outputs, const at::Tensor& a,
+           const at::Tensor& b, const at::Tensor& found_inf, int64_t check, int64_t chunk_size, int64_t max_tensors,
            int64_t max_blocks, int64_t threads) {
   auto exec = make_exec(max_tensors, max_blocks, threads);
   multi_tensor_axpby(exec, xs, ys, outputs, a, b, found_inf, check, chunk_size);

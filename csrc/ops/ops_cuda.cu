@@ -72,14 +72,16 @@ struct CudaExec {
 
 void multi_tensor_scale_cuda(at::TensorList inputs, const std::optional<at::TensorList>& outputs,
                              const at::Tensor& scale, const at::Tensor& found_inf,
-                             int64_t chunk_size) {
+                             int64_t chunk_size, const std::optional<at::Tensor>& per_tensor_found_inf) {
   const c10::cuda::CUDAGuard guard(found_inf.device());
   CudaExec exec;
-  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size);
+  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size,
+                     per_tensor_found_inf);
 }
 
 void multi_tensor_axpby_cuda(at::TensorList xs, at::TensorList ys, at::TensorList outputs,
-                             double a, double b, const at::Tensor& found_inf, int64_t check,
+                             const at::Tensor& a, const at::Tensor& b, const at::Tensor& found_inf,
+                            int64_t check,
                              int64_t chunk_size) {
   const c10::cuda::CUDAGuard guard(found_inf.device());
   CudaExec exec;

@@ -50,29 +50,39 @@ def new_found_inf(device: torch.device | str = "cpu") -> Tensor:
 
 
 def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: float | Tensor,
-                        found_inf: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                        found_inf: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                        per_tensor_found_inf: Tensor | None = None) -> None:
     """``outputs[i] = inputs[i] * scale``; sets ``found_inf`` if any input holds inf/NaN.
 
     ``outputs`` may be ``inputs`` (in place; passing the very same list object sends it to C++
     once, which is cheaper for long lists). Input and output dtypes may differ (e.g. fp16 grads
     into fp32 master grads); the product is computed in fp32 and rounded once.
+
+    ``per_tensor_found_inf`` (optional, float32, one element per input, on the device): the same
+    pass sets element ``i`` to 1.0 when ``inputs[i]`` holds inf/NaN (never clears it) -- which
+    gradients overflowed, at no extra pass.
     """
     in_place = outputs is inputs
     inputs = _list("inputs", inputs)
     outputs = None if in_place else _list("outputs", outputs)
     scale_t = _scalar_tensor("scale", scale, found_inf)
-    torch.ops.peak.multi_tensor_scale_(inputs, outputs, scale_t, found_inf, chunk_size)
+    torch.ops.peak.multi_tensor_scale_(inputs, outputs, scale_t, found_inf, chunk_size,
+                                       per_tensor_found_inf)
 
 
 def multi_tensor_axpby_(xs: Sequence[Tensor], ys: Sequence[Tensor], outputs: Sequence[Tensor],
-                        a: float, b: float, found_inf: Tensor, *, check: str = "both",
+                        a: float | Tensor, b: float | Tensor, found_inf: Tensor, *,
+                        check: str = "both",
                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
     """``outputs[i] = a * xs[i] + b * ys[i]``; ``check`` ("both", "x", "y", "none") picks which
-    inputs set ``found_inf`` when they hold inf/NaN. ``outputs`` may be ``xs`` or ``ys``."""
+    inputs set ``found_inf`` when they hold inf/NaN. ``outputs`` may be ``xs`` or ``ys``.
+    ``a`` and ``b`` may be float32 tensors of one element on the device (no host sync)."""
     if check not in _CHECKS:
         raise ValueError(f"check must be one of {sorted(_CHECKS)}, got {check!r}")
+    a_t = _scalar_tensor("a", a, found_inf)
+    b_t = _scalar_tensor("b", b, found_inf)
     torch.ops.peak.multi_tensor_axpby_(_list("xs", xs), _list("ys", ys), _list("outputs", outputs),
-                                       float(a), float(b), found_inf, _CHECKS[check], chunk_size)
+                                       a_t, b_t, found_inf, _CHECKS[check], chunk_size)
 
 
 def multi_tensor_l2norm(tensors: Sequence[Tensor], *, per_tensor: bool = False,
@@ -108,7 +118,7 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
 # ---- fake kernels (shape/dtype propagation for torch.compile and FakeTensor) -------------------
 
 @torch.library.register_fake("peak::multi_tensor_scale_")
-def _(inputs, outputs, scale, found_inf, chunk_size):
+def _(inputs, outputs, scale, found_inf, chunk_size, per_tensor_found_inf=None):
     return None
 
 
