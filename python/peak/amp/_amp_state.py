@@ -6,7 +6,14 @@ Apex's tests and many user scripts poke at ``amp._amp_state`` directly (``loss_s
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+# Machine-readable events (docs: "Logging").  One line per event, a fixed prefix and key=value pairs:
+#   event=skip_step step=17 loss_id=0 loss_scale=32768.0 optimizer=SGD
+# Logged at INFO, so nothing is shown unless the application configures logging.
+logger = logging.getLogger("peak.amp")
 
 
 class AmpState:
@@ -57,6 +64,16 @@ def maybe_print(msg: str, rank0: bool = False) -> None:
             if dist.get_rank() != 0:
                 return
     print(msg)
+
+
+def log_skip_step(step: int, loss_id: int, loss_scale: float, optimizer: str) -> None:
+    """Log an optimizer step skipped because of an inf/NaN gradient (logger ``peak.amp``, INFO):
+    ``event=skip_step step=<n> loss_id=<i> loss_scale=<new scale> optimizer=<class name>``.
+    ``step`` counts the optimizer's ``step()`` calls since ``amp.initialize`` (from 0, skipped ones
+    included); ``loss_scale`` is the scale after the back-off."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("event=skip_step step=%d loss_id=%d loss_scale=%r optimizer=%s",
+                    step, loss_id, float(loss_scale), optimizer)
 
 
 def master_params(optimizer):

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from peak import ops
 
 from . import _caster
-from ._amp_state import maybe_print
+from ._amp_state import log_skip_step, maybe_print
 from .loss_scaler import group_by_device_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -47,6 +47,7 @@ class AmpOptimizerState:
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
         self.params_have_scaled_gradients = False
         self.pending_skip = None  # (loss_id, scaler) of the overflow that makes the next step() a no-op
+        self.step_count = 0  # step() calls since initialize, skipped ones included (for the log line)
         # Master weights: parallel lists of low-precision model params and their fp32 masters.
         self.model_low_params: list[torch.Tensor] = []
         self.masters: list[torch.Tensor] = []
@@ -179,13 +180,17 @@ _CLOSURE_MSG = ("Currently, Amp does not support closure use with optimizers{}: 
 
 def _step(self, closure=None):
     stash = self._amp_stash
+    step_index = stash.step_count
+    stash.step_count += 1
     if stash.pending_skip is not None:
         loss_id, scaler = stash.pending_skip
         stash.pending_skip = None
         if closure is not None:
             raise RuntimeError(_CLOSURE_MSG.format(" on a step skipped after a gradient overflow"))
+        new_scale = scaler.loss_scale()
         maybe_print("Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}".format(
-            loss_id, scaler.loss_scale()))
+            loss_id, new_scale))
+        log_skip_step(step_index, loss_id, new_scale, type(self).__name__)
         for m in stash.masters:
             m.grad = None
         return None
