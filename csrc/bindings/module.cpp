@@ -52,7 +52,8 @@ py::list plan_launches(const std::vector<int64_t>& numels, int64_t chunk_size, i
 PYBIND11_MODULE(_C, m) {
   m.doc() = "peak's C++ core: dispatcher ops (torch.ops.peak.*) and build facts";
   m.def("build_info", &build_info, "Facts recorded when this extension was built");
-  m.def("max_tensors_per_launch", &peak::max_tensors_per_launch, py::arg("depth"));
+  m.def("max_tensors_per_launch", &peak::max_tensors_per_launch, py::arg("depth"),
+        py::arg("tensor_scalars") = 0);
   m.attr("max_blocks_per_launch") = peak::kMaxBlocksPerLaunch;
   m.attr("threads_per_block") = peak::kThreadsPerBlock;
   m.def("plan_launches", &plan_launches, py::arg("numels"), py::arg("chunk_size"),

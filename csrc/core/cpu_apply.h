@@ -96,12 +96,16 @@ constexpr bool kStagedType = !std::is_same_v<T, float>;
 constexpr int kLanes = 16;
 
 template <typename Op, typename... T, size_t... D>
-inline void run_chunk(const std::array<void*, sizeof...(T)>& base, int64_t begin, int64_t end,
-                      Op op, typename Op::State& state, std::index_sequence<D...>) {
+inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
+                      const std::array<const float*, Op::tensor_scalars>& tensor_scalars,
+                      int64_t begin, int64_t end, Op op, typename Op::State& state,
+                      std::index_sequence<D...>) {
   constexpr int Depth = sizeof...(T);
   using State = typename Op::State;
   alignas(64) float tile[Depth][kTile];
   op.load_scalars();
+  if constexpr (Op::tensor_scalars > 0) op.load_tensor_scalars(tensor_scalars.data());
+  if (op.skip()) return;
   State lanes[kLanes];
   for (int l = 0; l < kLanes; ++l) lanes[l] = State{};
   for (int64_t off = begin; off < end; off += kTile) {
@@ -121,14 +125,14 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base, int64_t begin
     for (; i + kLanes <= n; i += kLanes) {
 #pragma GCC unroll 16
       for (int l = 0; l < kLanes; ++l) {
-        float v[Depth] = {p[D][i + l]...};
+        float v[Depth] = {(((Op::read_mask >> D) & 1u) ? p[D][i + l] : 0.0f)...};
         op(v, lanes[l]);
         ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i + l] = v[D]) : (void)0), ...);
       }
     }
 #pragma GCC ivdep
     for (; i < n; ++i) {
-      float v[Depth] = {p[D][i]...};
+      float v[Depth] = {(((Op::read_mask >> D) & 1u) ? p[D][i] : 0.0f)...};
       op(v, lanes[0]);
       ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i] = v[D]) : (void)0), ...);
     }
@@ -143,8 +147,8 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base, int64_t begin
 // Runs `op` over every element of every tensor. Results per chunk go to `sink`, indexed by
 // global chunk (see NOTE: [Chunking]), exactly as the CUDA blocks leave them.
 template <typename Op, typename... T>
-void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
-           const BlockSink& sink) {
+void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
+           const Op& op, const BlockSink& sink) {
   const std::vector<int64_t> offsets = chunk_offsets(lists.numels, chunk_size);
   const int64_t total_chunks = offsets.back();
   if (total_chunks == 0) return;
@@ -169,12 +173,14 @@ void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const
       const int64_t begin = (c - offsets[t]) * chunk_size;
       const int64_t end = std::min(begin + chunk_size, lists.numels[t]);
       typename Op::State state{};
-      run_chunk<Op, T...>(lists.ptrs[t], begin, end, op, state,
+      std::array<const float*, Op::tensor_scalars> scalars{};
+      if constexpr (Op::tensor_scalars > 0) scalars = lists.scalars[t];
+      run_chunk<Op, T...>(lists.ptrs[t], scalars, begin, end, op, state,
                           std::make_index_sequence<sizeof...(T)>{});
       if constexpr (std::is_same_v<typename Op::State, FiniteState>) {
         nonfinite |= state.nonfinite;
         if (!chunk_nonfinite.empty()) chunk_nonfinite[c] = static_cast<uint8_t>(state.nonfinite);
-      } else {
+      } else if constexpr (std::is_same_v<typename Op::State, SumSquaresState>) {
         sink.partials[c] = state.sumsq;
       }
     }

@@ -18,8 +18,8 @@ namespace cuda {
 
 template <typename Op, typename... T>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    multi_tensor_kernel(const __grid_constant__ TensorListMetadata<sizeof...(T)> meta,
-                        int64_t chunk_size, Op op, BlockSink sink) {
+    multi_tensor_kernel(const __grid_constant__ MetadataFor<Op, T...> meta, int64_t chunk_size,
+                        Op op, BlockSink sink) {
   using State = typename Op::State;
   op.load_scalars();
   State state{};
@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     if (state.nonfinite && sink.per_tensor_flags != nullptr) {
       sink.per_tensor_flags[meta.tensor_index[meta.block_to_slot[blockIdx.x]]] = 1.0f;
     }
-  } else {
+  } else if constexpr (std::is_same_v<State, SumSquaresState>) {
     using Reduce = cub::BlockReduce<float, kThreadsPerBlock>;
     __shared__ typename Reduce::TempStorage scratch;
     const float block_sum = Reduce(scratch).Sum(state.sumsq);
@@ -39,14 +39,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 }
 
 template <typename Op, typename... T>
-void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
-           const BlockSink& sink) {
-  constexpr int Depth = sizeof...(T);
+void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
+           const Op& op, const BlockSink& sink) {
+  using Metadata = MetadataFor<Op, T...>;
   const std::vector<Launch> launches =
-      plan_launches(lists.numels, chunk_size,
-                    {TensorListMetadata<Depth>::kMaxTensors, kMaxBlocksPerLaunch});
+      plan_launches(lists.numels, chunk_size, {Metadata::kMaxTensors, kMaxBlocksPerLaunch});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  TensorListMetadata<Depth> meta;
+  Metadata meta;
   for (const Launch& launch : launches) {
     fill_metadata(launch, lists, meta);
     multi_tensor_kernel<Op, T...><<<static_cast<unsigned>(launch.blocks.size()),

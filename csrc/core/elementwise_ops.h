@@ -40,8 +40,29 @@ struct StepScalar {
   }
 };
 
+// Defaults for the optional parts of the op interface:
+//   tensor_scalars          how many per-tensor scalars (pointers) the op reads, e.g. a step count;
+//   load_tensor_scalars(p)  reads them (once per block/chunk);
+//   skip()                  true when the whole step is to be skipped (device-side found_inf):
+//                           checked before any element is touched.
+struct OpDefaults {
+  static constexpr int tensor_scalars = 0;
+  PEAK_HD void load_tensor_scalars(const float* const*) {}
+  PEAK_HD bool skip() const { return false; }
+};
+
+// Reads one element of every list and reports non-finite values; writes nothing.
+struct CheckFiniteOp : OpDefaults {
+  static constexpr int depth = 1;
+  static constexpr unsigned read_mask = 0b1;
+  static constexpr unsigned write_mask = 0b0;
+  using State = FiniteState;
+  PEAK_HD void load_scalars() {}
+  PEAK_HD void operator()(float* v, State& s) const { s.observe(v[0]); }
+};
+
 // out = in * scale; observes `in` (before scaling, as Apex and torch do).
-struct ScaleOp {
+struct ScaleOp : OpDefaults {
   static constexpr int depth = 2;
   static constexpr unsigned read_mask = 0b01;
   static constexpr unsigned write_mask = 0b10;
@@ -60,7 +81,7 @@ enum AxpbyCheck : int { kCheckNone = 0, kCheckX = 1, kCheckY = 2, kCheckBoth = 3
 
 // out = a*x + b*y. fmaf pins the rounding (one rounding of a*x, fused with b*y's product sum)
 // so CPU and CUDA give the same bits whatever each compiler would contract on its own.
-struct AxpbyOp {
+struct AxpbyOp : OpDefaults {
   static constexpr int depth = 3;
   static constexpr unsigned read_mask = 0b011;
   static constexpr unsigned write_mask = 0b100;
@@ -81,7 +102,7 @@ struct AxpbyOp {
 };
 
 // Partial sums of squares for l2norm.
-struct SumSquaresOp {
+struct SumSquaresOp : OpDefaults {
   static constexpr int depth = 1;
   static constexpr unsigned read_mask = 0b1;
   static constexpr unsigned write_mask = 0b0;

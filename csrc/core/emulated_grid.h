@@ -20,13 +20,12 @@ struct GridShape {
 };
 
 template <typename Op, typename... T>
-void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, Op op,
-           const BlockSink& sink, GridShape shape) {
-  constexpr int Depth = sizeof...(T);
+void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
+           Op op, const BlockSink& sink, GridShape shape) {
   using State = typename Op::State;
   const std::vector<Launch> launches =
       plan_launches(lists.numels, chunk_size, {shape.max_tensors, shape.max_blocks});
-  TensorListMetadata<Depth> meta;
+  MetadataFor<Op, T...> meta;
   op.load_scalars();
   for (const Launch& launch : launches) {
     fill_metadata(launch, lists, meta);  // the kernel argument
@@ -43,7 +42,7 @@ void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, Op op
         if (block_state.nonfinite && sink.per_tensor_flags != nullptr) {
           sink.per_tensor_flags[meta.tensor_index[meta.block_to_slot[block]]] = 1.0f;
         }
-      } else {
+      } else if constexpr (std::is_same_v<State, SumSquaresState>) {
         sink.partials[meta.first_global_chunk + block] = block_state.sumsq;
       }
     }

@@ -18,49 +18,67 @@
 
 namespace peak {
 
-constexpr int kMaxDepth = 5;
+constexpr int kMaxDepth = 6;
 constexpr int kMaxBlocksPerLaunch = 320;
 constexpr int kThreadsPerBlock = 512;
 
-// Tensor slots per launch by number of lists, chosen (as in ATen) so that the metadata below
-// stays well under the 4 KB kernel-argument limit; checked by the static_assert.
-constexpr int max_tensors_per_launch(int depth) {
-  return depth == 1 ? 110 : depth == 2 ? 64 : depth == 3 ? 48 : depth == 4 ? 36 : 30;
+// NOTE: [Launch metadata budget]
+// Kernel arguments are limited to 4 KB; the metadata gets 3840 bytes of it (the op's scalars and
+// the sink take the rest). The block tables cost 5 bytes per block; every tensor slot costs its
+// addresses (8 per list), its size (8), its index (4) and its per-tensor scalar pointers (8 each:
+// an optimizer's step count, LAMB's norms). Slots per launch are ATen's table where it fits.
+constexpr int kMetadataBudget = 3840;
+constexpr int kBlockTableBytes = kMaxBlocksPerLaunch * 5 + 16;
+
+constexpr int max_tensors_per_launch(int depth, int tensor_scalars = 0) {
+  const int table = depth == 1 ? 110 : depth == 2 ? 64 : depth == 3 ? 48 : depth == 4 ? 36
+                  : depth == 5 ? 30 : 24;
+  const int fit = (kMetadataBudget - kBlockTableBytes) / (depth * 8 + 12 + tensor_scalars * 8);
+  return table < fit ? table : fit;
 }
 
-template <int Depth>
+template <int Depth, int NScalars = 0>
 struct TensorListMetadata {
-  static constexpr int kMaxTensors = max_tensors_per_launch(Depth);
+  static constexpr int kMaxTensors = max_tensors_per_launch(Depth, NScalars);
   void* addresses[Depth][kMaxTensors];
   int64_t numel[kMaxTensors];
   int32_t tensor_index[kMaxTensors];  // slot -> index in the caller's lists (per-tensor results)
+  const float* tensor_scalars[NScalars > 0 ? NScalars : 1][NScalars > 0 ? kMaxTensors : 1];
   int32_t block_to_chunk[kMaxBlocksPerLaunch];  // plan_launches checks chunk counts fit
   uint8_t block_to_slot[kMaxBlocksPerLaunch];
   int64_t first_global_chunk;
 };
 
-static_assert(sizeof(TensorListMetadata<1>) <= 4096 - 256, "metadata exceeds kernel-arg budget");
-static_assert(sizeof(TensorListMetadata<2>) <= 4096 - 256, "metadata exceeds kernel-arg budget");
-static_assert(sizeof(TensorListMetadata<3>) <= 4096 - 256, "metadata exceeds kernel-arg budget");
-static_assert(sizeof(TensorListMetadata<4>) <= 4096 - 256, "metadata exceeds kernel-arg budget");
-static_assert(sizeof(TensorListMetadata<5>) <= 4096 - 256, "metadata exceeds kernel-arg budget");
+template <int Depth, int NScalars>
+constexpr bool fits_budget() {
+  return sizeof(TensorListMetadata<Depth, NScalars>) <= kMetadataBudget;
+}
+static_assert(fits_budget<1, 0>() && fits_budget<2, 0>() && fits_budget<3, 0>() &&
+                  fits_budget<4, 0>() && fits_budget<5, 0>() && fits_budget<6, 0>(),
+              "see NOTE: [Launch metadata budget]");
+static_assert(fits_budget<3, 2>() && fits_budget<4, 1>() && fits_budget<5, 1>() &&
+                  fits_budget<6, 1>() && fits_budget<5, 2>(),
+              "see NOTE: [Launch metadata budget]");
 
-// Addresses and sizes of the caller's tensors, list by list: ptrs[t][d] is tensor t of list d.
-template <int Depth>
+// Addresses and sizes of the caller's tensors, list by list: ptrs[t][d] is tensor t of list d;
+// scalars[t][k] points to tensor t's k-th per-tensor scalar (a float in the tensors' memory).
+template <int Depth, int NScalars = 0>
 struct HostTensorLists {
   std::vector<std::array<void*, Depth>> ptrs;
   std::vector<int64_t> numels;
+  std::vector<std::array<const float*, NScalars>> scalars;
 };
 
-template <int Depth>
-void fill_metadata(const Launch& launch, const HostTensorLists<Depth>& lists,
-                   TensorListMetadata<Depth>& meta) {
+template <int Depth, int NScalars>
+void fill_metadata(const Launch& launch, const HostTensorLists<Depth, NScalars>& lists,
+                   TensorListMetadata<Depth, NScalars>& meta) {
   std::memset(&meta, 0, sizeof(meta));
   for (size_t slot = 0; slot < launch.slot_tensor.size(); ++slot) {
     const int64_t t = launch.slot_tensor[slot];
     for (int d = 0; d < Depth; ++d) meta.addresses[d][slot] = lists.ptrs[t][d];
     meta.numel[slot] = lists.numels[t];
     meta.tensor_index[slot] = static_cast<int32_t>(t);
+    for (int k = 0; k < NScalars; ++k) meta.tensor_scalars[k][slot] = lists.scalars[t][k];
   }
   for (size_t b = 0; b < launch.blocks.size(); ++b) {
     meta.block_to_slot[b] = static_cast<uint8_t>(launch.blocks[b].slot);
@@ -99,13 +117,25 @@ PEAK_HD void store_element(void* const* base, int64_t i, const float* v,
    ...);
 }
 
-// One thread's share of one block: elements thread, thread + nthreads, ... of the block's chunk.
 template <typename Op, typename... T>
-PEAK_HD void grid_block_thread(const TensorListMetadata<sizeof...(T)>& meta, int block,
-                               int thread, int nthreads, int64_t chunk_size, const Op& op,
+using MetadataFor = TensorListMetadata<sizeof...(T), Op::tensor_scalars>;
+
+// One thread's share of one block: elements thread, thread + nthreads, ... of the block's chunk.
+// `op` has loaded its per-step scalars; here it gets the tensor's own scalars, and a skipped
+// step (the device-side overflow flag is set) returns before any memory is touched.
+template <typename Op, typename... T>
+PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int thread,
+                               int nthreads, int64_t chunk_size, const Op& step_op,
                                typename Op::State& state) {
   constexpr int Depth = sizeof...(T);
   const int slot = meta.block_to_slot[block];
+  Op op = step_op;
+  if constexpr (Op::tensor_scalars > 0) {
+    const float* scalars[Op::tensor_scalars > 0 ? Op::tensor_scalars : 1];
+    for (int k = 0; k < Op::tensor_scalars; ++k) scalars[k] = meta.tensor_scalars[k][slot];
+    op.load_tensor_scalars(scalars);
+  }
+  if (op.skip()) return;
   const int64_t start = meta.block_to_chunk[block] * chunk_size;
   int64_t n = meta.numel[slot] - start;
   if (n > chunk_size) n = chunk_size;

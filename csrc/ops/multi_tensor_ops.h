@@ -87,6 +87,27 @@ void multi_tensor_scale(Exec& exec, at::TensorList inputs, at::TensorList output
 }
 
 template <typename Exec>
+void multi_tensor_check_finite(Exec& exec, at::TensorList tensors, const at::Tensor& found_inf,
+                               int64_t chunk_size,
+                               const std::optional<at::Tensor>& per_tensor_found_inf) {
+  constexpr const char* name = "multi_tensor_check_finite_";
+  check_chunk_size(name, chunk_size);
+  check_tensor_lists(name, {{"tensors", tensors}});
+  const c10::Device device = lists_device(tensors, found_inf);
+  check_scalar_tensor(name, "found_inf", found_inf, at::kFloat, device);
+  if (per_tensor_found_inf.has_value()) {
+    check_flag_vector(name, "per_tensor_found_inf", *per_tensor_found_inf, tensors.size(), device);
+  }
+  if (tensors.empty()) return;
+  const auto lists = host_lists<1>({tensors});
+  const BlockSink sink{found_inf.data_ptr<float>(), nullptr,
+                       per_tensor_found_inf ? per_tensor_found_inf->data_ptr<float>() : nullptr};
+  with_storage_type(tensors[0].scalar_type(), [&](auto t) {
+    exec.template apply<CheckFiniteOp, decltype(t)>(lists, chunk_size, CheckFiniteOp{}, sink);
+  });
+}
+
+template <typename Exec>
 void multi_tensor_axpby(Exec& exec, at::TensorList xs, at::TensorList ys,
                         at::TensorList outputs, const at::Tensor& a, const at::Tensor& b,
                         const at::Tensor& found_inf, int64_t check, int64_t chunk_size) {

@@ -8,6 +8,7 @@
 #include "../core/loss_scale_update.h"
 #include "emulated_ops.h"
 #include "multi_tensor_ops.h"
+#include "optimizer_ops_impl.h"
 
 namespace peak {
 
@@ -53,8 +54,11 @@ void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_t
 namespace {
 
 struct CpuExec {
+  struct Guard {
+    explicit Guard(const c10::Device&) {}
+  };
   template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
+  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size, const Op& op,
              const BlockSink& sink) {
     cpu::apply<Op, T...>(lists, chunk_size, op, sink);
   }
@@ -68,7 +72,7 @@ struct CpuExec {
 struct EmulatedExec : CpuExec {
   emulated::GridShape shape;
   template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
+  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size, const Op& op,
              const BlockSink& sink) {
     constexpr int kMax = TensorListMetadata<sizeof...(T)>::kMaxTensors;
     TORCH_CHECK(shape.max_tensors >= 1 && shape.max_tensors <= kMax,
@@ -156,6 +160,10 @@ TORCH_LIBRARY_IMPL(peak, CPU, m) {
   m.impl("multi_tensor_axpby_", &multi_tensor_axpby_cpu);
   m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_cpu);
   m.impl("update_scale_", &update_scale_cpu);
+  m.impl("multi_tensor_check_finite_", &check_finite_entry<CpuExec>);
+  m.impl("fused_adam_", &fused_adam_entry<CpuExec>);
+  m.impl("fused_sgd_", &fused_sgd_entry<CpuExec>);
+  m.impl("fused_lamb_", &fused_lamb_entry<CpuExec>);
 }
 
 }  // namespace peak

@@ -10,6 +10,7 @@
 #include "../core/cuda_apply.cuh"
 #include "../core/loss_scale_update.h"
 #include "multi_tensor_ops.h"
+#include "optimizer_ops_impl.h"
 
 namespace peak {
 namespace {
@@ -21,8 +22,9 @@ __global__ void sqrt_norms_kernel(float* total, float* per_tensor, int64_t n) {
 }
 
 struct CudaExec {
+  using Guard = c10::cuda::CUDAGuard;
   template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T)>& lists, int64_t chunk_size, const Op& op,
+  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size, const Op& op,
              const BlockSink& sink) {
     cuda::apply<Op, T...>(lists, chunk_size, op, sink);
   }
@@ -126,6 +128,10 @@ TORCH_LIBRARY_IMPL(peak, CUDA, m) {
   m.impl("multi_tensor_axpby_", &multi_tensor_axpby_cuda);
   m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_cuda);
   m.impl("update_scale_", &update_scale_cuda);
+  m.impl("multi_tensor_check_finite_", &check_finite_entry<CudaExec>);
+  m.impl("fused_adam_", &fused_adam_entry<CudaExec>);
+  m.impl("fused_sgd_", &fused_sgd_entry<CudaExec>);
+  m.impl("fused_lamb_", &fused_lamb_entry<CudaExec>);
 }
 
 }  // namespace peak

@@ -21,6 +21,7 @@ __all__ = [
     "multi_tensor_axpby_",
     "multi_tensor_l2norm",
     "update_scale_",
+    "multi_tensor_check_finite_",
 ]
 
 #: Elements per chunk (one CUDA block, one CPU task); see NOTE: [Chunking] in csrc/core.
@@ -138,4 +139,40 @@ def _(tensors, per_tensor, chunk_size):
 @torch.library.register_fake("peak::update_scale_")
 def _(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
       growth_interval, hysteresis, min_scale, max_scale):
+    return None
+
+
+def multi_tensor_check_finite_(tensors: Sequence[Tensor], found_inf: Tensor, *,
+                               chunk_size: int = DEFAULT_CHUNK_SIZE,
+                               per_tensor_found_inf: Tensor | None = None) -> None:
+    """Reads ``tensors`` once and sets ``found_inf`` (and ``per_tensor_found_inf[i]``) when they
+    hold inf/NaN; writes nothing else. The check before a fused optimizer step, which unscales
+    in its own pass."""
+    torch.ops.peak.multi_tensor_check_finite_(_list("tensors", tensors), found_inf, chunk_size,
+                                              per_tensor_found_inf)
+
+
+@torch.library.register_fake("peak::multi_tensor_check_finite_")
+def _(tensors, found_inf, chunk_size, per_tensor_found_inf=None):
+    return None
+
+
+@torch.library.register_fake("peak::fused_adam_")
+def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
+      beta2, eps, weight_decay, amsgrad, adam_w_mode, maximize, bias_correction, grad_scale=None,
+      found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE):
+    return None
+
+
+@torch.library.register_fake("peak::fused_sgd_")
+def _(params, grads, master_params, momentum_buffers, steps, lr, momentum, dampening,
+      weight_decay, nesterov, maximize, grad_scale=None, found_inf=None,
+      chunk_size=DEFAULT_CHUNK_SIZE):
+    return None
+
+
+@torch.library.register_fake("peak::fused_lamb_")
+def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
+      weight_decay, adam_w_mode, grad_averaging, bias_correction, max_grad_norm, use_nvlamb,
+      grad_norm=None, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE):
     return None

@@ -1,0 +1,214 @@
+// The per-element math of the fused optimizers, written once for CPU and CUDA (see the op
+// interface in elementwise_ops.h).
+//
+// NOTE: [Fused master-weight step]
+// One pass per chunk reads the gradient in its own dtype (fp32, fp16 or bf16), unscales it
+// (divides by grad_scale, as torch's fused optimizers do), updates the fp32 weight and the fp32
+// optimizer state, and writes the model's weight in its own dtype. With master weights the fp32
+// weight is the master copy (list "master") and the model weight (list "param") is only written;
+// without, "param" is the fp32 (or low-precision) weight itself. A set found_inf skips the
+// whole step before anything is touched (OpDefaults::skip), so an overflow leaves weights,
+// masters and moments bit-for-bit unchanged; step counts are undone by the caller on device.
+// Lists are ordered [grad, param, (master), state...]; index constants name them.
+#pragma once
+
+#include <cmath>
+
+#include "elementwise_ops.h"
+
+namespace peak {
+
+struct NoState {
+  PEAK_HD void merge(const NoState&) {}
+};
+
+constexpr unsigned all_lists(int depth) { return (1u << depth) - 1u; }
+
+// Shared by every fused optimizer: the step's device scalars.
+struct OptimizerScalars {
+  StepScalar lr;
+  StepScalar grad_scale;  // ptr null: value 1
+  StepScalar found_inf;   // ptr null: value 0
+  PEAK_HD void load() {
+    lr.load();
+    grad_scale.load();
+    found_inf.load();
+  }
+};
+
+template <bool HasMaster, bool Amsgrad>
+struct AdamOp : OpDefaults {
+  static constexpr int kGrad = 0, kParam = 1;
+  static constexpr int kWeight = HasMaster ? 2 : 1;  // the fp32 weight stepped
+  static constexpr int kExpAvg = kWeight + 1, kExpAvgSq = kWeight + 2, kMaxExpAvgSq = kWeight + 3;
+  static constexpr int depth = kExpAvgSq + 1 + (Amsgrad ? 1 : 0);
+  static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
+  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
+  static constexpr int tensor_scalars = 1;  // the step count
+  using State = NoState;
+
+  OptimizerScalars s;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  bool adam_w = false, maximize = false, bias_correction = true;
+  // Per tensor, from its step count.
+  float step_size = 0.0f, bias_correction2_sqrt = 1.0f;
+
+  PEAK_HD void load_scalars() { s.load(); }
+  PEAK_HD void load_tensor_scalars(const float* const* p) {
+    const double step = *p[0];
+    const double bc1 = bias_correction ? 1.0 - pow(static_cast<double>(beta1), step) : 1.0;
+    const double bc2 = bias_correction ? 1.0 - pow(static_cast<double>(beta2), step) : 1.0;
+    step_size = static_cast<float>(s.lr.value / bc1);
+    bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
+  }
+  PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
+
+  PEAK_HD void operator()(float* v, State&) const {
+    float g = v[kGrad] / s.grad_scale.value;
+    if (maximize) g = -g;
+    float w = v[kWeight];
+    if (weight_decay != 0.0f) {
+      if (adam_w) {
+        w = w * (1.0f - s.lr.value * weight_decay);
+      } else {
+        g = fmaf(weight_decay, w, g);
+      }
+    }
+    const float m = fmaf(1.0f - beta1, g - v[kExpAvg], v[kExpAvg]);  // lerp, as torch
+    const float vsq = fmaf(1.0f - beta2, g * g, beta2 * v[kExpAvgSq]);
+    float second = vsq;
+    if constexpr (Amsgrad) {
+      second = v[kMaxExpAvgSq] > vsq ? v[kMaxExpAvgSq] : vsq;
+      v[kMaxExpAvgSq] = second;
+    }
+    const float denom = sqrtf(second) / bias_correction2_sqrt + eps;
+    w = w - step_size * (m / denom);
+    v[kExpAvg] = m;
+    v[kExpAvgSq] = vsq;
+    v[kWeight] = w;
+    v[kParam] = w;  // the model's copy, rounded once to its dtype on store
+  }
+};
+
+template <bool HasMaster, bool HasMomentum>
+struct SgdOp : OpDefaults {
+  static constexpr int kGrad = 0, kParam = 1;
+  static constexpr int kWeight = HasMaster ? 2 : 1;
+  static constexpr int kMomentum = kWeight + 1;
+  static constexpr int depth = kWeight + 1 + (HasMomentum ? 1 : 0);
+  static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
+  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
+  static constexpr int tensor_scalars = 1;  // the step count: the first step seeds the momentum
+  using State = NoState;
+
+  OptimizerScalars s;
+  float momentum = 0.0f, dampening = 0.0f, weight_decay = 0.0f;
+  bool nesterov = false, maximize = false;
+  bool first_step = false;
+
+  PEAK_HD void load_scalars() { s.load(); }
+  PEAK_HD void load_tensor_scalars(const float* const* p) { first_step = *p[0] <= 1.0f; }
+  PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
+
+  PEAK_HD void operator()(float* v, State&) const {
+    float g = v[kGrad] / s.grad_scale.value;
+    if (maximize) g = -g;
+    float w = v[kWeight];
+    if (weight_decay != 0.0f) g = fmaf(weight_decay, w, g);
+    if constexpr (HasMomentum) {
+      const float buf = first_step ? g : fmaf(1.0f - dampening, g, momentum * v[kMomentum]);
+      v[kMomentum] = buf;
+      g = nesterov ? fmaf(momentum, buf, g) : buf;
+    }
+    w = fmaf(-s.lr.value, g, w);
+    v[kWeight] = w;
+    v[kParam] = w;
+  }
+};
+
+// LAMB, as Apex's FusedLAMB (stage 1: moments and the raw update; stage 2: the per-tensor trust
+// ratio from the norms of the weights and of the update, computed between the stages).
+struct LambStage1Op : OpDefaults {
+  static constexpr int kGrad = 0, kWeight = 1, kExpAvg = 2, kExpAvgSq = 3, kUpdate = 4;
+  static constexpr int depth = 5;
+  static constexpr unsigned read_mask = 0b01111;
+  static constexpr unsigned write_mask = 0b11100;
+  static constexpr int tensor_scalars = 1;  // the step count
+  using State = NoState;
+
+  StepScalar grad_scale;
+  StepScalar found_inf;
+  StepScalar grad_norm;  // global norm of the (still scaled) gradients
+  float max_grad_norm = 0.0f;  // 0: no clipping
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-6f, weight_decay = 0.0f;
+  bool adam_w = true, grad_averaging = true, bias_correction = true;
+  float grad_divisor = 1.0f;  // grad_scale times the clipping factor
+  float bias_correction1 = 1.0f, bias_correction2 = 1.0f;
+
+  PEAK_HD void load_scalars() {
+    grad_scale.load();
+    found_inf.load();
+    grad_norm.load();
+    const float norm = grad_norm.value / grad_scale.value;
+    const float clip = (max_grad_norm > 0.0f && norm > max_grad_norm) ? norm / max_grad_norm : 1.0f;
+    grad_divisor = grad_scale.value * clip;
+  }
+  PEAK_HD void load_tensor_scalars(const float* const* p) {
+    const double step = *p[0];
+    bias_correction1 =
+        bias_correction ? static_cast<float>(1.0 - pow(static_cast<double>(beta1), step)) : 1.0f;
+    bias_correction2 =
+        bias_correction ? static_cast<float>(1.0 - pow(static_cast<double>(beta2), step)) : 1.0f;
+  }
+  PEAK_HD bool skip() const { return found_inf.value != 0.0f; }
+
+  PEAK_HD void operator()(float* v, State&) const {
+    float g = v[kGrad] / grad_divisor;
+    const float w = v[kWeight];
+    if (!adam_w && weight_decay != 0.0f) g = fmaf(weight_decay, w, g);
+    const float beta3 = grad_averaging ? 1.0f - beta1 : 1.0f;
+    const float m = fmaf(beta3, g, beta1 * v[kExpAvg]);
+    const float vsq = fmaf(1.0f - beta2, g * g, beta2 * v[kExpAvgSq]);
+    float update = (m / bias_correction1) / (sqrtf(vsq / bias_correction2) + eps);
+    if (adam_w && weight_decay != 0.0f) update = fmaf(weight_decay, w, update);
+    v[kExpAvg] = m;
+    v[kExpAvgSq] = vsq;
+    v[kUpdate] = update;
+  }
+};
+
+template <bool HasMaster>
+struct LambStage2Op : OpDefaults {
+  static constexpr int kUpdate = 0, kParam = 1;
+  static constexpr int kWeight = HasMaster ? 2 : 1;
+  static constexpr int depth = kWeight + 1;
+  static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
+  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kUpdate);
+  static constexpr int tensor_scalars = 2;  // norm of the weight, norm of the update
+  using State = NoState;
+
+  StepScalar lr;
+  StepScalar found_inf;
+  bool use_trust_ratio = true;  // Apex: when weight_decay != 0 or use_nvlamb
+  float ratio = 1.0f;
+
+  PEAK_HD void load_scalars() {
+    lr.load();
+    found_inf.load();
+  }
+  PEAK_HD void load_tensor_scalars(const float* const* p) {
+    const float weight_norm = *p[0], update_norm = *p[1];
+    ratio = (use_trust_ratio && weight_norm != 0.0f && update_norm != 0.0f)
+                ? lr.value * (weight_norm / update_norm)
+                : lr.value;
+  }
+  PEAK_HD bool skip() const { return found_inf.value != 0.0f; }
+
+  PEAK_HD void operator()(float* v, State&) const {
+    const float w = fmaf(-ratio, v[kUpdate], v[kWeight]);
+    v[kWeight] = w;
+    v[kParam] = w;
+  }
+};
+
+}  // namespace peak

@@ -1,0 +1,356 @@
+// The bodies of the fused optimizer ops, written once over a backend (see multi_tensor_ops.h):
+// validate, bump the step counts, pick the variant, launch, undo the step counts on overflow.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "../core/optimizer_ops.h"
+#include "multi_tensor_ops.h"
+
+namespace peak {
+
+template <typename F>
+void with_bool(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+struct OptimizerArgs {
+  const char* name;
+  at::TensorList params, grads, masters, steps;
+  const at::Tensor& lr;
+  const std::optional<at::Tensor>& grad_scale;
+  const std::optional<at::Tensor>& found_inf;
+  int64_t chunk_size;
+};
+
+// Checks shared by every optimizer.
+inline void check_optimizer_args(const OptimizerArgs& a) {
+  check_chunk_size(a.name, a.chunk_size);
+  check_tensor_lists(a.name, {{"params", a.params}, {"grads", a.grads}});
+  if (a.params.empty()) return;
+  const c10::Device device = a.params[0].device();
+  TORCH_CHECK(a.grads[0].scalar_type() == a.params[0].scalar_type(), a.name,
+              ": grads have dtype ", a.grads[0].scalar_type(), " but params have ",
+              a.params[0].scalar_type(), "; a gradient has its parameter's dtype");
+  TORCH_CHECK(a.masters.empty() || a.masters.size() == a.params.size(), a.name,
+              ": master_params must be empty (no master weights) or have one entry per param");
+  if (!a.masters.empty()) {
+    check_tensor_lists(a.name, {{"params", a.params}, {"master_params", a.masters}});
+    TORCH_CHECK(a.masters[0].scalar_type() == at::kFloat, a.name,
+                ": master_params must be float32, got ", a.masters[0].scalar_type());
+  }
+  TORCH_CHECK(a.steps.size() == a.params.size(), a.name, ": steps has ", a.steps.size(),
+              " tensors but params has ", a.params.size());
+  for (size_t i = 0; i < a.steps.size(); ++i) {
+    check_scalar_tensor(a.name, "steps[i]", a.steps[i], at::kFloat, device);
+  }
+  check_scalar_tensor(a.name, "lr", a.lr, at::kFloat, device);
+  if (a.grad_scale) check_scalar_tensor(a.name, "grad_scale", *a.grad_scale, at::kFloat, device);
+  if (a.found_inf) check_scalar_tensor(a.name, "found_inf", *a.found_inf, at::kFloat, device);
+}
+
+// A per-parameter state list: one fp32 tensor per param, shaped like it.
+inline void check_state_list(const OptimizerArgs& a, const NamedList& l) {
+  if (a.params.empty() && l.second.empty()) return;
+  check_tensor_lists(a.name, {{"params", a.params}, l});
+  TORCH_CHECK(l.second[0].scalar_type() == at::kFloat, a.name, ": ", l.first,
+              " must be float32 (optimizer state is kept in fp32), got ",
+              l.second[0].scalar_type());
+}
+
+inline void fill_optimizer_scalars(OptimizerScalars& s, const OptimizerArgs& a) {
+  s.lr.ptr = a.lr.data_ptr<float>();
+  s.grad_scale.value = 1.0f;
+  s.grad_scale.ptr = a.grad_scale ? a.grad_scale->data_ptr<float>() : nullptr;
+  s.found_inf.value = 0.0f;
+  s.found_inf.ptr = a.found_inf ? a.found_inf->data_ptr<float>() : nullptr;
+}
+
+// Steps count up before the kernel (it reads the new count for bias correction) and back down
+// by found_inf after it, on the device: a skipped step leaves them as they were, with no sync.
+struct StepCounts {
+  at::TensorList steps;
+  const std::optional<at::Tensor>& found_inf;
+  StepCounts(at::TensorList s, const std::optional<at::Tensor>& f) : steps(s), found_inf(f) {
+    at::_foreach_add_(steps, 1);
+  }
+  ~StepCounts() {
+    if (found_inf) at::_foreach_add_(steps, found_inf->view({}), -1);
+  }
+};
+
+inline std::vector<const float*> float_ptrs(at::TensorList list) {
+  std::vector<const float*> p(list.size());
+  for (size_t i = 0; i < list.size(); ++i) p[i] = list[i].data_ptr<float>();
+  return p;
+}
+
+// The lists of a variant in order [grad, param, (master), rest...].
+inline std::vector<at::TensorList> optimizer_lists(const OptimizerArgs& a,
+                                                   std::initializer_list<at::TensorList> rest) {
+  std::vector<at::TensorList> lists{a.grads, a.params};
+  if (!a.masters.empty()) lists.push_back(a.masters);
+  for (const at::TensorList& l : rest) {
+    if (!l.empty()) lists.push_back(l);
+  }
+  return lists;
+}
+
+template <int Depth, int NScalars>
+HostTensorLists<Depth, NScalars> host_lists_from(const std::vector<at::TensorList>& lists,
+                                                 std::vector<std::vector<const float*>> scalars) {
+  TORCH_CHECK(static_cast<int>(lists.size()) == Depth, "peak: internal list count mismatch");
+  HostTensorLists<Depth, NScalars> out;
+  const size_t n = lists[0].size();
+  out.ptrs.resize(n);
+  out.numels.resize(n);
+  out.scalars.resize(n);
+  for (size_t t = 0; t < n; ++t) {
+    for (int d = 0; d < Depth; ++d) out.ptrs[t][d] = lists[d][t].data_ptr();
+    out.numels[t] = lists[0][t].numel();
+    for (int k = 0; k < NScalars; ++k) out.scalars[t][k] = scalars[k][t];
+  }
+  return out;
+}
+
+// Launches Op over `lists` with the grad and param lists in `dtype` and every other list fp32.
+template <typename Op, typename Exec>
+void launch_optimizer(Exec& exec, at::ScalarType dtype, const std::vector<at::TensorList>& lists,
+                      std::vector<std::vector<const float*>> scalars, int64_t chunk_size,
+                      const Op& op) {
+  const auto host = host_lists_from<Op::depth, Op::tensor_scalars>(lists, std::move(scalars));
+  const BlockSink sink{};
+  with_storage_type(dtype, [&](auto t) {
+    using T = decltype(t);
+    if constexpr (Op::depth == 2) {
+      exec.template apply<Op, T, T>(host, chunk_size, op, sink);
+    } else if constexpr (Op::depth == 3) {
+      exec.template apply<Op, T, T, float>(host, chunk_size, op, sink);
+    } else if constexpr (Op::depth == 4) {
+      exec.template apply<Op, T, T, float, float>(host, chunk_size, op, sink);
+    } else if constexpr (Op::depth == 5) {
+      exec.template apply<Op, T, T, float, float, float>(host, chunk_size, op, sink);
+    } else if constexpr (Op::depth == 6) {
+      exec.template apply<Op, T, T, float, float, float, float>(host, chunk_size, op, sink);
+    } else {
+      static_assert(Op::depth >= 2 && Op::depth <= 6, "unsupported optimizer depth");
+    }
+  });
+}
+
+template <typename Exec>
+void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
+                at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, double beta1,
+                double beta2, double eps, double weight_decay, bool amsgrad, bool adam_w_mode,
+                bool maximize, bool bias_correction) {
+  check_optimizer_args(a);
+  check_state_list(a, {"exp_avgs", exp_avgs});
+  check_state_list(a, {"exp_avg_sqs", exp_avg_sqs});
+  if (amsgrad) check_state_list(a, {"max_exp_avg_sqs", max_exp_avg_sqs});
+  TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), a.name,
+              ": max_exp_avg_sqs must be empty unless amsgrad=True");
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, a.name,
+              ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
+  TORCH_CHECK(eps >= 0.0, a.name, ": eps must be >= 0, got ", eps);
+  if (a.params.empty()) return;
+  const StepCounts counts(a.steps, a.found_inf);
+  const auto lists =
+      optimizer_lists(a, {exp_avgs, exp_avg_sqs, amsgrad ? max_exp_avg_sqs : at::TensorList{}});
+  with_bool(!a.masters.empty(), [&](auto has_master) {
+    with_bool(amsgrad, [&](auto ams) {
+      AdamOp<decltype(has_master)::value, decltype(ams)::value> op;
+      fill_optimizer_scalars(op.s, a);
+      op.beta1 = static_cast<float>(beta1);
+      op.beta2 = static_cast<float>(beta2);
+      op.eps = static_cast<float>(eps);
+      op.weight_decay = static_cast<float>(weight_decay);
+      op.adam_w = adam_w_mode;
+      op.maximize = maximize;
+      op.bias_correction = bias_correction;
+      launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)},
+                       a.chunk_size, op);
+    });
+  });
+}
+
+template <typename Exec>
+void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffers,
+               double momentum, double dampening, double weight_decay, bool nesterov,
+               bool maximize) {
+  check_optimizer_args(a);
+  TORCH_CHECK(momentum >= 0.0, a.name, ": momentum must be >= 0, got ", momentum);
+  TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), a.name,
+              ": nesterov momentum requires a momentum and zero dampening");
+  TORCH_CHECK((momentum == 0.0) == momentum_buffers.empty(), a.name,
+              ": momentum_buffers must have one fp32 buffer per param when momentum > 0, "
+              "and be empty when momentum == 0");
+  if (!momentum_buffers.empty()) check_state_list(a, {"momentum_buffers", momentum_buffers});
+  if (a.params.empty()) return;
+  const StepCounts counts(a.steps, a.found_inf);
+  const auto lists = optimizer_lists(a, {momentum_buffers});
+  with_bool(!a.masters.empty(), [&](auto has_master) {
+    with_bool(momentum != 0.0, [&](auto has_momentum) {
+      SgdOp<decltype(has_master)::value, decltype(has_momentum)::value> op;
+      fill_optimizer_scalars(op.s, a);
+      op.momentum = static_cast<float>(momentum);
+      op.dampening = static_cast<float>(dampening);
+      op.weight_decay = static_cast<float>(weight_decay);
+      op.nesterov = nesterov;
+      op.maximize = maximize;
+      launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)},
+                       a.chunk_size, op);
+    });
+  });
+}
+
+template <typename Exec>
+void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
+                at::TensorList exp_avg_sqs, double beta1, double beta2, double eps,
+                double weight_decay, bool adam_w_mode, bool grad_averaging, bool bias_correction,
+                double max_grad_norm, bool use_nvlamb, const std::optional<at::Tensor>& grad_norm) {
+  check_optimizer_args(a);
+  check_state_list(a, {"exp_avgs", exp_avgs});
+  check_state_list(a, {"exp_avg_sqs", exp_avg_sqs});
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, a.name,
+              ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
+  TORCH_CHECK(max_grad_norm >= 0.0, a.name, ": max_grad_norm must be >= 0 (0: no clipping)");
+  if (a.params.empty()) return;
+  const c10::Device device = a.params[0].device();
+  if (grad_norm) check_scalar_tensor(a.name, "grad_norm", *grad_norm, at::kFloat, device);
+  const StepCounts counts(a.steps, a.found_inf);
+  const at::TensorList weights = a.masters.empty() ? a.params : a.masters;
+
+  // Global norm of the (scaled) gradients, for clipping, unless the caller gave it.
+  at::Tensor norm = grad_norm ? *grad_norm : std::get<0>(multi_tensor_l2norm(exec, a.grads, false,
+                                                                              a.chunk_size));
+  // Stage 1: moments and the raw update into fp32 scratch.
+  std::vector<at::Tensor> updates;
+  updates.reserve(a.params.size());
+  for (const at::Tensor& p : a.params) updates.push_back(at::empty_like(p, p.options().dtype(at::kFloat)));
+  {
+    LambStage1Op op;
+    op.grad_scale.value = 1.0f;
+    op.grad_scale.ptr = a.grad_scale ? a.grad_scale->data_ptr<float>() : nullptr;
+    op.found_inf.ptr = a.found_inf ? a.found_inf->data_ptr<float>() : nullptr;
+    op.grad_norm.ptr = norm.data_ptr<float>();
+    op.max_grad_norm = static_cast<float>(max_grad_norm);
+    op.beta1 = static_cast<float>(beta1);
+    op.beta2 = static_cast<float>(beta2);
+    op.eps = static_cast<float>(eps);
+    op.weight_decay = static_cast<float>(weight_decay);
+    op.adam_w = adam_w_mode;
+    op.grad_averaging = grad_averaging;
+    op.bias_correction = bias_correction;
+    const auto host = host_lists_from<5, 1>({a.grads, weights, exp_avgs, exp_avg_sqs, updates},
+                                            {float_ptrs(a.steps)});
+    with_storage_type(a.params[0].scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      if (a.masters.empty()) {
+        exec.template apply<LambStage1Op, T, T, float, float, float>(host, a.chunk_size, op,
+                                                                    BlockSink{});
+      } else {
+        exec.template apply<LambStage1Op, T, float, float, float, float>(host, a.chunk_size, op,
+                                                                        BlockSink{});
+      }
+    });
+  }
+  // Per-tensor norms of the weights and of the update (the trust ratio's inputs).
+  const at::Tensor weight_norms = std::get<1>(multi_tensor_l2norm(exec, weights, true, a.chunk_size));
+  const at::Tensor update_norms = std::get<1>(multi_tensor_l2norm(exec, updates, true, a.chunk_size));
+  // Stage 2: weights -= ratio * update.
+  std::vector<const float*> wn(a.params.size()), un(a.params.size());
+  for (size_t t = 0; t < a.params.size(); ++t) {
+    wn[t] = weight_norms.data_ptr<float>() + t;
+    un[t] = update_norms.data_ptr<float>() + t;
+  }
+  std::vector<at::TensorList> lists{updates, a.params};
+  if (!a.masters.empty()) lists.push_back(a.masters);
+  with_bool(!a.masters.empty(), [&](auto has_master) {
+    using Op = LambStage2Op<decltype(has_master)::value>;
+    Op op;
+    op.lr.ptr = a.lr.data_ptr<float>();
+    op.found_inf.ptr = a.found_inf ? a.found_inf->data_ptr<float>() : nullptr;
+    op.use_trust_ratio = use_nvlamb || weight_decay != 0.0;
+    const auto host = host_lists_from<Op::depth, 2>(lists, {wn, un});
+    with_storage_type(a.params[0].scalar_type(), [&](auto t) {
+      using T = decltype(t);
+      if constexpr (Op::depth == 2) {
+        exec.template apply<Op, float, T>(host, a.chunk_size, op, BlockSink{});
+      } else {
+        exec.template apply<Op, float, T, float>(host, a.chunk_size, op, BlockSink{});
+      }
+    });
+  });
+}
+
+}  // namespace peak
+
+namespace peak {
+
+// Dispatcher entry points, one per op, instantiated per backend (Exec::Guard picks the device).
+template <typename Exec>
+void fused_adam_entry(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                      at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                      at::TensorList max_exp_avg_sqs, at::TensorList steps, const at::Tensor& lr,
+                      double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
+                      bool adam_w_mode, bool maximize, bool bias_correction,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size) {
+  const typename Exec::Guard guard(lr.device());
+  Exec exec;
+  fused_adam(exec,
+             OptimizerArgs{"fused_adam_", params, grads, master_params, steps, lr, grad_scale,
+                           found_inf, chunk_size},
+             exp_avgs, exp_avg_sqs, max_exp_avg_sqs, beta1, beta2, eps, weight_decay, amsgrad,
+             adam_w_mode, maximize, bias_correction);
+}
+
+template <typename Exec>
+void fused_sgd_entry(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                     at::TensorList momentum_buffers, at::TensorList steps, const at::Tensor& lr,
+                     double momentum, double dampening, double weight_decay, bool nesterov,
+                     bool maximize, const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf, int64_t chunk_size) {
+  const typename Exec::Guard guard(lr.device());
+  Exec exec;
+  fused_sgd(exec,
+            OptimizerArgs{"fused_sgd_", params, grads, master_params, steps, lr, grad_scale,
+                          found_inf, chunk_size},
+            momentum_buffers, momentum, dampening, weight_decay, nesterov, maximize);
+}
+
+template <typename Exec>
+void fused_lamb_entry(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                      at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList steps,
+                      const at::Tensor& lr, double beta1, double beta2, double eps,
+                      double weight_decay, bool adam_w_mode, bool grad_averaging,
+                      bool bias_correction, double max_grad_norm, bool use_nvlamb,
+                      const std::optional<at::Tensor>& grad_norm,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size) {
+  const typename Exec::Guard guard(lr.device());
+  Exec exec;
+  fused_lamb(exec,
+             OptimizerArgs{"fused_lamb_", params, grads, master_params, steps, lr, grad_scale,
+                           found_inf, chunk_size},
+             exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, adam_w_mode, grad_averaging,
+             bias_correction, max_grad_norm, use_nvlamb, grad_norm);
+}
+
+template <typename Exec>
+void check_finite_entry(at::TensorList tensors, const at::Tensor& found_inf, int64_t chunk_size,
+                        const std::optional<at::Tensor>& per_tensor_found_inf) {
+  const typename Exec::Guard guard(found_inf.device());
+  Exec exec;
+  multi_tensor_check_finite(exec, tensors, found_inf, chunk_size, per_tensor_found_inf);
+}
+
+}  // namespace peak

@@ -1,0 +1,14 @@
+"""Fused master-weight optimizers: one pass from low-precision gradients to fp32 master weights
+and moments to low-precision model weights, on CPU and CUDA.
+
+    opt = peak.optimizers.FusedAdam(model.parameters(), lr=1e-3, adam_w_mode=True)
+
+Used alone they are ordinary torch optimizers (fp32 models: no masters; fp16/bf16 parameters:
+fp32 masters in ``optimizer.state[p]["master_param"]``, saved by ``state_dict()``). With
+``peak.amp.GradScaler`` or ``amp.initialize(..., opt_level="O2")`` the unscale and the overflow
+skip happen inside the step.
+"""
+from ._base import FusedOptimizer, export_fp32_state_dict
+from .fused import FusedAdam, FusedLAMB, FusedSGD
+
+__all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedOptimizer", "export_fp32_state_dict"]

@@ -1,0 +1,193 @@
+"""What every fused optimizer shares: state layout, master weights, step plumbing, checkpoints.
+
+State per parameter (all fp32, on the parameter's device): ``step`` (a 0-dim count, as torch's
+fused optimizers keep it), the family's moments, and ``master_param`` when the parameter is kept
+in fp16/bf16 with master weights. So ``optimizer.state_dict()`` carries the masters, and
+``load_state_dict`` restores them bit for bit (the hole in Apex's FusedAdam).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+# State entries kept in fp32 whatever the parameter's dtype (torch's Optimizer.load_state_dict
+# would cast them to the parameter's dtype: we restore them ourselves).
+FP32_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                   "master_param")
+
+
+def _check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}")
+        return
+    ok = True
+    if lo is not None:
+        ok &= value > lo if lo_open else value >= lo
+    if hi is not None:
+        ok &= value < hi if hi_open else value <= hi
+    if not ok:
+        lo_s = ("(" if lo_open else "[") + str(lo) if lo is not None else "(-inf"
+        hi_s = str(hi) + (")" if hi_open else "]") if hi is not None else "inf)"
+        raise ValueError(f"Invalid {name}: {value} (must be in {lo_s}, {hi_s})")
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses define ``_state_keys`` (their fp32 moments) and ``_launch``."""
+
+    # GradScaler hands grad_scale/found_inf to step() instead of unscaling and syncing.
+    _step_supports_amp_scaling = True
+    _state_keys: tuple[str, ...] = ()
+
+    def __init__(self, params, defaults, master_weights: bool | None = None):
+        if master_weights not in (None, True, False):
+            raise ValueError(f"master_weights must be None (auto), True or False, got "
+                             f"{master_weights!r}")
+        self.master_weights = master_weights
+        super().__init__(params, defaults)
+
+    # -- state -----------------------------------------------------------------------------------
+    def _wants_master(self, p: Tensor) -> bool:
+        if p.dtype == torch.float32:
+            return False
+        if p.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{type(self).__name__} supports float32, float16 and bfloat16 "
+                            f"parameters; got a {p.dtype} parameter")
+        return self.master_weights is not False
+
+    def _init_state(self, p: Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            for key in self._state_keys_for(group):
+                state[key] = torch.zeros_like(p, dtype=torch.float32,
+                                              memory_format=torch.preserve_format)
+        if self._wants_master(p) and "master_param" not in state:
+            state["master_param"] = p.detach().to(torch.float32, copy=True)
+        return state
+
+    def _state_keys_for(self, group: dict) -> tuple[str, ...]:
+        return self._state_keys
+
+    def master_params(self):
+        """The fp32 weights the optimizer steps: the master copy where there is one, else the
+        parameter itself (for gradient clipping on the values being updated)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield self.state[p].get("master_param", p) if p in self.state else p
+
+    # -- step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: Tensor | None = None,
+             found_inf: Tensor | None = None):
+        """One fused step. ``grad_scale``/``found_inf`` (float32, one element) come from a
+        loss scaler: grads are divided by ``grad_scale`` inside the step, and a set
+        ``found_inf`` skips it on the device, leaving every weight and state bit-for-bit."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            buckets: dict[tuple, list[Tensor]] = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if p.grad.dtype != p.dtype:
+                    raise TypeError(f"a gradient has dtype {p.grad.dtype} but its parameter has "
+                                    f"{p.dtype}; {type(self).__name__} reads gradients in the "
+                                    f"parameter's dtype")
+                self._init_state(p, group)
+                has_master = "master_param" in self.state[p]
+                buckets[(p.device, p.dtype, has_master)].append(p)
+            for (device, _dtype, has_master), params in buckets.items():
+                lr = group["lr"]
+                lr_t = (lr.to(device=device, dtype=torch.float32).reshape(1)
+                        if isinstance(lr, Tensor)
+                        else torch.full((1,), float(lr), dtype=torch.float32, device=device))
+                gs = self._on(grad_scale, device)
+                fi = self._on(found_inf, device)
+                states = [self.state[p] for p in params]
+                self._launch(group, params, [self._grad_like_param(p) for p in params],
+                             [s["master_param"] for s in states] if has_master else [],
+                             states, lr_t, gs, fi)
+        return loss
+
+    @staticmethod
+    def _grad_like_param(p: Tensor) -> Tensor:
+        # The kernels walk a parameter and its gradient in the same memory order.
+        g = p.grad
+        if g.stride() == p.stride():
+            return g
+        return torch.empty_like(p).copy_(g)
+
+    @staticmethod
+    def _on(t: Tensor | None, device) -> Tensor | None:
+        if t is None:
+            return None
+        return t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
+
+    def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
+        raise NotImplementedError  # each fused optimizer defines its kernel call
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, except that fp32 state (moments, step counts, master weights) stays fp32
+        and is copied bit for bit, and a torch.optim state dict of the same family loads too."""
+        saved_state = state_dict["state"]
+        fp32 = {pid: {k: v for k, v in st.items() if k in FP32_STATE_KEYS and v is not None}
+                for pid, st in saved_state.items()}
+        stripped = dict(state_dict)
+        stripped["state"] = {pid: {k: v for k, v in st.items() if k not in FP32_STATE_KEYS}
+                             for pid, st in saved_state.items()}
+        super().load_state_dict(stripped)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        id_to_param = dict(zip(saved_ids, params))
+        for pid, entries in fp32.items():
+            p = id_to_param.get(pid)
+            if p is None:
+                continue
+            state = self.state[p]
+            for key, value in entries.items():
+                if isinstance(value, Tensor):
+                    state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+                else:  # a Python number (older torch 'step')
+                    state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
+            self._complete_loaded_state(p, state)
+
+    def _complete_loaded_state(self, p: Tensor, state: dict) -> None:
+        """Fill what a torch.optim checkpoint lacks (a master copy, a step count)."""
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        if state["step"].dim() != 0:
+            state["step"] = state["step"].reshape(())
+        if self._wants_master(p) and "master_param" not in state:
+            state["master_param"] = p.detach().to(torch.float32, copy=True)
+
+
+def export_fp32_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``model.state_dict()`` in fp32, taking each parameter's value from the optimizer's master
+    copy where it keeps one (exact fp32 weights, not the rounded model copy)."""
+    masters = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            if "master_param" in st:
+                masters[id(p)] = st["master_param"]
+    by_name = dict(model.named_parameters())
+    out = {}
+    for name, value in model.state_dict().items():
+        p = by_name.get(name)
+        if p is not None and id(p) in masters:
+            out[name] = masters[id(p)].detach().clone()
+        elif value.is_floating_point():
+            out[name] = value.detach().to(torch.float32, copy=True)
+        else:
+            out[name] = value.detach().clone()
+    return out

@@ -1,0 +1,134 @@
+"""FusedSGD, FusedAdam and FusedLAMB: torch.optim-compatible optimizers whose step is one C++
+kernel per (device, dtype) bucket -- unscale, skip on overflow, fp32 master and state update,
+low-precision weight write -- on CPU and CUDA. See NOTE: [Fused master-weight step]."""
+from __future__ import annotations
+
+import torch
+
+from ._base import FusedOptimizer, _check_hyper
+
+
+class FusedSGD(FusedOptimizer):
+    """SGD with momentum, dampening, Nesterov and weight decay, as ``torch.optim.SGD``.
+
+    ``master_weights`` (None: automatic) keeps fp32 masters for fp16/bf16 parameters."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False, master_weights=None):
+        _check_hyper("learning rate", lr, lo=0.0)
+        _check_hyper("momentum value", momentum, lo=0.0)
+        _check_hyper("weight_decay value", weight_decay, lo=0.0)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults, master_weights)
+
+    def _state_keys_for(self, group):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
+        buffers = [s["momentum_buffer"] for s in states] if group["momentum"] != 0 else []
+        torch.ops.peak.fused_sgd_(params, grads, masters, buffers, [s["step"] for s in states], lr,
+                                  group["momentum"], group["dampening"], group["weight_decay"],
+                                  group["nesterov"], group["maximize"], grad_scale, found_inf)
+
+    def _complete_loaded_state(self, p, state):
+        had_step = "step" in state
+        super()._complete_loaded_state(p, state)
+        if not had_step and "momentum_buffer" in state:
+            state["step"].fill_(1.0)  # a torch.optim.SGD buffer: momentum is already seeded
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam, or AdamW with ``adam_w_mode=True`` (decoupled weight decay), as ``torch.optim.Adam``
+    / ``AdamW``; ``amsgrad`` and ``bias_correction`` as Apex's FusedAdam."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
+                 master_weights=None):
+        _check_hyper("learning rate", lr, lo=0.0)
+        _check_hyper("epsilon value", eps, lo=0.0)
+        _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
+        _check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
+        _check_hyper("weight_decay value", weight_decay, lo=0.0)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, adam_w_mode=adam_w_mode,
+                        bias_correction=bias_correction, maximize=maximize)
+        super().__init__(params, defaults, master_weights)
+
+    def _state_keys_for(self, group):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
+        beta1, beta2 = group["betas"]
+        amsgrad = group["amsgrad"]
+        torch.ops.peak.fused_adam_(
+            params, grads, masters, [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+            [s["step"] for s in states], lr, beta1, beta2, group["eps"], group["weight_decay"],
+            amsgrad, group["adam_w_mode"], group["maximize"], group["bias_correction"],
+            grad_scale, found_inf)
+
+    def _complete_loaded_state(self, p, state):
+        super()._complete_loaded_state(p, state)
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+
+
+class FusedLAMB(FusedOptimizer):
+    """LAMB as Apex's FusedLAMB: Adam moments on globally norm-clipped gradients, then a
+    per-tensor trust ratio ``||w|| / ||update||`` (applied when ``weight_decay != 0`` or
+    ``use_nvlamb``). ``max_grad_norm=0`` disables clipping."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
+                 max_grad_norm=1.0, use_nvlamb=False, *, master_weights=None):
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+        _check_hyper("learning rate", lr, lo=0.0)
+        _check_hyper("epsilon value", eps, lo=0.0)
+        _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
+        _check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
+        _check_hyper("weight_decay value", weight_decay, lo=0.0)
+        _check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                        grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
+                        use_nvlamb=use_nvlamb)
+        super().__init__(params, defaults, master_weights)
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        # Apex clips by the norm of ALL gradients (every group and dtype): computed here once,
+        # one multi-tensor pass per (device, dtype), combined on the device.
+        self._global_grad_norm = None
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grads and any(g["max_grad_norm"] > 0 for g in self.param_groups):
+            from .. import ops
+            by_kind = {}
+            for g in grads:
+                by_kind.setdefault((g.device, g.dtype), []).append(g.contiguous())
+            device = grads[0].device
+            sumsq = torch.zeros(1, dtype=torch.float32, device=device)
+            for group_grads in by_kind.values():
+                norm, _ = ops.multi_tensor_l2norm(group_grads)
+                sumsq += norm.to(device) ** 2
+            self._global_grad_norm = sumsq.sqrt()
+        return super().step(closure, grad_scale=grad_scale, found_inf=found_inf)
+
+    def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
+        beta1, beta2 = group["betas"]
+        norm = self._global_grad_norm
+        if norm is not None:
+            norm = norm.to(lr.device)
+        torch.ops.peak.fused_lamb_(
+            params, grads, masters, [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
+            group["eps"], group["weight_decay"], group["adam_w_mode"], group["grad_averaging"],
+            group["bias_correction"], group["max_grad_norm"], group["use_nvlamb"], norm,
+            grad_scale, found_inf)
