@@ -14,6 +14,9 @@ from ._amp_state import _amp_state, master_params
 from .frontend import Properties, initialize, load_state_dict, opt_levels, state_dict
 from .handle import AmpHandle, NoOpHandle, disable_casts, init, scale_loss
 from .loss_scaler import LossScaler
+# torch.amp dialect (issue 5): see docs/torch_dialect.md
+from .autocast_mode import autocast, custom_bwd, custom_fwd
+from .grad_scaler import GradScaler, OptState, OverflowReport
 
 __all__ = [
     "initialize",
@@ -24,4 +27,9 @@ __all__ = [
     "disable_casts",
     "init",
     "LossScaler",
+    "GradScaler",
+    "OverflowReport",
+    "autocast",
+    "custom_fwd",
+    "custom_bwd",
 ]
