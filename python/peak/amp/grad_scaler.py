@@ -37,6 +37,8 @@ _ON_MIN_SCALE = ("warn", "raise", "keep")
 # scalars, which costs more than the kernel for a model with many small gradients.
 _multi_tensor_scale = torch.ops.peak.multi_tensor_scale_.default
 _update_scale = torch.ops.peak.update_scale_.default
+_check_finite = (torch.ops.peak.multi_tensor_check_finite_.default
+                 if hasattr(torch.ops.peak, "multi_tensor_check_finite_") else None)
 _HAS_PER_TENSOR_FLAGS = any(a.name == "per_tensor_found_inf"
                             for a in _multi_tensor_scale._schema.arguments)
 
@@ -49,14 +51,16 @@ class _ConfigError(ValueError, AssertionError):
 class _MultiDeviceReplicator:
     """Lazily serves copies of a tensor to requested devices (torch's helper, same name)."""
 
-    def __init__(self, master_tensor: torch.Tensor) -> None:
+    def __init__(self, master_tensor: torch.Tensor, share_master: bool = False) -> None:
         self.master = master_tensor
+        self._share_master = share_master  # serve the master itself on its own device
         self._per_device_tensors: dict[torch.device, torch.Tensor] = {}
 
     def get(self, device: torch.device) -> torch.Tensor:
         retval = self._per_device_tensors.get(device, None)
         if retval is None:
-            retval = self.master.to(device=device, non_blocking=True, copy=True)
+            retval = (self.master if self._share_master and device == self.master.device
+                      else self.master.to(device=device, non_blocking=True, copy=True))
             self._per_device_tensors[device] = retval
         return retval
 
@@ -289,17 +293,19 @@ class GradScaler:
 
     # ------------------------------------------------------------------ unscale
     def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+                        allow_fp16: bool, *, _check_only: bool = False
+                        ) -> dict[torch.device, torch.Tensor]:
         """Unscale (multiply by ``inv_scale``) and check every gradient of ``optimizer`` in place,
         one multi-tensor pass per (device, dtype); returns ``{device: found_inf}``.
 
         ``allow_fp16`` is accepted for torch compatibility and ignored: fp16 and bf16 gradients
-        are unscaled in fp32 math and stored back."""
-        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
-        per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        # The master tensors serve their own device without a copy.
-        per_device_inv_scale._per_device_tensors[inv_scale.device] = inv_scale
-        per_device_found_inf._per_device_tensors[found_inf.device] = found_inf
+        are unscaled in fp32 math and stored back. ``_check_only``: check without writing (the
+        fused-optimizer path; ``inv_scale`` must then be 1)."""
+        check_only = _check_only and _check_finite is not None
+        # The master tensors serve their own device without a copy (fresh tensors, read or
+        # written only here).
+        per_device_inv_scale = _MultiDeviceReplicator(inv_scale, share_master=True)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf, share_master=True)
         report = self._report_enabled
         groups: dict[tuple, list[torch.Tensor]] = {}
         owners: dict[tuple, list] = {} if report else None
@@ -330,7 +336,14 @@ class GradScaler:
                 dev_inv_scale = per_device_inv_scale.get(device)
                 flags = (torch.zeros(len(grads), dtype=torch.float32, device=device)
                          if report else None)
-                if dtype in _KERNEL_DTYPES:
+                if dtype in _KERNEL_DTYPES and check_only:
+                    # A read-only pass: no dense copies needed, nothing written back.
+                    grads = [g if _is_dense(g) else g.contiguous() for g in grads]
+                    if flags is None:
+                        _check_finite(grads, dev_found_inf, _CHUNK_SIZE)
+                    else:
+                        _check_finite(grads, dev_found_inf, _CHUNK_SIZE, flags)
+                elif dtype in _KERNEL_DTYPES:
                     copies = None
                     for i, g in enumerate(grads):
                         if not _is_dense(g):
@@ -398,7 +411,7 @@ class GradScaler:
         dummy_inv_scale = torch.ones((), dtype=torch.float32, device=_scale.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=_scale.device)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, dummy_inv_scale, found_inf, True)
+            optimizer, dummy_inv_scale, found_inf, True, _check_only=True)
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
@@ -435,12 +448,16 @@ class GradScaler:
                 self._skipped_steps_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
             self._skipped_steps_device.add_(skipped != 0)
 
-    def _step_takes_grad_scaler(self, optimizer) -> bool:
+    def _step_signature(self, optimizer) -> tuple[bool, bool]:
+        """(takes ``grad_scaler=`` (torch's legacy contract), takes ``grad_scale=``/``found_inf=``
+        keywords (peak's fused optimizers)), cached per step function."""
         step = optimizer.step
         key = getattr(step, "__func__", step)
         cached = self._step_sig_cache.get(key)
         if cached is None:
-            cached = "grad_scaler" in inspect.signature(step).parameters
+            params = inspect.signature(step).parameters
+            cached = ("grad_scaler" in params,
+                      "grad_scale" in params and "found_inf" in params)
             self._step_sig_cache[key] = cached
         return cached
 
@@ -463,7 +480,7 @@ class GradScaler:
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             kwargs_ = kwargs
-            has_grad_scaler_kwarg = self._step_takes_grad_scaler(optimizer)
+            has_grad_scaler_kwarg, takes_scale_kwargs = self._step_signature(optimizer)
             if has_grad_scaler_kwarg:
                 warnings.warn(
                     "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -486,6 +503,11 @@ class GradScaler:
                     optimizer.grad_scale = (self._scale if user_scale is None
                                             else self._scale * user_scale)
                 optimizer.found_inf = found_inf
+                if takes_scale_kwargs:
+                    # peak's fused optimizers take them as keywords; torch's read the attributes.
+                    kwargs_ = dict(kwargs)
+                    kwargs_.setdefault("grad_scale", optimizer.grad_scale)
+                    kwargs_.setdefault("found_inf", found_inf)
             retval = optimizer.step(*args, **kwargs_)
             optimizer_state["stage"] = OptState.STEPPED
             if not has_grad_scaler_kwarg:

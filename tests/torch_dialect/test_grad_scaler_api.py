@@ -1,0 +1,536 @@
+"""peak.amp.GradScaler: torch's contract (errors, state machine, unscale cases, update sequences,
+disabled / lazy behaviour, fused hand-off) and peak's extensions (hysteresis, min/max scale and the
+floor policy, skipped-step visibility, overflow attribution, fp16/bf16 gradients)."""
+import warnings
+
+import pytest
+import torch
+
+from peak import amp
+from peak.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from peak_testing import DTYPES, dtype_id
+from torch_dialect_helpers import HostReads, batches, make_model
+
+F = torch.nn.functional
+INF, NAN = float("inf"), float("nan")
+
+
+def opt_with_grads(grads, dtype=None):
+    """An SGD optimizer over parameters whose .grad are the given tensors (set as they are)."""
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=dtype or g.dtype))
+        p.grad = g
+        params.append(p)
+    return torch.optim.SGD(params, lr=1.0)
+
+
+def scaler_at(scale, **kw):
+    s = amp.GradScaler("cpu", init_scale=scale, **kw)
+    s.scale(torch.ones(()))  # lazily creates the state on the CPU
+    return s
+
+
+def train_step(scaler, model, opt, x, y):
+    opt.zero_grad()
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+# ---- construction -------------------------------------------------------------------------------
+
+def test_defaults_and_lazy_state():
+    s = amp.GradScaler("cpu")
+    assert s.get_scale() == 2.0**16 and s._scale is None and s._growth_tracker is None
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (2.0, 0.5, 2000)
+    assert s.is_enabled()
+    assert s._per_optimizer_states[0] == _refresh_per_optimizer_state()
+    out = s.scale(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0**16))
+    assert s._scale.shape == () and s._scale.dtype == torch.float32
+    assert s._growth_tracker.shape == () and s._growth_tracker.dtype == torch.int32
+    assert s._scale.device.type == "cpu"
+
+
+def test_default_device_cuda_without_cuda_warns_and_disables_like_torch():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling.") as rec_p:
+        s = amp.GradScaler()
+    with pytest.warns(UserWarning) as rec_t:
+        torch.amp.GradScaler()
+    assert str(rec_p[0].message) == str(rec_t[0].message)
+    assert not s.is_enabled()
+    loss = torch.ones(())
+    assert s.scale(loss) is loss and s.get_scale() == 1.0 and s.state_dict() == {}
+
+
+def test_disabled_scaler_is_a_pass_through():
+    m = make_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = amp.GradScaler("cpu", enabled=False)
+    x, y = batches(1)[0]
+    loss = F.mse_loss(m(x), y)
+    assert s.scale(loss) is loss
+    loss.backward()
+    assert s.step(o) is None and s.last_step_skipped is False
+    s.unscale_(o)
+    s.update()
+    s.load_state_dict({})
+    assert s.state_dict() == {} and s.skipped_steps == 0
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(growth_factor=1.0), AssertionError, "growth factor must be > 1.0"),
+    (dict(backoff_factor=1.0), AssertionError, "backoff factor must be < 1.0"),
+    (dict(growth_factor=0.5), ValueError, "growth factor"),
+    (dict(init_scale=0.0), ValueError, "init_scale"),
+    (dict(init_scale=float("inf")), ValueError, "init_scale"),
+    (dict(init_scale="big"), TypeError, "init_scale must be a float"),
+    (dict(growth_interval=0), ValueError, "growth_interval must be >= 1"),
+    (dict(growth_interval=2.5), TypeError, "growth_interval must be an int"),
+    (dict(hysteresis=0), ValueError, "hysteresis must be >= 1"),
+    (dict(min_scale=2.0**20), ValueError, "min_scale=.* must be in"),
+    (dict(max_scale=1.0), ValueError, "max_scale=.* must be >= init_scale"),
+    (dict(on_min_scale="ignore"), ValueError, "on_min_scale must be one of"),
+    (dict(enabled="yes"), TypeError, "enabled must be a bool"),
+    (dict(device="gpu0"), ValueError, "device='gpu0' is not a device type"),
+])
+def test_bad_constructor_arguments(kwargs, exc, match):
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(exc, match=match):
+        amp.GradScaler(**kwargs)
+
+
+# ---- state machine and errors (torch's messages) --------------------------------------------------
+
+def test_errors_before_scale():
+    s = amp.GradScaler("cpu")
+    o = opt_with_grads([torch.ones(2)])
+    for call, name in ((lambda: s.unscale_(o), "unscale_"), (lambda: s.step(o), "step"),
+                       (lambda: s.update(), "update")):
+        with pytest.raises(AssertionError, match=f"Attempted {name} but _scale is None"):
+            call()
+
+
+def test_state_machine_errors():
+    s = scaler_at(4.0)
+    o = opt_with_grads([torch.ones(2)])
+    s.unscale_(o)
+    assert s._per_optimizer_states[id(o)]["stage"] is OptState.UNSCALED
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called on this optimizer"):
+        s.unscale_(o)
+    s.step(o)
+    assert s._per_optimizer_states[id(o)]["stage"] is OptState.STEPPED
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) is being called after step\(\)"):
+        s.unscale_(o)
+    with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update"):
+        s.step(o)
+    s.update()
+    assert len(s._per_optimizer_states) == 0
+
+
+def test_closure_and_no_inf_checks():
+    s = scaler_at(4.0)
+    o = opt_with_grads([torch.ones(2)])
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        s.step(o, closure=lambda: 0.0)
+    no_grads = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    with pytest.raises(AssertionError, match="No inf checks were recorded for this optimizer."):
+        s.step(no_grads)
+    s2 = scaler_at(4.0)
+    with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
+        s2.update()
+
+
+def test_update_new_scale():
+    s = scaler_at(4.0)
+    s.update(8.0)
+    assert s.get_scale() == 8.0
+    s.update(torch.tensor([16.0]))
+    assert s.get_scale() == 16.0
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor(1.0, requires_grad=True)):
+        with pytest.raises(AssertionError, match="new_scale should be a float or a 1-element"):
+            s.update(bad)
+    with pytest.raises(TypeError, match="new_scale should be a float"):
+        s.update("2")
+
+
+def test_scale_nested_outputs():
+    s = scaler_at(2.0)
+    a, b, c = torch.ones(2), torch.full((3,), 2.0), torch.full((1,), 3.0)
+    out = s.scale([a, (b, [c])])
+    assert isinstance(out, list) and isinstance(out[1], tuple)
+    assert torch.equal(out[0], a * 2) and torch.equal(out[1][1][0], c * 2)
+    it = s.scale(iter([a, b]))
+    assert not isinstance(it, (list, tuple)) and torch.equal(list(it)[1], b * 2)
+    with pytest.raises(ValueError, match="outputs must be a Tensor or an iterable of Tensors"):
+        s.scale(1.0)
+
+
+# ---- unscale (torch's test_grad_scaling_unscale, every kernel dtype) -----------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced", "mixed"])
+@pytest.mark.parametrize("bad", [None, INF, NAN], ids=["finite", "inf", "nan"])
+def test_unscale_cases(dtype, layout, bad):
+    def grad(i):
+        if layout == "transposed" or (layout == "mixed" and i == 1):
+            return torch.full((3, 4), 4.0, dtype=dtype).t()
+        if layout == "sliced" or (layout == "mixed" and i == 2):
+            return torch.full((4, 6), 4.0, dtype=dtype)[:, :3]
+        return torch.full((4, 3), 4.0, dtype=dtype)
+
+    grads = [grad(i) for i in range(3)]
+    backing = [g._base for g in grads if g._base is not None]
+    if bad is not None:
+        grads[2][1, 1] = bad
+    o = opt_with_grads(grads)
+    s = scaler_at(4.0)
+    s.unscale_(o)
+    found = s._found_inf_per_device(o)[torch.device("cpu")]
+    assert found.item() == (0.0 if bad is None else 1.0)
+    for i, p in enumerate(o.param_groups[0]["params"]):
+        assert p.grad is grads[i]  # in place
+        expected = torch.ones(4, 3, dtype=dtype)
+        if bad is not None and i == 2:
+            expected[1, 1] = bad
+        torch.testing.assert_close(p.grad, expected, equal_nan=True, rtol=0, atol=0)
+    for b in backing:  # the memory a slice does not cover is untouched
+        if b.shape == (4, 6):
+            assert torch.equal(b[:, 3:], torch.full((4, 3), 4.0, dtype=dtype))
+
+
+def test_unscale_mixed_dtypes_and_float64():
+    grads = [torch.full((5,), 8.0), torch.full((5,), 8.0, dtype=torch.float16),
+             torch.full((5,), 8.0, dtype=torch.bfloat16), torch.full((5,), 8.0, dtype=torch.float64)]
+    o = opt_with_grads(grads)
+    s = scaler_at(8.0)
+    s.unscale_(o)
+    for g in grads:
+        assert torch.equal(g, torch.ones(5, dtype=g.dtype))
+    grads[3][0] = INF
+    o2 = opt_with_grads([grads[3]])
+    s2 = scaler_at(2.0)
+    s2.unscale_(o2)
+    assert s2._found_inf_per_device(o2)[torch.device("cpu")].item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_unscale_low_precision_grads_fp32_math(dtype):
+    """fp16/bf16 gradients (torch: "Attempting to unscale FP16 gradients"): x * (1/S) in fp32,
+    rounded once to the gradient's dtype."""
+    torch.manual_seed(0)
+    g = (torch.randn(1000) * 100).to(dtype)
+    expected = (g.float() * torch.tensor(3.0).double().reciprocal().float()).to(dtype)
+    o = opt_with_grads([g.clone()])
+    s = scaler_at(3.0)
+    s.unscale_(o)
+    assert torch.equal(o.param_groups[0]["params"][0].grad, expected)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        ts = torch.amp.GradScaler("cpu", init_scale=3.0)
+        ts.scale(torch.ones(()))
+        ts.unscale_(opt_with_grads([torch.ones(2, dtype=torch.float16)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_half_model_training(dtype):
+    """A model in fp16/bf16 with plain SGD: steps work, overflow skips, parameters match a
+    reference that unscales in fp32 by hand."""
+    m = make_model(dtype=dtype)
+    ref = make_model(dtype=dtype)
+    o, o_ref = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    s = amp.GradScaler("cpu", init_scale=256.0, growth_interval=1000)
+    for i, (x, y) in enumerate(batches(6, inf_at=(2,))):
+        x, y = x.to(dtype), y.to(dtype)
+        scale = s.get_scale()
+        o.zero_grad()
+        s.scale(F.mse_loss(m(x), y)).backward()
+        o_ref.zero_grad()
+        (F.mse_loss(ref(x), y) * torch.tensor(scale)).backward()
+        s.step(o)
+        if i != 2:
+            for p in ref.parameters():
+                p.grad = (p.grad.float() * (1 / scale)).to(dtype)
+            o_ref.step()
+        s.update()
+        assert s.last_step_skipped == (i == 2)
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_sparse_gradients():
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    v = torch.tensor([3, 4, 5], dtype=torch.float32)
+    g = torch.sparse_coo_tensor(i, v, (2, 3))
+    o = opt_with_grads([g.clone()])
+    s = scaler_at(2.0)
+    s.unscale_(o)
+    torch.testing.assert_close(o.param_groups[0]["params"][0].grad.to_dense(), g.to_dense() / 2)
+    # fp16: duplicate indices that overflow only once summed (torch's 64000 + 64000 case)
+    i = torch.tensor([[0, 0], [1, 1]])
+    v = torch.tensor([64000.0, 64000.0], dtype=torch.float16)
+    o = opt_with_grads([torch.sparse_coo_tensor(i, v, (2, 3))])
+    s = scaler_at(1.0)
+    s.unscale_(o)
+    assert s._found_inf_per_device(o)[torch.device("cpu")].item() == 1.0
+
+
+# ---- update sequences ---------------------------------------------------------------------------
+
+def _drive(scaler, flags):
+    """Run update() after recording the given found_inf values; return the scales seen."""
+    o = opt_with_grads([torch.ones(1)])
+    out = []
+    for f in flags:
+        o.param_groups[0]["params"][0].grad = torch.tensor([INF if f else 1.0])
+        scaler.scale(torch.ones(()))
+        scaler.step(o)
+        scaler.update()
+        out.append((scaler.get_scale(), scaler._get_growth_tracker()))
+    return out
+
+
+def test_update_scale_sequence_like_torch():
+    """torch's test_grad_scaling_update_scale: growth 2, backoff 0.25, interval 2."""
+    s = amp.GradScaler("cpu", init_scale=2.0, growth_factor=2.0, backoff_factor=0.25,
+                       growth_interval=2)
+    seq = _drive(s, [0, 0, 1])
+    assert seq == [(2.0, 1), (4.0, 0), (1.0, 0)]
+
+
+def test_update_random_sequences_match_torch():
+    g = torch.Generator().manual_seed(5)
+    flags = (torch.rand(200, generator=g) < 0.2).tolist()
+    kw = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ours = _drive(amp.GradScaler("cpu", **kw), flags)
+    ts = torch.amp.GradScaler("cpu", **kw)
+    theirs = []
+    for f in flags:
+        ts.scale(torch.ones(()))
+        ts._scale  # noqa: B018
+        found = torch.tensor(1.0 if f else 0.0)
+        torch._amp_update_scale_(ts._scale, ts._growth_tracker, found, 2.0, 0.5, 3)
+        theirs.append((ts.get_scale(), ts._get_growth_tracker()))
+    assert ours == theirs
+
+
+def test_hysteresis_sequence():
+    s = amp.GradScaler("cpu", init_scale=64.0, growth_interval=100, hysteresis=2)
+    seq = [sc for sc, _ in _drive(s, [1, 0, 1, 1, 1, 0, 1])]
+    # first overflow tolerated; a clean step refills; two in a row back off, a third at once
+    assert seq == [64.0, 64.0, 64.0, 32.0, 16.0, 16.0, 16.0]
+    assert s.skipped_steps == 5  # every overflowing step is skipped, tolerated or not
+
+
+def test_max_scale_caps_growth():
+    s = amp.GradScaler("cpu", init_scale=4.0, growth_interval=1, max_scale=10.0)
+    assert [sc for sc, _ in _drive(s, [0, 0, 0])] == [8.0, 10.0, 10.0]
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise", "keep"])
+def test_min_scale_floor_policies(policy):
+    s = amp.GradScaler("cpu", init_scale=4.0, growth_interval=100, min_scale=1.0,
+                       on_min_scale=policy)
+    assert [sc for sc, _ in _drive(s, [1, 1])] == [2.0, 1.0]  # reaching the floor exactly is fine
+    o = opt_with_grads([torch.tensor([INF])])
+    s.scale(torch.ones(()))
+    s.unscale_(o)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        if policy == "raise":
+            with pytest.raises(RuntimeError, match="at its floor min_scale=1.0"):
+                s.update()
+        else:
+            s.update()
+    floor_warnings = [w for w in rec if "floor" in str(w.message)]
+    assert len(floor_warnings) == (1 if policy == "warn" else 0)
+    assert s.get_scale() == 1.0 and len(s._per_optimizer_states) == 0  # state stays consistent
+
+
+def test_floor_check_reads_nothing_when_steps_were_clean():
+    m = make_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = amp.GradScaler("cpu", min_scale=1.0, on_min_scale="raise")
+    x, y = batches(1)[0]
+    s.scale(F.mse_loss(m(x), y)).backward()
+    s.step(o)  # the non-fused step reads found_inf once
+    reads = HostReads()
+    with reads.counting():
+        s.update()
+    assert reads.count == 0
+
+
+# ---- skipped-step visibility and host reads -----------------------------------------------------
+
+def test_skipped_steps_visible_non_fused():
+    m = make_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = amp.GradScaler("cpu", growth_interval=2)
+    seen = []
+    reads = HostReads()
+    for i, (x, y) in enumerate(batches(8, inf_at=(1, 5), nan_at=(6,))):
+        o.zero_grad()
+        s.scale(F.mse_loss(m(x), y)).backward()
+        with reads.counting():
+            s.step(o)
+            s.update()
+        seen.append(s.last_step_skipped)
+    assert seen == [i in (1, 5, 6) for i in range(8)]
+    assert s.skipped_steps == 3
+    assert reads.count == 8  # the one read per non-fused step that decides to skip (torch: one per device)
+
+
+def test_skipped_steps_visible_fused_without_host_reads():
+    m = make_model()
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    s = amp.GradScaler("cpu", growth_interval=2)
+    reads = HostReads()
+    skipped = []
+    for i, (x, y) in enumerate(batches(6, inf_at=(2, 3))):
+        o.zero_grad()
+        s.scale(F.mse_loss(m(x), y)).backward()
+        with reads.counting():
+            s.step(o)
+            s.update()
+        skipped.append(s.last_step_skipped)  # a host read, outside the counted region
+    assert reads.count == 0
+    assert skipped == [False, False, True, True, False, False]
+    assert s.skipped_steps == 2
+    assert s.state_dict()["_skipped_steps"] == 2
+
+
+# ---- fused / aware optimizers -------------------------------------------------------------------
+
+class AwareSGD(torch.optim.SGD):
+    """Records what GradScaler hands over (torch's attribute contract)."""
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        self.seen = (getattr(self, "grad_scale", "absent"), getattr(self, "found_inf", "absent"))
+        return "stepped"
+
+
+def test_attribute_hand_off_contract():
+    o = AwareSGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    o.param_groups[0]["params"][0].grad = torch.full((2,), 8.0)
+    s = scaler_at(8.0)
+    assert s.step(o) == "stepped"
+    gs, fi = o.seen
+    assert gs.item() == 8.0 and fi.item() == 0.0
+    assert not hasattr(o, "grad_scale") and not hasattr(o, "found_inf")  # deleted afterwards
+    assert torch.equal(o.param_groups[0]["params"][0].grad, torch.full((2,), 8.0))  # not unscaled
+    s.update()
+    # UNSCALED: grads already unscaled, grad_scale left as the user's (None)
+    s.scale(torch.ones(()))
+    s.unscale_(o)
+    s.step(o)
+    assert o.seen[0] is None and o.seen[1].item() == 0.0
+    s.update()
+    # a user-set grad_scale multiplies the scale
+    s.scale(torch.ones(()))
+    o.grad_scale = torch.tensor(0.5)
+    s.step(o)
+    assert o.seen[0].item() == s.get_scale() * 0.5
+
+
+def test_legacy_grad_scaler_kwarg_contract():
+    class Legacy(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            self.got = grad_scaler
+
+    o = Legacy([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    o.param_groups[0]["params"][0].grad = torch.ones(2)
+    s = scaler_at(2.0)
+    with pytest.warns(FutureWarning, match="stop passing itself"):
+        s.step(o)
+    assert o.got is s
+
+
+def test_peak_fused_optimizer_hand_off():
+    """peak's fused optimizers take grad_scale/found_inf as step() keywords: the scaler passes
+    them, the optimizer unscales and skips inside its step, and step() reads nothing."""
+    po = pytest.importorskip("peak.optimizers")
+    m = make_model()
+    ref = make_model()
+    o = po.FusedSGD(m.parameters(), lr=0.1)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    s = amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    reads = HostReads()
+    for i, (x, y) in enumerate(batches(5, inf_at=(2,))):
+        o.zero_grad()
+        o_ref.zero_grad()
+        s.scale(F.mse_loss(m(x), y)).backward()
+        with reads.counting():
+            s.step(o)
+        s.update()
+        F.mse_loss(ref(x), y).backward()
+        if i != 2:
+            o_ref.step()
+    assert reads.count == 0 and s.skipped_steps == 1
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# ---- overflow attribution -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused_adamw"])
+def test_overflow_report_names_the_parameter(fused):
+    m = make_model()
+    o = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) if fused
+         else torch.optim.SGD(m.parameters(), lr=0.1))
+    s = amp.GradScaler("cpu").register_model(m, prefix="net.")
+    assert s.overflow_report().iteration is None
+    for i, (x, y) in enumerate(batches(4)):
+        o.zero_grad()
+        s.scale(F.mse_loss(m(x), y)).backward()
+        if i == 1:
+            m[2].weight.grad[3, 3] = INF
+        if i == 2:
+            m[0].bias.grad[0] = NAN
+        s.step(o)
+        s.update()
+        if i == 1:
+            report = s.overflow_report()
+            assert report.iteration == 1 and report.parameters == ("net.2.weight",)
+    # iteration 3 was clean: the report still describes the last skipped step (iteration 2)
+    report = s.overflow_report()
+    assert report.iteration == 2 and report.parameters == ("net.0.bias",)
+    assert "net.0.bias" in str(report) and bool(report)
+
+
+def test_overflow_report_unregistered_and_off():
+    m = make_model()
+    extra = torch.nn.Parameter(torch.zeros(2, 2))
+    o = torch.optim.SGD(list(m.parameters()) + [extra], lr=0.1)
+    s = amp.GradScaler("cpu")
+    with pytest.raises(RuntimeError, match="register_model"):
+        s.overflow_report()
+    s.register_model({"w0": m[0].weight})
+    x, y = batches(1)[0]
+    s.scale(F.mse_loss(m(x), y) + extra.sum()).backward()
+    extra.grad[1, 0] = INF
+    m[0].weight.grad[0, 0] = NAN
+    s.step(o)
+    s.update()
+    assert s.overflow_report().parameters == (
+        "w0", "<SGD param_groups[0]['params'][4], shape (2, 2)>")
+    with pytest.raises(TypeError, match="register_model: model must be"):
+        s.register_model(3)
+
+
+def test_overflow_report_survives_pickle_as_text():
+    import pickle
+    m = make_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = amp.GradScaler("cpu").register_model(m)
+    x, y = batches(1)[0]
+    s.scale(F.mse_loss(m(x), y)).backward()
+    m[0].weight.grad[0, 0] = INF
+    s.step(o)
+    s.update()
+    s2 = pickle.loads(pickle.dumps(s))
+    assert s2.overflow_report().parameters == ("0.weight",)
