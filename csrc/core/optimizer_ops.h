@@ -48,16 +48,28 @@ struct AdamOp : OpDefaults {
   using State = NoState;
 
   OptimizerScalars s;
-  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  // Hyperparameters as doubles, like torch's Python floats; the element math uses float values
+  // derived from them once (1 - beta in double, then rounded, as torch's scalar arguments are).
+  double beta1 = 0.9, beta2 = 0.999, weight_decay = 0.0;
+  float eps = 1e-8f;
   bool adam_w = false, maximize = false, bias_correction = true;
+  float beta2_f = 0.999f, one_minus_beta1 = 0.1f, one_minus_beta2 = 0.001f, wd_f = 0.0f;
+  float decay_factor = 1.0f;  // AdamW: 1 - lr * weight_decay
   // Per tensor, from its step count.
   float step_size = 0.0f, bias_correction2_sqrt = 1.0f;
 
-  PEAK_HD void load_scalars() { s.load(); }
+  PEAK_HD void load_scalars() {
+    s.load();
+    beta2_f = static_cast<float>(beta2);
+    one_minus_beta1 = static_cast<float>(1.0 - beta1);
+    one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    wd_f = static_cast<float>(weight_decay);
+    decay_factor = static_cast<float>(1.0 - static_cast<double>(s.lr.value) * weight_decay);
+  }
   PEAK_HD void load_tensor_scalars(const float* const* p) {
     const double step = *p[0];
-    const double bc1 = bias_correction ? 1.0 - pow(static_cast<double>(beta1), step) : 1.0;
-    const double bc2 = bias_correction ? 1.0 - pow(static_cast<double>(beta2), step) : 1.0;
+    const double bc1 = bias_correction ? 1.0 - pow(beta1, step) : 1.0;
+    const double bc2 = bias_correction ? 1.0 - pow(beta2, step) : 1.0;
     step_size = static_cast<float>(s.lr.value / bc1);
     bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
   }
@@ -67,15 +79,15 @@ struct AdamOp : OpDefaults {
     float g = v[kGrad] / s.grad_scale.value;
     if (maximize) g = -g;
     float w = v[kWeight];
-    if (weight_decay != 0.0f) {
+    if (wd_f != 0.0f) {
       if (adam_w) {
-        w = w * (1.0f - s.lr.value * weight_decay);
+        w = w * decay_factor;
       } else {
-        g = fmaf(weight_decay, w, g);
+        g = fmaf(wd_f, w, g);
       }
     }
-    const float m = fmaf(1.0f - beta1, g - v[kExpAvg], v[kExpAvg]);  // lerp, as torch
-    const float vsq = fmaf(1.0f - beta2, g * g, beta2 * v[kExpAvgSq]);
+    const float m = fmaf(one_minus_beta1, g - v[kExpAvg], v[kExpAvg]);  // lerp, as torch
+    const float vsq = fmaf(one_minus_beta2, g * g, beta2_f * v[kExpAvgSq]);
     float second = vsq;
     if constexpr (Amsgrad) {
       second = v[kMaxExpAvgSq] > vsq ? v[kMaxExpAvgSq] : vsq;
@@ -102,11 +114,16 @@ struct SgdOp : OpDefaults {
   using State = NoState;
 
   OptimizerScalars s;
-  float momentum = 0.0f, dampening = 0.0f, weight_decay = 0.0f;
+  float momentum = 0.0f, weight_decay = 0.0f;
+  double dampening = 0.0;
   bool nesterov = false, maximize = false;
   bool first_step = false;
+  float one_minus_dampening = 1.0f;
 
-  PEAK_HD void load_scalars() { s.load(); }
+  PEAK_HD void load_scalars() {
+    s.load();
+    one_minus_dampening = static_cast<float>(1.0 - dampening);
+  }
   PEAK_HD void load_tensor_scalars(const float* const* p) { first_step = *p[0] <= 1.0f; }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
@@ -116,7 +133,7 @@ struct SgdOp : OpDefaults {
     float w = v[kWeight];
     if (weight_decay != 0.0f) g = fmaf(weight_decay, w, g);
     if constexpr (HasMomentum) {
-      const float buf = first_step ? g : fmaf(1.0f - dampening, g, momentum * v[kMomentum]);
+      const float buf = first_step ? g : fmaf(one_minus_dampening, g, momentum * v[kMomentum]);
       v[kMomentum] = buf;
       g = nesterov ? fmaf(momentum, buf, g) : buf;
     }
@@ -140,12 +157,18 @@ struct LambStage1Op : OpDefaults {
   StepScalar found_inf;
   StepScalar grad_norm;  // global norm of the (still scaled) gradients
   float max_grad_norm = 0.0f;  // 0: no clipping
-  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-6f, weight_decay = 0.0f;
+  double beta1 = 0.9, beta2 = 0.999;
+  float eps = 1e-6f, weight_decay = 0.0f;
   bool adam_w = true, grad_averaging = true, bias_correction = true;
   float grad_divisor = 1.0f;  // grad_scale times the clipping factor
   float bias_correction1 = 1.0f, bias_correction2 = 1.0f;
+  float beta1_f = 0.9f, beta2_f = 0.999f, beta3 = 0.1f, one_minus_beta2 = 0.001f;
 
   PEAK_HD void load_scalars() {
+    beta1_f = static_cast<float>(beta1);
+    beta2_f = static_cast<float>(beta2);
+    beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+    one_minus_beta2 = static_cast<float>(1.0 - beta2);
     grad_scale.load();
     found_inf.load();
     grad_norm.load();
@@ -155,10 +178,8 @@ struct LambStage1Op : OpDefaults {
   }
   PEAK_HD void load_tensor_scalars(const float* const* p) {
     const double step = *p[0];
-    bias_correction1 =
-        bias_correction ? static_cast<float>(1.0 - pow(static_cast<double>(beta1), step)) : 1.0f;
-    bias_correction2 =
-        bias_correction ? static_cast<float>(1.0 - pow(static_cast<double>(beta2), step)) : 1.0f;
+    bias_correction1 = bias_correction ? static_cast<float>(1.0 - pow(beta1, step)) : 1.0f;
+    bias_correction2 = bias_correction ? static_cast<float>(1.0 - pow(beta2, step)) : 1.0f;
   }
   PEAK_HD bool skip() const { return found_inf.value != 0.0f; }
 
@@ -166,9 +187,8 @@ struct LambStage1Op : OpDefaults {
     float g = v[kGrad] / grad_divisor;
     const float w = v[kWeight];
     if (!adam_w && weight_decay != 0.0f) g = fmaf(weight_decay, w, g);
-    const float beta3 = grad_averaging ? 1.0f - beta1 : 1.0f;
-    const float m = fmaf(beta3, g, beta1 * v[kExpAvg]);
-    const float vsq = fmaf(1.0f - beta2, g * g, beta2 * v[kExpAvgSq]);
+    const float m = fmaf(beta3, g, beta1_f * v[kExpAvg]);
+    const float vsq = fmaf(one_minus_beta2, g * g, beta2_f * v[kExpAvgSq]);
     float update = (m / bias_correction1) / (sqrtf(vsq / bias_correction2) + eps);
     if (adam_w && weight_decay != 0.0f) update = fmaf(weight_decay, w, update);
     v[kExpAvg] = m;

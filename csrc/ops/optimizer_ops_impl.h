@@ -76,16 +76,12 @@ inline void fill_optimizer_scalars(OptimizerScalars& s, const OptimizerArgs& a) 
 
 // Steps count up before the kernel (it reads the new count for bias correction) and back down
 // by found_inf after it, on the device: a skipped step leaves them as they were, with no sync.
-struct StepCounts {
-  at::TensorList steps;
-  const std::optional<at::Tensor>& found_inf;
-  StepCounts(at::TensorList s, const std::optional<at::Tensor>& f) : steps(s), found_inf(f) {
-    at::_foreach_add_(steps, 1);
-  }
-  ~StepCounts() {
-    if (found_inf) at::_foreach_add_(steps, found_inf->view({}), -1);
-  }
-};
+// Every argument is validated before the first count moves.
+inline void bump_steps(at::TensorList steps) { at::_foreach_add_(steps, 1); }
+
+inline void undo_skipped_steps(at::TensorList steps, const std::optional<at::Tensor>& found_inf) {
+  if (found_inf) at::_foreach_add_(steps, found_inf->reshape({}), -1);
+}
 
 inline std::vector<const float*> float_ptrs(at::TensorList list) {
   std::vector<const float*> p(list.size());
@@ -161,17 +157,17 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
               ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
   TORCH_CHECK(eps >= 0.0, a.name, ": eps must be >= 0, got ", eps);
   if (a.params.empty()) return;
-  const StepCounts counts(a.steps, a.found_inf);
+  bump_steps(a.steps);
   const auto lists =
       optimizer_lists(a, {exp_avgs, exp_avg_sqs, amsgrad ? max_exp_avg_sqs : at::TensorList{}});
   with_bool(!a.masters.empty(), [&](auto has_master) {
     with_bool(amsgrad, [&](auto ams) {
       AdamOp<decltype(has_master)::value, decltype(ams)::value> op;
       fill_optimizer_scalars(op.s, a);
-      op.beta1 = static_cast<float>(beta1);
-      op.beta2 = static_cast<float>(beta2);
+      op.beta1 = beta1;
+      op.beta2 = beta2;
       op.eps = static_cast<float>(eps);
-      op.weight_decay = static_cast<float>(weight_decay);
+      op.weight_decay = weight_decay;
       op.adam_w = adam_w_mode;
       op.maximize = maximize;
       op.bias_correction = bias_correction;
@@ -179,6 +175,7 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                        a.chunk_size, op);
     });
   });
+  undo_skipped_steps(a.steps, a.found_inf);
 }
 
 template <typename Exec>
@@ -194,14 +191,14 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
               "and be empty when momentum == 0");
   if (!momentum_buffers.empty()) check_state_list(a, {"momentum_buffers", momentum_buffers});
   if (a.params.empty()) return;
-  const StepCounts counts(a.steps, a.found_inf);
+  bump_steps(a.steps);
   const auto lists = optimizer_lists(a, {momentum_buffers});
   with_bool(!a.masters.empty(), [&](auto has_master) {
     with_bool(momentum != 0.0, [&](auto has_momentum) {
       SgdOp<decltype(has_master)::value, decltype(has_momentum)::value> op;
       fill_optimizer_scalars(op.s, a);
       op.momentum = static_cast<float>(momentum);
-      op.dampening = static_cast<float>(dampening);
+      op.dampening = dampening;
       op.weight_decay = static_cast<float>(weight_decay);
       op.nesterov = nesterov;
       op.maximize = maximize;
@@ -209,6 +206,7 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
                        a.chunk_size, op);
     });
   });
+  undo_skipped_steps(a.steps, a.found_inf);
 }
 
 template <typename Exec>
@@ -225,7 +223,7 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   if (a.params.empty()) return;
   const c10::Device device = a.params[0].device();
   if (grad_norm) check_scalar_tensor(a.name, "grad_norm", *grad_norm, at::kFloat, device);
-  const StepCounts counts(a.steps, a.found_inf);
+  bump_steps(a.steps);
   const at::TensorList weights = a.masters.empty() ? a.params : a.masters;
 
   // Global norm of the (scaled) gradients, for clipping, unless the caller gave it.
@@ -242,8 +240,8 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
     op.found_inf.ptr = a.found_inf ? a.found_inf->data_ptr<float>() : nullptr;
     op.grad_norm.ptr = norm.data_ptr<float>();
     op.max_grad_norm = static_cast<float>(max_grad_norm);
-    op.beta1 = static_cast<float>(beta1);
-    op.beta2 = static_cast<float>(beta2);
+    op.beta1 = beta1;
+    op.beta2 = beta2;
     op.eps = static_cast<float>(eps);
     op.weight_decay = static_cast<float>(weight_decay);
     op.adam_w = adam_w_mode;
@@ -289,6 +287,7 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
       }
     });
   });
+  undo_skipped_steps(a.steps, a.found_inf);
 }
 
 }  // namespace peak

@@ -146,6 +146,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         stripped["state"] = {pid: {k: v for k, v in st.items() if k not in FP32_STATE_KEYS}
                              for pid, st in saved_state.items()}
         super().load_state_dict(stripped)
+        for group in self.param_groups:  # a torch.optim checkpoint lacks our own options
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         id_to_param = dict(zip(saved_ids, params))

@@ -1,0 +1,391 @@
+"""peak.optimizers against torch.optim (SGD/Adam/AdamW) and a float64 LAMB reference."""
+import copy
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD, export_fp32_state_dict
+
+from peak_testing import DEVICES, dtype_id
+
+LOW = [torch.float16, torch.bfloat16]
+SHAPES = [(7, 13), (130,), (3, 5, 2), (1,), (65536 + 3,)]  # straddles a chunk boundary
+
+SGD_CONFIGS = {
+    "plain": dict(lr=0.05),
+    "momentum": dict(lr=0.05, momentum=0.9),
+    "nesterov_wd": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "dampening_maximize": dict(lr=0.05, momentum=0.8, dampening=0.3, maximize=True),
+}
+ADAM_CONFIGS = {
+    "adam": (dict(lr=1e-2), torch.optim.Adam, {}),
+    "adam_l2": (dict(lr=1e-2, weight_decay=0.1), torch.optim.Adam, {}),
+    "adamw": (dict(lr=1e-2, weight_decay=0.1, adam_w_mode=True), torch.optim.AdamW, {}),
+    "amsgrad": (dict(lr=1e-2, amsgrad=True), torch.optim.Adam, {}),
+    "maximize_betas": (dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, maximize=True),
+                       torch.optim.Adam, {}),
+}
+
+
+def make_params(dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_()
+            for s in SHAPES]
+
+
+def grads_for(step, params, seed=1):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return [torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype) for p in params]
+
+
+def run(opt, params, steps, seed=1, transform=None, grads_like=None):
+    """``steps`` steps with reproducible grads, drawn in the dtype of ``grads_like`` (default:
+    the params) and passed through ``transform``."""
+    for step in range(steps):
+        for p, g in zip(params, grads_for(step, grads_like or params, seed)):
+            p.grad = transform(g) if transform else g
+        opt.step()
+
+
+def torch_kwargs(cfg):
+    return {k: v for k, v in cfg.items() if k not in ("adam_w_mode",)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", list(SGD_CONFIGS))
+def test_sgd_matches_torch_fp32(device, cfg):
+    ours = make_params(torch.float32, device)
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    run(FusedSGD(ours, **SGD_CONFIGS[cfg]), ours, 20)
+    run(torch.optim.SGD(ref, **SGD_CONFIGS[cfg]), ref, 20)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", list(ADAM_CONFIGS))
+def test_adam_matches_torch_fp32(device, cfg):
+    ours_cfg, torch_cls, _ = ADAM_CONFIGS[cfg]
+    ours = make_params(torch.float32, device)
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    opt = FusedAdam(ours, **ours_cfg)
+    run(opt, ours, 25)
+    torch_opt = torch_cls(ref, **torch_kwargs(ours_cfg))
+    run(torch_opt, ref, 25)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], torch_opt.state[q]["exp_avg_sq"],
+                                   rtol=1e-5, atol=1e-9)
+        assert opt.state[p]["step"].item() == 25
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", LOW, ids=dtype_id)
+@pytest.mark.parametrize("family", ["sgd", "adamw"])
+def test_master_weights_low_precision_model(device, dtype, family):
+    """fp16/bf16 params + grads: the fp32 masters follow torch.optim on fp32 copies fed the same
+    (low-precision) grads; the model weights are exactly the masters rounded once."""
+    ours = make_params(dtype, device)
+    ref = [p.detach().float().requires_grad_() for p in ours]
+    if family == "sgd":
+        opt = FusedSGD(ours, lr=0.05, momentum=0.9)
+        torch_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.9)
+    else:
+        opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1, adam_w_mode=True)
+        torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    run(opt, ours, 20)
+    run(torch_opt, ref, 20, transform=lambda g: g.float(), grads_like=ours)
+    for p, r in zip(ours, ref):
+        master = opt.state[p]["master_param"]
+        assert master.dtype == torch.float32 and p.dtype == dtype
+        torch.testing.assert_close(master, r.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(p.detach(), master.to(dtype))
+
+
+def lamb_reference(params, grads_per_step, lr, betas, eps, wd, max_grad_norm, steps):
+    """Apex FusedLAMB's algorithm in float64 (adam_w_mode, grad averaging, bias correction)."""
+    w = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(x) for x in w]
+    v = [torch.zeros_like(x) for x in w]
+    b1, b2 = betas
+    for step in range(1, steps + 1):
+        grads = [g.double() for g in grads_per_step(step - 1)]
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
+        clip = norm / max_grad_norm if max_grad_norm > 0 and norm > max_grad_norm else 1.0
+        for i, g in enumerate(grads):
+            g = g / clip
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            update = (m[i] / (1 - b1 ** step)) / ((v[i] / (1 - b2 ** step)).sqrt() + eps)
+            update = update + wd * w[i]
+            wn, un = float(w[i].norm()), float(update.norm())
+            ratio = lr * (wn / un) if (wd != 0 and wn != 0 and un != 0) else lr
+            w[i] = w[i] - ratio * update
+    return w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=dtype_id)
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_lamb_matches_float64_reference(device, dtype, max_grad_norm):
+    ours = make_params(dtype, device)
+    start = [p.detach().float().clone() for p in ours]
+    opt = FusedLAMB(ours, lr=1e-2, weight_decay=0.01, max_grad_norm=max_grad_norm)
+    run(opt, ours, 20)
+    expected = lamb_reference(start, lambda s: grads_for(s, ours), 1e-2, (0.9, 0.999), 1e-6,
+                              0.01, max_grad_norm, 20)
+    for p, e in zip(ours, expected):
+        got = opt.state[p]["master_param"] if dtype != torch.float32 else p.detach()
+        torch.testing.assert_close(got.double(), e.to(got.device), rtol=1e-4, atol=1e-5)
+
+
+def snapshot(opt, params):
+    return [p.detach().clone() for p in params], {
+        id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=dtype_id)
+@pytest.mark.parametrize("make", [
+    lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: FusedAdam(ps, lr=1e-2, amsgrad=True),
+    lambda ps: FusedLAMB(ps, lr=1e-2)], ids=["sgd", "adam", "lamb"])
+def test_overflow_skips_everything_bit_for_bit(device, dtype, make):
+    params = make_params(dtype, device)
+    opt = make(params)
+    run(opt, params, 3)  # state exists and is non-trivial
+    before_params, before_state = snapshot(opt, params)
+    for p, g in zip(params, grads_for(7, params)):
+        p.grad = g
+    params[1].grad[5] = float("inf")
+    found = torch.ones(1, device=device)
+    opt.step(grad_scale=torch.full((1,), 1024.0, device=device), found_inf=found)
+    for p, b in zip(params, before_params):
+        assert torch.equal(p.detach(), b)
+    for p in params:
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, before_state[id(p)][k]), k
+    # and the next clean step proceeds from there, counting from the old step
+    opt.step(found_inf=torch.zeros(1, device=device))
+    assert all(opt.state[p]["step"].item() == 4 for p in params)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=dtype_id)
+def test_grad_scale_unscales_inside_the_step(device, dtype):
+    a = make_params(dtype, device)
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt_a, opt_b = FusedAdam(a, lr=1e-2), FusedAdam(b, lr=1e-2)
+    scale = 2.0 ** 10  # a power of two: scaling is exact, so results must be identical
+    for step in range(5):
+        for p, q, g in zip(a, b, grads_for(step, a)):
+            p.grad, q.grad = g, (g.float() * scale).to(dtype)
+        opt_a.step()
+        opt_b.step(grad_scale=torch.tensor([scale], device=device), found_inf=torch.zeros(1, device=device))
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+def test_frozen_params_missing_grads_groups_and_add_param_group():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    ref = copy.deepcopy(net)
+    net[0].bias.requires_grad_(False)
+    ref[0].bias.requires_grad_(False)
+    groups = lambda m: [{"params": [m[0].weight, m[0].bias], "lr": 0.01},
+                        {"params": [], "lr": 0.5},
+                        {"params": [m[1].weight], "weight_decay": 0.1}]
+    opt = FusedAdam(groups(net), lr=0.02, weight_decay=0.01, adam_w_mode=True)
+    torch_opt = torch.optim.AdamW(groups(ref), lr=0.02)
+    extra, extra_ref = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    torch_sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=3, gamma=0.5)
+    for step in range(12):
+        if step == 4:
+            opt.add_param_group({"params": [extra, net[1].bias], "lr": 0.03})
+            torch_opt.add_param_group({"params": [extra_ref, ref[1].bias], "lr": 0.03})
+        x = torch.randn(5, 6)
+        for model, o, e in ((net, opt, extra), (ref, torch_opt, extra_ref)):
+            o.zero_grad()
+            # e gets a grad every other step only: its step count must lag the others'
+            loss = model(x).square().mean() + ((e * 2).sum() if step % 2 else 0.0)
+            loss.backward()
+            o.step()
+        sched.step()
+        torch_sched.step()
+    for a, b in zip(list(net.parameters()) + [extra], list(ref.parameters()) + [extra_ref]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert net[0].bias.grad is None and net[0].bias not in opt.state
+    assert opt.state[extra]["step"].item() == torch_opt.state[extra_ref]["step"].item() == 4
+
+
+def test_lr_as_tensor():
+    a = make_params(torch.float32, "cpu")
+    b = [p.detach().clone().requires_grad_() for p in a]
+    run(FusedSGD(a, lr=torch.tensor(0.05)), a, 3)
+    run(FusedSGD(b, lr=0.05), b, 3)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+def test_bad_hyperparameters_and_inputs():
+    p = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        FusedAdam(p, lr=-1)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        FusedAdam(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="Nesterov momentum requires"):
+        FusedSGD(p, nesterov=True)
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedLAMB(p, amsgrad=True)
+    with pytest.raises(ValueError, match="master_weights must be"):
+        FusedAdam(p, master_weights="yes")
+    q = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    q.grad = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="supports float32, float16 and bfloat16"):
+        FusedAdam([q]).step()
+    r = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    r.grad_dtype = None  # torch >= 2.13 otherwise refuses the mismatched grad itself
+    r.grad = torch.ones(3)
+    with pytest.raises(TypeError, match="gradient has dtype torch.float32 but its parameter"):
+        FusedSGD([r]).step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=dtype_id)
+def test_state_dict_round_trip_in_memory(dtype):
+    a = make_params(dtype, "cpu")
+    opt = FusedAdam(a, lr=1e-2, amsgrad=True)
+    run(opt, a, 5)
+    sd = copy.deepcopy(opt.state_dict())
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt_b = FusedAdam(b, lr=1e-2, amsgrad=True)
+    opt_b.load_state_dict(sd)
+    for p, q in zip(a, b):
+        for k, v in opt.state[p].items():
+            assert opt_b.state[q][k].dtype == torch.float32
+            assert torch.equal(opt_b.state[q][k], v), k
+    run(opt, a, 5, seed=3)
+    run(opt_b, b, 5, seed=3)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+def test_loads_a_torch_adam_state_dict():
+    a = make_params(torch.float32, "cpu")
+    torch_opt = torch.optim.Adam(a, lr=1e-2)
+    run(torch_opt, a, 4)
+    b = [p.detach().clone().requires_grad_() for p in a]
+    ours = FusedAdam(b, lr=1e-2)
+    ours.load_state_dict(torch_opt.state_dict())
+    run(torch_opt, a, 6, seed=5)
+    run(ours, b, 6, seed=5)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_export_fp32_state_dict_uses_the_masters():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).to(torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    sd = export_fp32_state_dict(model, opt)
+    assert all(v.dtype == torch.float32 for k, v in sd.items() if "num_batches" not in k)
+    assert torch.equal(sd["0.weight"], opt.state[model[0].weight]["master_param"])
+    assert not torch.equal(sd["0.weight"], model[0].weight.float())  # the masters are finer
+
+
+RESUME_CASES = [(f, d) for f in ("adam", "sgd", "lamb") for d in ("float32", "bfloat16", "float16")]
+
+RESUME_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_fused_optimizers import RESUME_CASES, make_resumable, run
+    torch.set_num_threads(1)
+    mode, path = sys.argv[1], sys.argv[2]
+    saved = torch.load(path) if mode == "load" else {{}}
+    out = {{}}
+    for case in RESUME_CASES:
+        params, opt = make_resumable(*case)
+        if mode == "save":
+            run(opt, params, 6)
+            out[case] = {{"params": [p.detach() for p in params], "opt": opt.state_dict()}}
+        else:
+            with torch.no_grad():
+                for p, v in zip(params, saved[case]["params"]):
+                    p.copy_(v)
+            opt.load_state_dict(saved[case]["opt"])
+            run(opt, params, 5, seed=2)
+            out[case] = [p.detach() for p in params]
+    torch.save(out, path if mode == "save" else path + ".out")
+""")
+
+
+def make_resumable(family, dtype):
+    cls = {"adam": FusedAdam, "sgd": FusedSGD, "lamb": FusedLAMB}[family]
+    kw = {"sgd": dict(lr=0.05, momentum=0.9)}.get(family, dict(lr=1e-2, weight_decay=0.01))
+    params = make_params(getattr(torch, dtype), "cpu")
+    return params, cls(params, **kw)
+
+
+def test_checkpoint_resumes_bit_for_bit_in_a_new_process(tmp_path):
+    """6 steps, save, load in a NEW process, 5 more steps == 11 uninterrupted steps, bitwise,
+    for every family and dtype (masters and fp32 state come back exactly)."""
+    import pathlib
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT.format(tests=str(pathlib.Path(__file__).parent)))
+    ck = str(tmp_path / "ck.pt")
+    for mode in ("save", "load"):
+        subprocess.run([sys.executable, str(script), mode, ck], check=True)
+    resumed = torch.load(ck + ".out")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same reduction order as the worker processes
+    try:
+        for case in RESUME_CASES:
+            params, opt = make_resumable(*case)
+            run(opt, params, 6)
+            run(opt, params, 5, seed=2)
+            for p, r in zip(params, resumed[case]):
+                assert torch.equal(p.detach(), r), case
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=dtype_id)
+def test_cuda_equals_cpu(dtype):
+    results = {}
+    for device in ("cpu", "cuda"):
+        params = make_params(dtype, device)
+        opt = FusedAdam(params, lr=1e-2, weight_decay=0.1, adam_w_mode=True)
+        run(opt, params, 10)
+        results[device] = [p.detach().cpu() for p in params]
+    for a, b in zip(results["cpu"], results["cuda"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_fused_ops(device):
+    params = make_params(torch.bfloat16, device)
+    grads = grads_for(0, params)
+    masters = [p.detach().float() for p in params]
+    zeros = lambda: [torch.zeros_like(m) for m in masters]
+    steps = lambda: [torch.zeros((), device=device) for _ in params]
+    lr = torch.tensor([1e-2], device=device)
+    fi = torch.zeros(1, device=device)
+    gs = torch.tensor([2.0], device=device)
+    torch.library.opcheck(torch.ops.peak.fused_adam_.default,
+                          ([p.detach() for p in params], grads, masters, zeros(), zeros(), zeros(),
+                           steps(), lr, 0.9, 0.999, 1e-8, 0.0, True, False, False, True, gs, fi))
+    torch.library.opcheck(torch.ops.peak.fused_sgd_.default,
+                          ([p.detach() for p in params], grads, masters, zeros(), steps(), lr,
+                           0.9, 0.0, 0.0, False, False, gs, fi))
+    torch.library.opcheck(torch.ops.peak.fused_lamb_.default,
+                          ([p.detach() for p in params], grads, masters, zeros(), zeros(), steps(),
+                           lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi))
+    torch.library.opcheck(torch.ops.peak.multi_tensor_check_finite_.default,
+                          (grads, fi, 64, torch.zeros(len(grads), device=device)))
