@@ -263,7 +263,7 @@ def test_half_model_training(dtype):
 def test_sparse_gradients():
     i = torch.tensor([[0, 1, 1], [2, 0, 2]])
     v = torch.tensor([3, 4, 5], dtype=torch.float32)
-    g = torch.sparse_coo_tensor(i, v, (2, 3))
+    g = torch.sparse_coo_tensor(i, v, (2, 3), check_invariants=True)
     o = opt_with_grads([g.clone()])
     s = scaler_at(2.0)
     s.unscale_(o)
@@ -271,7 +271,7 @@ def test_sparse_gradients():
     # fp16: duplicate indices that overflow only once summed (torch's 64000 + 64000 case)
     i = torch.tensor([[0, 0], [1, 1]])
     v = torch.tensor([64000.0, 64000.0], dtype=torch.float16)
-    o = opt_with_grads([torch.sparse_coo_tensor(i, v, (2, 3))])
+    o = opt_with_grads([torch.sparse_coo_tensor(i, v, (2, 3), check_invariants=True)])
     s = scaler_at(1.0)
     s.unscale_(o)
     assert s._found_inf_per_device(o)[torch.device("cpu")].item() == 1.0

@@ -309,6 +309,7 @@ class GradScaler:
         report = self._report_enabled
         groups: dict[tuple, list[torch.Tensor]] = {}
         owners: dict[tuple, list] = {} if report else None
+        strided: list = []  # non-contiguous gradients (transposed ones are still dense)
         with torch.no_grad():
             for gi, group in enumerate(optimizer.param_groups):
                 for pi, param in enumerate(group["params"]):
@@ -327,9 +328,21 @@ class GradScaler:
                         bucket = groups[key] = []
                         if report:
                             owners[key] = []
+                    if not grad.is_contiguous():
+                        strided.append((key, len(bucket)))
                     bucket.append(grad)
                     if report:
                         owners[key].append((param, gi, pi))
+            # Non-dense (sliced) gradients go through the same pass as dense copies.
+            copies: dict[tuple, list] = {}
+            for key, index in strided:
+                if key[1] not in _KERNEL_DTYPES:
+                    continue  # torch's per-tensor kernel takes any strides
+                g = groups[key][index]
+                if not _is_dense(g):
+                    dense = g.contiguous()
+                    groups[key][index] = dense
+                    copies.setdefault(key, []).append((g, dense))
             for key, grads in groups.items():
                 device, dtype = key
                 dev_found_inf = per_device_found_inf.get(device)
@@ -337,31 +350,19 @@ class GradScaler:
                 flags = (torch.zeros(len(grads), dtype=torch.float32, device=device)
                          if report else None)
                 if dtype in _KERNEL_DTYPES and check_only:
-                    # A read-only pass: no dense copies needed, nothing written back.
-                    grads = [g if _is_dense(g) else g.contiguous() for g in grads]
+                    # A read-only pass: nothing written back.
                     if flags is None:
                         _check_finite(grads, dev_found_inf, _CHUNK_SIZE)
                     else:
                         _check_finite(grads, dev_found_inf, _CHUNK_SIZE, flags)
                 elif dtype in _KERNEL_DTYPES:
-                    copies = None
-                    for i, g in enumerate(grads):
-                        if not _is_dense(g):
-                            # Non-dense (sliced) gradients go through the same pass as dense copies.
-                            if copies is None:
-                                copies = []
-                                grads = list(grads)
-                            dense = g.contiguous()
-                            copies.append((g, dense))
-                            grads[i] = dense
                     if flags is None:
                         _multi_tensor_scale(grads, None, dev_inv_scale, dev_found_inf, _CHUNK_SIZE)
                     else:
                         _multi_tensor_scale(grads, None, dev_inv_scale, dev_found_inf, _CHUNK_SIZE,
                                             flags)
-                    if copies is not None:
-                        for g, dense in copies:
-                            g.copy_(dense)
+                    for g, dense in copies.get(key, ()):
+                        g.copy_(dense)
                 else:
                     # float64 (not a kernel dtype): torch's own per-tensor kernel.
                     if flags is None:

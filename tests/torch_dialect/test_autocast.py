@@ -1,0 +1,326 @@
+"""peak.amp.autocast: torch.autocast's semantics (it is torch.autocast underneath), torch's CPU
+op-list tests run through it, and peak's per-region list edits (fp32_ops / lower_ops)."""
+import collections
+import pathlib
+import re
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from peak import amp
+from peak.amp.autocast_mode import TORCH_AUTOCAST_LISTS
+
+F = torch.nn.functional
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+try:
+    from torch.testing._internal.autocast_test_lists import AutocastCPUTestLists
+except Exception:  # pragma: no cover - private torch module
+    AutocastCPUTestLists = None
+
+
+def _cast(val, to_type):
+    if isinstance(val, torch.Tensor):
+        return val.to(to_type) if val.is_floating_point() else val
+    if isinstance(val, collections.abc.Iterable) and not isinstance(val, str):
+        return type(val)(_cast(v, to_type) for v in val)
+    return val
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, collections.abc.Iterable):
+        return all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _cpu_list_cases():
+    if AutocastCPUTestLists is None:
+        return []
+    lists = AutocastCPUTestLists(torch.device("cpu"))
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for op, args, *rest in lists.torch_16:
+            cases.append(pytest.param("torch", op, args, rest[0] if rest else {}, dtype, dtype,
+                                      id=f"torch.{op}-{dtype}"))
+        for op, args, kw in lists.nn_16:
+            cases.append(pytest.param("nn", op, args, kw, dtype, dtype, id=f"nn.{op}-{dtype}"))
+        for op, args, *rest in lists.torch_fp32:
+            cases.append(pytest.param("torch", op, args, rest[0] if rest else {}, dtype,
+                                      torch.float32, id=f"torch.{op}-{dtype}"))
+        for op, args, *rest in lists.nn_fp32:
+            cases.append(pytest.param("nn", op, args, rest[0] if rest else {}, dtype,
+                                      torch.float32, id=f"nn.{op}-{dtype}"))
+    return cases
+
+
+@pytest.mark.skipif(AutocastCPUTestLists is None, reason="torch's autocast test lists unavailable")
+@pytest.mark.parametrize("module, op, args, kwargs, amp_dtype, run_as", _cpu_list_cases())
+def test_torch_cpu_lists_through_peak_autocast(module, op, args, kwargs, amp_dtype, run_as):
+    """torch's _run_autocast_outofplace: output dtype, bitwise equal to torch.autocast, and to
+    the control that casts the inputs by hand and runs with autocast off."""
+    fn = getattr(torch._C._nn if module == "nn" else torch, op)
+    assert not torch.is_autocast_enabled("cpu")
+    with amp.autocast("cpu", dtype=amp_dtype):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == amp_dtype
+        out = fn(*args, **kwargs)
+        if module == "torch" and hasattr(torch.Tensor, op):
+            out_method = getattr(args[0], op)(*args[1:], **kwargs)
+            assert _equal(out, out_method)
+    assert not torch.is_autocast_enabled("cpu")
+    if isinstance(out, torch.Tensor):
+        assert out.dtype == run_as
+    with torch.autocast("cpu", dtype=amp_dtype):
+        out_torch = fn(*args, **kwargs)
+    assert _equal(out, out_torch)
+    control = fn(*_cast(args, run_as), **kwargs)
+    assert _equal(out, control)
+
+
+@pytest.mark.skipif(AutocastCPUTestLists is None, reason="torch's autocast test lists unavailable")
+def test_need_autocast_promote_and_builtin_promote():
+    lists = AutocastCPUTestLists(torch.device("cpu"))
+    for op, args_bf16, args_fp16 in lists.torch_need_autocast_promote:
+        for args, dtype in ((args_bf16, torch.bfloat16), (args_fp16, torch.float16)):
+            with amp.autocast("cpu", dtype=dtype):
+                assert getattr(torch, op)(*args).dtype == torch.float32
+    for op, args_bf16, args_fp16, out_type in lists.torch_expect_builtin_promote:
+        with amp.autocast("cpu"):
+            assert getattr(torch, op)(*args_bf16).dtype == out_type
+
+
+# ---- the documented lists are torch's ------------------------------------------------------------
+
+@pytest.mark.parametrize("device, key", [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])
+def test_documented_lists_match_the_dispatcher(device, key):
+    registered = {n[len("aten::"):] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(n, key)}
+    listed = [op for ops in TORCH_AUTOCAST_LISTS[device].values() for op in ops]
+    assert len(listed) == len(set(listed)), "an op is in two lists"
+    assert set(listed) == registered
+
+
+def test_docs_tables_list_every_op():
+    text = (ROOT / "docs" / "torch_dialect.md").read_text()
+    for device, lists in TORCH_AUTOCAST_LISTS.items():
+        for policy, ops in lists.items():
+            m = re.search(rf"<!-- {device}:{policy} -->\n(.*?)\n<!-- end -->", text, re.S)
+            assert m, f"docs/torch_dialect.md lacks the {device} {policy} list"
+            assert sorted(re.findall(r"`([^`]+)`", m.group(1))) == sorted(ops)
+
+
+@pytest.mark.parametrize("policy, expected", [("lower_precision_fp", torch.bfloat16),
+                                              ("fp32", torch.float32)])
+def test_cpu_list_policies_sample(policy, expected):
+    """A few ops per CPU list, with their policy's output dtype (fp32 inputs for the lower list,
+    bf16 inputs for the fp32 list)."""
+    a32, b32 = torch.randn(6, 6), torch.randn(6, 6)
+    a16, b16 = a32.bfloat16(), b32.bfloat16()
+    samples = {
+        "lower_precision_fp": [lambda: torch.mm(a32, b32), lambda: a32 @ b32,
+                               lambda: F.linear(a32, b32), lambda: torch.addmm(a32, a32, b32),
+                               lambda: torch.bmm(a32[None], b32[None])],
+        "fp32": [lambda: F.mse_loss(a16, b16), lambda: torch.cdist(a16, b16),
+                 lambda: torch.prod(a16), lambda: torch.trace(a16), lambda: F.l1_loss(a16, b16),
+                 lambda: torch.linalg.inv(a16 + 6 * torch.eye(6, dtype=torch.bfloat16))],
+    }
+    for fn in samples[policy]:
+        with amp.autocast("cpu"):
+            assert fn().dtype == expected
+
+
+# ---- torch.autocast semantics --------------------------------------------------------------------
+
+def test_context_decorator_nesting_and_enabled_false():
+    a = torch.randn(4, 4)
+
+    @amp.autocast("cpu")
+    def f(x):
+        assert torch.is_autocast_enabled("cpu")
+        return torch.mm(x, x)
+
+    assert f(a).dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+    with amp.autocast("cpu", dtype=torch.float16):
+        assert torch.mm(a, a).dtype == torch.float16
+        with amp.autocast("cpu", enabled=False):
+            assert not torch.is_autocast_enabled("cpu")
+            assert torch.mm(a, a).dtype == torch.float32
+        with amp.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.mm(a, a).dtype == torch.bfloat16
+        with amp.autocast("cpu"):  # dtype=None: the current (outer) dtype, read at construction
+            assert torch.mm(a, a).dtype == torch.float16
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with pytest.raises(TypeError, match="requires a callable"):
+        amp.autocast("cpu")(3)
+
+
+def test_reentrant_decorator_restores_state():
+    region = amp.autocast("cpu")
+
+    @region
+    def rec(n):
+        if n:
+            rec(n - 1)
+        return torch.is_autocast_enabled("cpu")
+
+    assert rec(3)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_is_a_torch_autocast_and_checkpoint_agrees():
+    assert isinstance(amp.autocast("cpu"), torch.autocast)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with amp.autocast("cpu"):
+        out = torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()  # recomputation under the recorded autocast state
+    assert x.grad is not None and lin.weight.grad.dtype == torch.float32
+
+
+def test_errors_like_torch():
+    with pytest.raises(ValueError, match="Expected `device_type` of type `str`"):
+        amp.autocast(torch.device("cpu"))
+    with pytest.raises(RuntimeError):
+        amp.autocast("not_a_device")
+    with pytest.warns(UserWarning, match="CPU Autocast only supports"):
+        r = amp.autocast("cpu", dtype=torch.float64)
+    with r:
+        assert not torch.is_autocast_enabled("cpu")
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        amp.autocast("cpu", dtype="bfloat16")
+
+
+class CountCasts(TorchDispatchMode):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight, self.count = weight, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0] is self.weight:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cache_enabled, casts", [(None, 1), (True, 1), (False, 2)])
+def test_weight_cast_cache(cache_enabled, casts):
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    with CountCasts(lin.weight) as counter:
+        with amp.autocast("cpu", cache_enabled=cache_enabled):
+            lin(x)
+            lin(x)
+    assert counter.count == casts
+
+
+# ---- per-region list edits -----------------------------------------------------------------------
+
+def test_fp32_ops_moves_an_op_out_of_the_lower_list_bitwise():
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    with amp.autocast("cpu", fp32_ops=[torch.mm, "linear"]):
+        out_mm, out_meth, out_lin = torch.mm(a, b), a.mm(b), F.linear(a, b)
+        out_matmul = a @ b  # not edited: still torch's lower list
+    assert out_mm.dtype == out_meth.dtype == out_lin.dtype == torch.float32
+    assert torch.equal(out_mm, torch.mm(a, b)) and torch.equal(out_lin, F.linear(a, b))
+    assert out_matmul.dtype == torch.bfloat16
+    # a bf16 input is cast up, as torch's fp32 policy does
+    with amp.autocast("cpu", fp32_ops=["mm"]):
+        up = torch.mm(a.bfloat16(), b)
+    assert up.dtype == torch.float32 and torch.equal(up, torch.mm(a.bfloat16().float(), b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_lower_ops_bitwise_against_hand_cast(dtype):
+    x, y = torch.randn(32), torch.randn(32)
+    with amp.autocast("cpu", dtype=dtype, lower_ops=["exp", torch.nn.functional.mse_loss,
+                                                     "softmax", "add"]):
+        e, e_meth = torch.exp(x), x.exp()
+        loss = F.mse_loss(x, y)  # on torch's CPU fp32 list: the edit wins
+        sm = F.softmax(x, dim=0)
+        s = x + y  # `+` is add
+        t = torch.tanh(x)  # not listed: unchanged
+    assert e.dtype == e_meth.dtype == loss.dtype == sm.dtype == s.dtype == dtype
+    assert torch.equal(e, torch.exp(x.to(dtype))) and torch.equal(e, e_meth)
+    assert torch.equal(loss, F.mse_loss(x.to(dtype), y.to(dtype)))
+    assert torch.equal(sm, F.softmax(x.to(dtype), dim=0))
+    assert torch.equal(s, x.to(dtype) + y.to(dtype))
+    assert t.dtype == torch.float32
+    # float64 and integer tensors are not eligible, as in torch
+    with amp.autocast("cpu", lower_ops=["exp"]):
+        assert torch.exp(x.double()).dtype == torch.float64
+
+
+def test_edits_only_inside_their_region_and_nesting():
+    a = torch.randn(8, 8)
+    with amp.autocast("cpu"):
+        assert torch.mm(a, a).dtype == torch.bfloat16
+        with amp.autocast("cpu", fp32_ops=["mm"], lower_ops=["exp"]):
+            assert torch.mm(a, a).dtype == torch.float32
+            with amp.autocast("cpu", lower_ops=["mm"]):  # inner edit wins
+                assert torch.mm(a, a).dtype == torch.bfloat16
+                assert torch.exp(a).dtype == torch.bfloat16  # inherited from the outer region
+            with amp.autocast("cpu"):  # a plain inner region inherits the edits
+                assert torch.mm(a, a).dtype == torch.float32
+            with amp.autocast("cpu", enabled=False):  # autocast off: edits off too
+                assert torch.exp(a).dtype == torch.float32
+                assert torch.mm(a.bfloat16(), a.bfloat16()).dtype == torch.bfloat16
+            assert torch.mm(a, a).dtype == torch.float32
+        assert torch.mm(a, a).dtype == torch.bfloat16
+        assert torch.exp(a).dtype == torch.float32
+    assert torch.exp(a).dtype == torch.float32
+
+
+def test_edits_gradients_flow_to_fp32_leaves():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with amp.autocast("cpu", lower_ops=["gelu"], fp32_ops=["linear"]):
+        h = lin(x)
+        out = F.gelu(h)
+    assert h.dtype == torch.float32 and out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert lin.weight.grad.dtype == torch.float32
+    ref = torch.nn.Linear(8, 8)
+    ref.load_state_dict(lin.state_dict())
+    F.gelu(ref(x).bfloat16()).float().sum().backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+
+
+def test_edit_cast_cache_reuses_weight_casts_and_sees_in_place_updates():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(8, 8)
+    with CountCasts(w) as counter:
+        with amp.autocast("cpu", lower_ops=["tanh"]):
+            torch.tanh(w)
+            torch.tanh(w)
+            with torch.no_grad():
+                w.add_(1.0)  # the version counter moves: the cached cast is stale
+            out = torch.tanh(w)
+    assert counter.count == 2
+    assert torch.equal(out, torch.tanh(w.detach().bfloat16()))
+    with CountCasts(w) as counter:
+        with amp.autocast("cpu", lower_ops=["tanh"], cache_enabled=False):
+            torch.tanh(w)
+            torch.tanh(w)
+    assert counter.count == 2
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(fp32_ops="mm"), TypeError, "wrap a single op in a list"),
+    (dict(fp32_ops=[3]), TypeError, "entries must be torch functions"),
+    (dict(lower_ops=["not_an_op"]), ValueError, "'not_an_op' is not a torch function"),
+    (dict(lower_ops=[print]), ValueError, "is not a torch function"),
+    (dict(fp32_ops=["mm"], lower_ops=[torch.mm]), ValueError, "in both fp32_ops and lower_ops"),
+])
+def test_bad_list_edits(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        amp.autocast("cpu", **kwargs)
+
+
+def test_aten_style_names_accepted():
+    a = torch.randn(4, 4)
+    with amp.autocast("cpu", fp32_ops=["aten::mm.default", "conv2d.padding"]):
+        assert torch.mm(a, a).dtype == torch.float32

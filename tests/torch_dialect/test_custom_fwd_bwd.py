@@ -1,0 +1,174 @@
+"""peak.amp.custom_fwd / custom_bwd: torch's test_autocast_custom_enabled and
+test_autocast_custom_cast_inputs on CPU (bf16), with nested container inputs, mixing with
+torch.amp's decorators, and peak's list edits carried from forward to backward."""
+import pytest
+import torch
+
+from peak import amp
+
+
+class MyMM(torch.autograd.Function):
+    @staticmethod
+    @amp.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):
+        assert a.dtype is b.dtype is torch.float32
+        assert torch.is_autocast_enabled("cpu")
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        assert torch.is_autocast_enabled("cpu")
+        a, b = ctx.saved_tensors
+        a_grad, b_grad = grad.mm(b.t()), a.t().mm(grad)
+        assert a_grad.dtype is b_grad.dtype is torch.bfloat16
+        return a_grad, b_grad
+
+
+def test_custom_enabled():
+    """cast_inputs=None: forward and backward run under the caller's autocast state."""
+    x = torch.randn(8, 8, requires_grad=True)
+    y = torch.randn(8, 8, requires_grad=True)
+    with amp.autocast("cpu"):
+        out = MyMM.apply(x, y)
+        assert out.dtype is torch.bfloat16
+        out.float().sum().backward()
+    assert x.grad.dtype is torch.float32 and y.grad.dtype is torch.float32
+
+
+class CastInputs(torch.autograd.Function):
+    """Nested containers: a list holding a string, a tuple, a dict (a tensor key too), a float64
+    tensor and an integer tensor."""
+
+    @staticmethod
+    @amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, container):
+        b = container[1][0]
+        d = container[2]["d"]
+        key = next(k for k in container[2] if isinstance(k, torch.Tensor))
+        ctx.save_for_backward(a, b)
+        ctx.seen = dict(a=a.dtype, b=b.dtype, d=d.dtype, key=key.dtype,
+                        f64=container[3].dtype, i=container[4].dtype, s=container[0],
+                        autocast=torch.is_autocast_enabled("cpu"))
+        return a.mm(b)
+
+    @staticmethod
+    @amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        assert not torch.is_autocast_enabled("cpu")
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), None
+
+
+def _container(low):
+    return ["text", (torch.randn(8, 8, dtype=low, requires_grad=True),),
+            {"d": torch.randn(2, dtype=low), torch.randn(1, dtype=low): 1},
+            torch.randn(2, dtype=torch.float64), torch.arange(3)]
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_cast_inputs_nested_containers(low):
+    a = torch.randn(8, 8, dtype=low, requires_grad=True)
+    container = _container(low)
+    with amp.autocast("cpu", dtype=low):
+        out = CastInputs.apply(a, container)
+        seen = out.grad_fn.seen  # the ctx of a custom Function is its grad_fn
+    assert out.dtype is torch.float32
+    assert seen["a"] == seen["b"] == seen["d"] == seen["key"] == torch.float32
+    assert seen["f64"] == torch.float64 and seen["i"] == torch.int64 and seen["s"] == "text"
+    assert seen["autocast"] is False  # forward ran with autocast off
+    out.sum().backward()
+    assert a.grad.dtype is low  # autograd brings the grad back to the input's dtype
+
+
+def test_cast_inputs_is_a_no_op_outside_autocast():
+    a = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+    out = CastInputs.apply(a, _container(torch.bfloat16))
+    assert out.dtype is torch.bfloat16
+    assert out.grad_fn.seen["a"] == torch.bfloat16
+
+
+def test_cast_inputs_turns_peak_list_edits_off_inside_forward():
+    class Fwd(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+        def forward(ctx, x):
+            return torch.exp(x)
+
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            return g
+
+    x = torch.randn(4)
+    with amp.autocast("cpu", lower_ops=["exp"]):
+        assert torch.exp(x).dtype == torch.bfloat16
+        assert Fwd.apply(x).dtype == torch.float32
+
+
+def test_backward_sees_the_list_edits_forward_saw():
+    class Edited(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(device_type="cpu")
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return torch.exp(x)
+
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            Edited.bwd_dtype = torch.exp(x).dtype  # under the forward's edits again
+            return g * torch.exp(x).float()
+
+    x = torch.randn(4, requires_grad=True)
+    with amp.autocast("cpu", lower_ops=["exp"]):
+        out = Edited.apply(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()  # backward outside the region
+    assert Edited.bwd_dtype == torch.bfloat16
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_interoperates_with_torch_decorators():
+    class Mixed(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu")
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            Mixed.enabled = torch.is_autocast_enabled("cpu")
+            return g * 2
+
+    a = torch.randn(3, requires_grad=True)
+    with amp.autocast("cpu"):
+        Mixed.apply(a).sum().backward()
+    assert Mixed.enabled is True
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="Expected `device_type` of type `str`"):
+        amp.custom_fwd(device_type=torch.device("cpu"))
+    with pytest.raises(TypeError, match="device_type"):
+        amp.custom_fwd(lambda ctx: None)  # device_type is required, as in torch >= 2.4
+    with pytest.raises(TypeError, match="cast_inputs must be a floating-point torch.dtype"):
+        amp.custom_fwd(device_type="cpu", cast_inputs=torch.int32)
+    with pytest.raises(ValueError, match="Expected `device_type` of type `str`"):
+        amp.custom_bwd(device_type=None)
+
+    class NoFwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 1
+
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(RuntimeError, match="not decorated with custom_fwd"):
+        NoFwd.apply(torch.randn(2, requires_grad=True)).sum().backward()
