@@ -62,6 +62,9 @@ PYBIND11_MODULE(_C, m) {
 
   py::module_ emu = m.def_submodule(
       "emulated", "The CUDA launcher's plan and block code run serially on the CPU (tests)");
+  emu.def("set_grid_shape", &peak::emulated_ops::set_grid_shape, py::arg("max_tensors"),
+          py::arg("max_blocks"), py::arg("threads"),
+          "Launch limits and block size of torch.ops.peak_emulated.* (0: the CUDA values)");
   emu.def(
       "multi_tensor_scale_",
       [](std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, at::Tensor scale,

@@ -7,6 +7,8 @@
 // gradients once, which halves the cost of converting a long list at the dispatcher.
 #include <torch/library.h>
 
+#include "fused_schemas.h"
+
 TORCH_LIBRARY(peak, m) {
   m.def(
       "multi_tensor_scale_(Tensor(a!)[] inputs, Tensor(b!)[]? outputs, Tensor scale, "
@@ -25,25 +27,8 @@ TORCH_LIBRARY(peak, m) {
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
       "int hysteresis, float min_scale, float max_scale) -> ()");
 
-  // Fused optimizers (see NOTE: [Fused master-weight step] in core/optimizer_ops.h). Empty
-  // master_params: no master weights. Per-step scalars are device tensors; steps are per-param
-  // float32 counts, bumped on device and restored when found_inf is set.
-  m.def(
-      "fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
-      "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "
-      "Tensor(f!)[] steps, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
-      "bool amsgrad, bool adam_w_mode, bool maximize, bool bias_correction, "
-      "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536) -> ()");
-  m.def(
-      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
-      "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, Tensor lr, float momentum, "
-      "float dampening, float weight_decay, bool nesterov, bool maximize, "
-      "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536) -> ()");
-  m.def(
-      "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
-      "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, Tensor lr, "
-      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
-      "bool grad_averaging, bool bias_correction, float max_grad_norm, bool use_nvlamb, "
-      "Tensor? grad_norm=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
-      "int chunk_size=65536) -> ()");
+  // Fused optimizers: see bindings/fused_schemas.h.
+  m.def(peak::kFusedAdamSchema);
+  m.def(peak::kFusedSgdSchema);
+  m.def(peak::kFusedLambSchema);
 }

@@ -9,6 +9,9 @@
 namespace peak {
 namespace emulated_ops {
 
+// The shape used by the peak_emulated ops on this thread (0 = the CUDA launcher's value).
+void set_grid_shape(int64_t max_tensors, int64_t max_blocks, int64_t threads);
+
 void scale(at::TensorList inputs, at::TensorList outputs, const at::Tensor& scale,
            const at::Tensor& found_inf, int64_t chunk_size, int64_t max_tensors,
            int64_t max_blocks, int64_t threads,

@@ -9,6 +9,7 @@
 #include "emulated_ops.h"
 #include "multi_tensor_ops.h"
 #include "optimizer_ops_impl.h"
+#include "../bindings/fused_schemas.h"
 
 namespace peak {
 
@@ -69,18 +70,25 @@ struct CpuExec {
   }
 };
 
+// The grid shape the peak_emulated ops use (0: the real CUDA launcher's value).
+thread_local emulated::GridShape g_emulated_shape{0, 0, 0};
+
 struct EmulatedExec : CpuExec {
-  emulated::GridShape shape;
+  emulated::GridShape shape = g_emulated_shape;
   template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size, const Op& op,
-             const BlockSink& sink) {
-    constexpr int kMax = TensorListMetadata<sizeof...(T)>::kMaxTensors;
-    TORCH_CHECK(shape.max_tensors >= 1 && shape.max_tensors <= kMax,
+  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
+             const Op& op, const BlockSink& sink) {
+    constexpr int kMax = MetadataFor<Op, T...>::kMaxTensors;
+    emulated::GridShape s = shape;
+    if (s.max_tensors == 0) s.max_tensors = kMax;
+    if (s.max_blocks == 0) s.max_blocks = kMaxBlocksPerLaunch;
+    if (s.threads_per_block == 0) s.threads_per_block = kThreadsPerBlock;
+    TORCH_CHECK(s.max_tensors >= 1 && s.max_tensors <= kMax,
                 "emulated grid: max_tensors must be in [1, ", kMax, "]");
-    TORCH_CHECK(shape.max_blocks >= 1 && shape.max_blocks <= kMaxBlocksPerLaunch,
+    TORCH_CHECK(s.max_blocks >= 1 && s.max_blocks <= kMaxBlocksPerLaunch,
                 "emulated grid: max_blocks must be in [1, ", kMaxBlocksPerLaunch, "]");
-    TORCH_CHECK(shape.threads_per_block >= 1, "emulated grid: threads_per_block must be >= 1");
-    emulated::apply<Op, T...>(lists, chunk_size, op, sink, shape);
+    TORCH_CHECK(s.threads_per_block >= 1, "emulated grid: threads_per_block must be >= 1");
+    emulated::apply<Op, T...>(lists, chunk_size, op, sink, s);
   }
 };
 
@@ -123,6 +131,11 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
 }  // namespace
 
 namespace emulated_ops {
+
+void set_grid_shape(int64_t max_tensors, int64_t max_blocks, int64_t threads) {
+  g_emulated_shape = {static_cast<int>(max_tensors), static_cast<int>(max_blocks),
+                      static_cast<int>(threads)};
+}
 
 static EmulatedExec make_exec(int64_t max_tensors, int64_t max_blocks, int64_t threads) {
   EmulatedExec exec;
@@ -167,3 +180,11 @@ TORCH_LIBRARY_IMPL(peak, CPU, m) {
 }
 
 }  // namespace peak
+
+// Test-only twins of the fused optimizer ops that run through the emulated CUDA grid (launch
+// plan, metadata with per-tensor scalars, per-block code), shaped by set_grid_shape.
+TORCH_LIBRARY(peak_emulated, m) {
+  m.def(peak::kFusedAdamSchema, &peak::fused_adam_entry<peak::EmulatedExec>);
+  m.def(peak::kFusedSgdSchema, &peak::fused_sgd_entry<peak::EmulatedExec>);
+  m.def(peak::kFusedLambSchema, &peak::fused_lamb_entry<peak::EmulatedExec>);
+}
