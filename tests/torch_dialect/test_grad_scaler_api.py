@@ -8,7 +8,7 @@ import torch
 
 from peak import amp
 from peak.amp.grad_scaler import OptState, _refresh_per_optimizer_state
-from peak_testing import DTYPES, dtype_id
+from peak_testing import DEVICES, DTYPES, dtype_id
 from torch_dialect_helpers import HostReads, batches, make_model
 
 F = torch.nn.functional
@@ -19,15 +19,15 @@ def opt_with_grads(grads, dtype=None):
     """An SGD optimizer over parameters whose .grad are the given tensors (set as they are)."""
     params = []
     for g in grads:
-        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=dtype or g.dtype))
+        p = torch.nn.Parameter(torch.zeros(g.shape, dtype=dtype or g.dtype, device=g.device))
         p.grad = g
         params.append(p)
     return torch.optim.SGD(params, lr=1.0)
 
 
-def scaler_at(scale, **kw):
-    s = amp.GradScaler("cpu", init_scale=scale, **kw)
-    s.scale(torch.ones(()))  # lazily creates the state on the CPU
+def scaler_at(scale, device="cpu", **kw):
+    s = amp.GradScaler(device, init_scale=scale, **kw)
+    s.scale(torch.ones((), device=device))  # lazily creates the state on that device
     return s
 
 
@@ -171,35 +171,36 @@ def test_scale_nested_outputs():
 
 # ---- unscale (torch's test_grad_scaling_unscale, every kernel dtype) -----------------------------
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced", "mixed"])
 @pytest.mark.parametrize("bad", [None, INF, NAN], ids=["finite", "inf", "nan"])
-def test_unscale_cases(dtype, layout, bad):
+def test_unscale_cases(device, dtype, layout, bad):
     def grad(i):
         if layout == "transposed" or (layout == "mixed" and i == 1):
-            return torch.full((3, 4), 4.0, dtype=dtype).t()
+            return torch.full((3, 4), 4.0, dtype=dtype, device=device).t()
         if layout == "sliced" or (layout == "mixed" and i == 2):
-            return torch.full((4, 6), 4.0, dtype=dtype)[:, :3]
-        return torch.full((4, 3), 4.0, dtype=dtype)
+            return torch.full((4, 6), 4.0, dtype=dtype, device=device)[:, :3]
+        return torch.full((4, 3), 4.0, dtype=dtype, device=device)
 
     grads = [grad(i) for i in range(3)]
     backing = [g._base for g in grads if g._base is not None]
     if bad is not None:
         grads[2][1, 1] = bad
     o = opt_with_grads(grads)
-    s = scaler_at(4.0)
+    s = scaler_at(4.0, device)
     s.unscale_(o)
-    found = s._found_inf_per_device(o)[torch.device("cpu")]
+    found = s._found_inf_per_device(o)[grads[0].device]
     assert found.item() == (0.0 if bad is None else 1.0)
     for i, p in enumerate(o.param_groups[0]["params"]):
         assert p.grad is grads[i]  # in place
-        expected = torch.ones(4, 3, dtype=dtype)
+        expected = torch.ones(4, 3, dtype=dtype, device=device)
         if bad is not None and i == 2:
             expected[1, 1] = bad
         torch.testing.assert_close(p.grad, expected, equal_nan=True, rtol=0, atol=0)
     for b in backing:  # the memory a slice does not cover is untouched
         if b.shape == (4, 6):
-            assert torch.equal(b[:, 3:], torch.full((4, 3), 4.0, dtype=dtype))
+            assert torch.equal(b[:, 3:], torch.full((4, 3), 4.0, dtype=dtype, device=device))
 
 
 def test_unscale_mixed_dtypes_and_float64():
@@ -382,13 +383,15 @@ def test_skipped_steps_visible_non_fused():
     assert reads.count == 8  # the one read per non-fused step that decides to skip (torch: one per device)
 
 
-def test_skipped_steps_visible_fused_without_host_reads():
-    m = make_model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_skipped_steps_visible_fused_without_host_reads(device):
+    m = make_model().to(device)
     o = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
-    s = amp.GradScaler("cpu", growth_interval=2)
+    s = amp.GradScaler(device, growth_interval=2)
     reads = HostReads()
     skipped = []
     for i, (x, y) in enumerate(batches(6, inf_at=(2, 3))):
+        x, y = x.to(device), y.to(device)
         o.zero_grad()
         s.scale(F.mse_loss(m(x), y)).backward()
         with reads.counting():
