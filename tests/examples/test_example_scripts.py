@@ -84,6 +84,23 @@ def test_transformer_lm_clipping_bounds_the_master_gradients():
     assert all(n > 0.01 for n in values(out, "grad_norm"))
 
 
+# ------------------------------------------------------------------------------- torch.amp migration
+@pytest.mark.parametrize("dtype, init_scale", [("fp16", "16777216"), ("bf16", "65536")])
+def test_torch_amp_migration_same_numbers(dtype, init_scale):
+    # init_scale 2**24 makes the first fp16 steps overflow: both dialects must back off and skip alike
+    common = ["--dtype", dtype, "--steps", "30", "--print-freq", "1", "--init-scale", init_scale, "--device", "cpu"]
+    outs = {d: run("torch_amp_migration.py", "--dialect", d, *common) for d in ("peak", "torch")}
+    steps = {d: re.findall(r"^step .*$", out, flags=re.M) for d, out in outs.items()}
+    assert len(steps["peak"]) == 30
+    assert steps["peak"] == steps["torch"]  # the same losses and scales, printed to 6 digits
+    losses = values(outs["peak"], "loss")
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    scales = values(outs["peak"], "scale")
+    if dtype == "fp16":
+        assert scales[0] < 2.0**24 and len(set(scales)) > 1  # backed off
+    assert "peak.amp" in outs["peak"] and "torch.amp" in outs["torch"]
+
+
 # -------------------------------------------------------------------------------------------- demo
 def test_demo_table_and_plot(tmp_path):
     png = tmp_path / "demo.png"
