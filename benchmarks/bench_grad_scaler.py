@@ -1,6 +1,6 @@
 """GradScaler: peak.amp.GradScaler vs torch.amp.GradScaler, in one run.
 
-    python benchmarks/bench_grad_scaler.py [--device cpu|cuda] [--repeats N] [--quick]
+    python benchmarks/bench_grad_scaler.py [--device cpu|cuda] [--repeats N] [--threads T] [--quick]
 
 Cases (fp32 gradients): many small tensors (2,000 x 4K elements, 5,000 x 256) and few large ones
 (8 x 2M). For each case and each optimizer (SGD with foreach, AdamW fused: the
@@ -150,7 +150,11 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="small cases only, 5 repeats (a smoke run)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="intra-op threads (default: torch's); 1 is steadier on a busy machine")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     cases = ["5000x256"] if args.quick else list(CASES)
     repeats = 5 if args.quick else args.repeats
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads, "

@@ -37,6 +37,7 @@ _ON_MIN_SCALE = ("warn", "raise", "keep")
 # scalars, which costs more than the kernel for a model with many small gradients.
 _multi_tensor_scale = torch.ops.peak.multi_tensor_scale_.default
 _update_scale = torch.ops.peak.update_scale_.default
+_group_by_device_dtype = torch._C._group_tensors_by_device_and_dtype
 _check_finite = (torch.ops.peak.multi_tensor_check_finite_.default
                  if hasattr(torch.ops.peak, "multi_tensor_check_finite_") else None)
 _HAS_PER_TENSOR_FLAGS = any(a.name == "per_tensor_found_inf"
@@ -307,6 +308,9 @@ class GradScaler:
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale, share_master=True)
         per_device_found_inf = _MultiDeviceReplicator(found_inf, share_master=True)
         report = self._report_enabled
+        if not report:
+            self._unscale_fast(optimizer, per_device_inv_scale, per_device_found_inf, check_only)
+            return per_device_found_inf._per_device_tensors
         groups: dict[tuple, list[torch.Tensor]] = {}
         owners: dict[tuple, list] = {} if report else None
         strided: list = []  # non-contiguous gradients (transposed ones are still dense)
@@ -376,6 +380,61 @@ class GradScaler:
                 if report:
                     self._record_flags(optimizer, owners[key], flags)
         return per_device_found_inf._per_device_tensors
+
+    def _unscale_fast(self, optimizer, per_device_inv_scale, per_device_found_inf,
+                      check_only: bool) -> None:
+        """The common case without per-gradient flags: gather the gradients, group them by
+        (device, dtype) in C++ and make one kernel call per group. A group the kernel rejects
+        (sparse or non-dense gradients; the kernel validates before it writes anything) goes
+        through ``_unscale_group_slow``."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            return
+        with torch.no_grad():
+            grouped = _group_by_device_dtype([grads], False)
+            for (device, dtype), ((group,), _) in grouped.items():
+                dev_found_inf = per_device_found_inf.get(device)
+                dev_inv_scale = per_device_inv_scale.get(device)
+                if dtype in _KERNEL_DTYPES:
+                    try:
+                        if check_only:
+                            _check_finite(group, dev_found_inf, _CHUNK_SIZE)
+                        else:
+                            _multi_tensor_scale(group, None, dev_inv_scale, dev_found_inf,
+                                                _CHUNK_SIZE)
+                        continue
+                    except RuntimeError:
+                        pass
+                self._unscale_group_slow(optimizer, group, dtype, dev_inv_scale, dev_found_inf,
+                                         check_only)
+
+    @staticmethod
+    def _unscale_group_slow(optimizer, group, dtype, inv_scale, found_inf, check_only) -> None:
+        """One (device, dtype) group with sparse, non-dense or float64 gradients."""
+        if any(g.is_sparse for g in group) and dtype in (torch.float16, torch.bfloat16):
+            # Duplicate indices of a low-precision sparse gradient may overflow only once
+            # summed: check the coalesced values (torch does this for fp16), replacing .grad.
+            owner = {id(p.grad): p for grp in optimizer.param_groups for p in grp["params"]
+                     if p.grad is not None}
+            for i, g in enumerate(group):
+                if g.is_sparse:
+                    group[i] = owner[id(g)].grad = g.coalesce()
+        tensors = [g._values() if g.is_sparse else g for g in group]
+        if dtype not in _KERNEL_DTYPES:
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+            return
+        copies = []
+        for i, t in enumerate(tensors):
+            if not _is_dense(t):
+                tensors[i] = t.contiguous()
+                copies.append((t, tensors[i]))
+        if check_only:
+            _check_finite(tensors, found_inf, _CHUNK_SIZE)
+        else:
+            _multi_tensor_scale(tensors, None, inv_scale, found_inf, _CHUNK_SIZE)
+            for t, dense in copies:
+                t.copy_(dense)
 
     def _get_inv_scale(self) -> torch.Tensor:
         inv = self._inv_scale
