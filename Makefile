@@ -8,11 +8,12 @@ VENV       ?= .venv
 CUDA_VENV  ?= .venv-cuda
 TORCH_CPU  ?= torch==2.13.0
 TORCH_CUDA ?= torch==2.14.1
-DEPS       := scikit-build-core ninja cmake numpy pytest hypothesis expecttest matplotlib
+DEPS       := scikit-build-core ninja cmake numpy pytest hypothesis expecttest matplotlib \
+              tqdm sphinx myst-parser nbclient nbformat ipykernel
 PIP_QUIET  := --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: all build demo test bench cuda-build test-cuda-build ci clean
+.PHONY: all build demo test bench docs cuda-build test-cuda-build ci clean
 
 all: test
 
@@ -32,6 +33,10 @@ test: build
 
 bench: build
 	$(VENV)/bin/python benchmarks/bench_multi_tensor.py
+
+# The documentation site (docs/, Sphinx + MyST), warnings as errors; open docs/_build/html/index.html.
+docs: build
+	$(VENV)/bin/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 # The CUDA variant: compiled and linked with nvcc against torch's CUDA build. No GPU is needed
 # to build it; its kernels run only where one is present, and the suite runs on the CPU.

@@ -3,10 +3,12 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
-pytest.importorskip("sphinx", reason="the docs build needs sphinx and myst-parser (make test installs them)")
-pytest.importorskip("myst_parser", reason="the docs build needs myst-parser (make test installs it)")
+try:
+    import myst_parser  # noqa: F401
+    import sphinx  # noqa: F401
+except ImportError as err:  # a hard failure, not a skip: the site must never go unbuilt
+    raise ImportError(f"{err}: the docs build needs sphinx and myst-parser "
+                      "(in the Makefile's DEPS; pip install sphinx myst-parser)") from None
 
 DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 

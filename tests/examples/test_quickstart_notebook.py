@@ -4,10 +4,12 @@ import os
 import pathlib
 import re
 
-import pytest
-
-nbformat = pytest.importorskip("nbformat", reason="notebook tests need nbformat (make test installs it)")
-nbclient = pytest.importorskip("nbclient", reason="notebook tests need nbclient (make test installs it)")
+try:
+    import nbclient
+    import nbformat
+except ImportError as err:  # a hard failure, not a skip: the notebook must never go untested
+    raise ImportError(f"{err}: the notebook test needs nbclient, nbformat and ipykernel "
+                      "(in the Makefile's DEPS; pip install nbclient nbformat ipykernel)") from None
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[2] / "examples" / "quickstart.ipynb"
 
