@@ -17,6 +17,13 @@ from torch import nn
 
 from peak import amp
 
+try:
+    from tqdm import tqdm
+except ImportError:  # the progress bar is optional
+    def tqdm(iterable, **_):
+        return iterable
+    tqdm.write = print
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="peak.amp synthetic-ImageNet example")
@@ -35,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print-freq", type=int, default=5)
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--save", default=None, help="write a checkpoint here at the end")
     p.add_argument("--resume", default=None, help="continue from this checkpoint")
     return p.parse_args(argv)
@@ -112,7 +120,8 @@ def main(argv=None):
     model.train()
     for epoch in range(start_epoch, args.epochs):
         seen, t0 = 0, time.perf_counter()
-        for i in range(args.steps):
+        bar = tqdm(range(args.steps), desc=f"epoch {epoch}", disable=args.no_progress, leave=False)
+        for i in bar:
             global_step = epoch * args.steps + i
             images, labels = data.batch(global_step, args.batch_size)
             images, labels = images.to(device), labels.to(device)
@@ -126,8 +135,8 @@ def main(argv=None):
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 speed = seen / (time.perf_counter() - t0)
-                print(f"Epoch: [{epoch}][{i}/{args.steps}]  step {global_step}  loss {loss.item():.6f}  "
-                      f"throughput {speed:.1f} img/s")
+                tqdm.write(f"Epoch: [{epoch}][{i}/{args.steps}]  step {global_step}  loss {loss.item():.6f}  "
+                           f"throughput {speed:.1f} img/s")
         print(f"epoch {epoch} done: {seen} images, throughput {seen / (time.perf_counter() - t0):.1f} img/s, "
               f"loss scale {amp.state_dict().get('loss_scaler0', {}).get('loss_scale')}")
 
