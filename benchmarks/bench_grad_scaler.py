@@ -6,7 +6,7 @@ Cases (fp32 gradients): many small tensors (2,000 x 4K elements, 5,000 x 256) an
 (8 x 2M). For each case and each optimizer (SGD with foreach, AdamW fused: the
 ``_step_supports_amp_scaling`` hand-off), two measurements:
 
-- ``full``: a whole training step ``zero_grad -> scale(loss) -> backward -> unscale_ -> step ->
+- ``full``: a whole training step ``zero_grad(set_to_none=False) -> scale(loss) -> backward -> unscale_ -> step ->
   update``; the loss touches every parameter once (``sum_i <p_i, x_i>``), so backward writes
   every gradient.
 - ``scaler``: the scaler's own share, ``unscale_ -> step -> update`` around an optimizer whose
@@ -68,15 +68,16 @@ def sync(device):
 
 
 def interleaved_medians(fns, device, repeats, warmup=3):
-    """Median seconds of each function, timed in turn within every repeat so that a load change
-    on the machine hits every contender alike."""
+    """Median seconds of each function, timed in turn within every repeat (in alternating order)
+    so that a load change on the machine hits every contender alike."""
     for _ in range(warmup):
         for fn in fns:
             fn()
     sync(device)
     times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
+    for r in range(repeats):
+        order = list(zip(fns, times))
+        for fn, ts in (order if r % 2 == 0 else order[::-1]):  # neither always goes first
             t0 = time.perf_counter()
             fn()
             sync(device)
@@ -96,7 +97,10 @@ def make(count, numel, device, opt_kind, noop):
 
 def full_step_fn(scaler, params, xs, opt):
     def step():
-        opt.zero_grad()
+        # Gradients are kept and zeroed, not freed: freeing and re-allocating 8 MB gradients
+        # every step lets glibc's malloc (its adaptive mmap threshold) decide the timing, and it
+        # favoured whichever contender was built first by up to 2x in either direction.
+        opt.zero_grad(set_to_none=False)
         loss = torch.stack([torch.dot(p, x) for p, x in zip(params, xs)]).sum()
         scaler.scale(loss).backward()
         scaler.unscale_(opt)

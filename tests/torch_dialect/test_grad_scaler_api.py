@@ -537,3 +537,16 @@ def test_overflow_report_survives_pickle_as_text():
     s.update()
     s2 = pickle.loads(pickle.dumps(s))
     assert s2.overflow_report().parameters == ("0.weight",)
+
+
+def test_is_a_torch_grad_scaler_with_torch_stage_enum():
+    s = scaler_at(2.0)
+    assert isinstance(s, torch.amp.GradScaler)
+    assert OptState is torch.amp.grad_scaler.OptState
+    o = opt_with_grads([torch.ones(2)])
+    s.unscale_(o)
+    assert s._per_optimizer_states[id(o)]["stage"] is torch.amp.grad_scaler.OptState.UNSCALED
+    # every public and private method torch's class has is peak's own
+    for name in dir(torch.amp.GradScaler):
+        if callable(getattr(torch.amp.GradScaler, name)) and not name.startswith("__"):
+            assert getattr(amp.GradScaler, name) is not getattr(torch.amp.GradScaler, name), name

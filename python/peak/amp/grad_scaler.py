@@ -22,10 +22,10 @@ import warnings
 import weakref
 from collections import abc, defaultdict
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Iterable
 
 import torch
+import torch.amp.grad_scaler as _torch_grad_scaler
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
@@ -49,13 +49,13 @@ class _ConfigError(ValueError, AssertionError):
     factors), so the error is both a ValueError and an AssertionError."""
 
 
-class _MultiDeviceReplicator:
-    """Lazily serves copies of a tensor to requested devices (torch's helper, same name)."""
+class _MultiDeviceReplicator(_torch_grad_scaler._MultiDeviceReplicator):
+    """torch's helper (lazily serves copies of a tensor to requested devices, cached per device),
+    optionally serving the master itself on its own device."""
 
     def __init__(self, master_tensor: torch.Tensor, share_master: bool = False) -> None:
-        self.master = master_tensor
-        self._share_master = share_master  # serve the master itself on its own device
-        self._per_device_tensors: dict[torch.device, torch.Tensor] = {}
+        super().__init__(master_tensor)
+        self._share_master = share_master
 
     def get(self, device: torch.device) -> torch.Tensor:
         retval = self._per_device_tensors.get(device, None)
@@ -66,15 +66,9 @@ class _MultiDeviceReplicator:
         return retval
 
 
-class OptState(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-def _refresh_per_optimizer_state() -> dict[str, Any]:
-    # Module level (not a lambda) so that the defaultdict, and so the scaler, can be pickled.
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
+# torch's own enum and factory, so that code comparing stages with torch's OptState works.
+OptState = _torch_grad_scaler.OptState
+_refresh_per_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
 
 
 @dataclass(frozen=True)
@@ -117,8 +111,9 @@ def _check_float(name: str, value, *, allow_none: bool = False) -> float | None:
     return float(value)
 
 
-class GradScaler:
-    """Gradient scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``.
+class GradScaler(torch.amp.GradScaler):
+    """Gradient scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``
+    (a subclass, so ``isinstance(scaler, torch.amp.GradScaler)`` holds; every method is peak's).
 
     ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` as with torch.
     The first five keyword arguments and ``enabled`` mean what they mean in torch. Beyond torch:
