@@ -90,10 +90,17 @@ template <typename T>
 constexpr bool kStagedType = !std::is_same_v<T, float>;
 
 // NOTE: [CPU lanes]
-// The element loop runs in groups of kLanes with one accumulator state per lane, so that
-// reductions (the l2norm's float sum, which the compiler may not reorder) still vectorise.
-// Lanes are merged in order at the end of the chunk: deterministic for a given chunk size.
+// A float sum (the l2norm) is a reduction the compiler may not reorder, so it would not
+// vectorise: for such states the element loop runs in groups of kLanes with one accumulator
+// per lane, merged in order at the end of the chunk (deterministic for a given chunk size).
+// Every other op runs a plain loop, which the loop vectoriser handles (integer |= reductions
+// included); the lanes would only get in its way.
 constexpr int kLanes = 16;
+
+template <typename State>
+constexpr int lanes_for() {
+  return std::is_same_v<State, SumSquaresState> ? kLanes : 1;
+}
 
 template <typename Op, typename... T, size_t... D>
 inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
@@ -106,8 +113,9 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
   op.load_scalars();
   if constexpr (Op::tensor_scalars > 0) op.load_tensor_scalars(tensor_scalars.data());
   if (op.skip()) return;
-  State lanes[kLanes];
-  for (int l = 0; l < kLanes; ++l) lanes[l] = State{};
+  constexpr int L = lanes_for<State>();
+  State lanes[L];
+  for (int l = 0; l < L; ++l) lanes[l] = State{};
   for (int64_t off = begin; off < end; off += kTile) {
     const int64_t n = end - off < kTile ? end - off : kTile;
     // fp32 lists are used where they lie; fp16/bf16 lists are converted through a float tile.
@@ -121,13 +129,15 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
     // overlaps are rejected by the op's checks). Element i is read before it is written and no
     // other element depends on it, so there is no loop-carried dependence: ivdep keeps the
     // compiler from falling back to scalar code when its alias check sees the overlap.
+    if constexpr (L > 1) {
 #pragma GCC ivdep
-    for (; i + kLanes <= n; i += kLanes) {
+      for (; i + L <= n; i += L) {
 #pragma GCC unroll 16
-      for (int l = 0; l < kLanes; ++l) {
-        float v[Depth] = {(((Op::read_mask >> D) & 1u) ? p[D][i + l] : 0.0f)...};
-        op(v, lanes[l]);
-        ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i + l] = v[D]) : (void)0), ...);
+        for (int l = 0; l < L; ++l) {
+          float v[Depth] = {(((Op::read_mask >> D) & 1u) ? p[D][i + l] : 0.0f)...};
+          op(v, lanes[l]);
+          ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i + l] = v[D]) : (void)0), ...);
+        }
       }
     }
 #pragma GCC ivdep
@@ -141,7 +151,7 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
           : (void)0),
      ...);
   }
-  for (int l = 0; l < kLanes; ++l) state.merge(lanes[l]);
+  for (int l = 0; l < L; ++l) state.merge(lanes[l]);
 }
 
 // Runs `op` over every element of every tensor. Results per chunk go to `sink`, indexed by

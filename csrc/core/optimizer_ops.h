@@ -53,8 +53,12 @@ struct AdamOp : OpDefaults {
   double beta1 = 0.9, beta2 = 0.999, weight_decay = 0.0;
   float eps = 1e-8f;
   bool adam_w = false, maximize = false, bias_correction = true;
-  float beta2_f = 0.999f, one_minus_beta1 = 0.1f, one_minus_beta2 = 0.001f, wd_f = 0.0f;
+  float beta2_f = 0.999f, one_minus_beta1 = 0.1f, one_minus_beta2 = 0.001f;
+  // Branch-free forms of the options, so the element loop vectorises: multiplying by 1 and
+  // adding 0 * w are exact (for finite weights).
+  float sign = 1.0f;          // -1 with maximize
   float decay_factor = 1.0f;  // AdamW: 1 - lr * weight_decay
+  float l2 = 0.0f;            // Adam: weight_decay (added to the gradient)
   // Per tensor, from its step count.
   float step_size = 0.0f, bias_correction2_sqrt = 1.0f;
 
@@ -63,8 +67,10 @@ struct AdamOp : OpDefaults {
     beta2_f = static_cast<float>(beta2);
     one_minus_beta1 = static_cast<float>(1.0 - beta1);
     one_minus_beta2 = static_cast<float>(1.0 - beta2);
-    wd_f = static_cast<float>(weight_decay);
-    decay_factor = static_cast<float>(1.0 - static_cast<double>(s.lr.value) * weight_decay);
+    sign = maximize ? -1.0f : 1.0f;
+    decay_factor = adam_w ? static_cast<float>(1.0 - static_cast<double>(s.lr.value) * weight_decay)
+                          : 1.0f;
+    l2 = adam_w ? 0.0f : static_cast<float>(weight_decay);
   }
   PEAK_HD void load_tensor_scalars(const float* const* p) {
     const double step = *p[0];
@@ -76,16 +82,9 @@ struct AdamOp : OpDefaults {
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
   PEAK_HD void operator()(float* v, State&) const {
-    float g = v[kGrad] / s.grad_scale.value;
-    if (maximize) g = -g;
     float w = v[kWeight];
-    if (wd_f != 0.0f) {
-      if (adam_w) {
-        w = w * decay_factor;
-      } else {
-        g = fmaf(wd_f, w, g);
-      }
-    }
+    const float g = fmaf(l2, w, sign * (v[kGrad] / s.grad_scale.value));
+    w = w * decay_factor;
     const float m = fmaf(one_minus_beta1, g - v[kExpAvg], v[kExpAvg]);  // lerp, as torch
     const float vsq = fmaf(one_minus_beta2, g * g, beta2_f * v[kExpAvgSq]);
     float second = vsq;
@@ -128,10 +127,8 @@ struct SgdOp : OpDefaults {
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
   PEAK_HD void operator()(float* v, State&) const {
-    float g = v[kGrad] / s.grad_scale.value;
-    if (maximize) g = -g;
     float w = v[kWeight];
-    if (weight_decay != 0.0f) g = fmaf(weight_decay, w, g);
+    float g = fmaf(weight_decay, w, (maximize ? -1.0f : 1.0f) * (v[kGrad] / s.grad_scale.value));
     if constexpr (HasMomentum) {
       const float buf = first_step ? g : fmaf(one_minus_dampening, g, momentum * v[kMomentum]);
       v[kMomentum] = buf;

@@ -65,8 +65,14 @@ void multi_tensor_scale(Exec& exec, at::TensorList inputs, at::TensorList output
                         const std::optional<at::Tensor>& per_tensor_found_inf = std::nullopt) {
   constexpr const char* name = "multi_tensor_scale_";
   check_chunk_size(name, chunk_size);
-  check_tensor_lists(name, {{"inputs", inputs}, {"outputs", outputs}});
-  check_no_partial_overlap(name, {"outputs", outputs}, {"inputs", inputs});
+  // In place (the very same list, as outputs=None gives): one list to validate, not two.
+  const bool in_place = outputs.data() == inputs.data() && outputs.size() == inputs.size();
+  if (in_place) {
+    check_tensor_lists(name, {{"inputs", inputs}});
+  } else {
+    check_tensor_lists(name, {{"inputs", inputs}, {"outputs", outputs}});
+    check_no_partial_overlap(name, {"outputs", outputs}, {"inputs", inputs});
+  }
   const c10::Device device = lists_device(inputs, found_inf);
   check_scalar_tensor(name, "found_inf", found_inf, at::kFloat, device);
   check_scalar_tensor(name, "scale", scale, at::kFloat, device);

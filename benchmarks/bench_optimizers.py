@@ -1,0 +1,123 @@
+"""One optimizer step of a ~50M-parameter model (a transformer's size mix), O2-style.
+
+    python benchmarks/bench_optimizers.py [--device cpu|cuda] [--dtype bf16|fp16] [--repeats N]
+
+Contenders, all in one run, on the same parameter shapes:
+- peak:     peak.optimizers.FusedAdam(adam_w_mode=True) on fp16/bf16 params and grads with fp32
+            masters and moments, unscaling inside the step (grad_scale, found_inf) -- one pass.
+- unfused:  Apex's O2 pipeline written with torch ops: unscale the low-precision grads into fp32
+            master grads (torch._amp_foreach_non_finite_check_and_unscale_ after a copy),
+            torch.optim.AdamW(foreach=True) on the fp32 masters, copy masters back to the model.
+- torch fused: torch.optim.AdamW(fused=True) on an fp32 model (no masters: the fp32 baseline).
+- copy:     a plain copy of a buffer of the peak step's byte count (the memory ceiling).
+Bytes per parameter are counted from the tensors each contender must read and write.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import peak
+from peak.optimizers import FusedAdam
+
+
+def shapes(d_model=512, layers=12, vocab=32000, ff=2048):
+    out = [(vocab, d_model)]
+    for _ in range(layers):
+        out += [(d_model, d_model)] * 4 + [(d_model,)] * 4  # attention projections + biases
+        out += [(ff, d_model), (ff,), (d_model, ff), (d_model,)]  # MLP
+        out += [(d_model,)] * 4  # two layer norms
+    out += [(d_model,), (d_model,)]
+    return out
+
+
+def timed(fn, device, repeats):
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    dev = args.device
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    g = torch.Generator().manual_seed(0)
+    fp32 = [torch.randn(s, generator=g).mul_(0.02).to(dev) for s in shapes()]
+    n = sum(p.numel() for p in fp32)
+    scale = torch.tensor([1024.0], device=dev)
+    grads32 = [torch.randn_like(p).mul_(1e-3) for p in fp32]
+
+    # peak: low-precision model, fused step with masters.
+    model = [p.to(low).requires_grad_() for p in fp32]
+    for p, gr in zip(model, grads32):
+        p.grad = (gr * scale).to(low)
+    opt = FusedAdam(model, lr=1e-4, weight_decay=0.01, adam_w_mode=True)
+    found = torch.zeros(1, device=dev)
+    t_peak = timed(lambda: opt.step(grad_scale=scale, found_inf=found), dev, args.repeats)
+    peak_bytes = 2 * low.itemsize + 4 * 6  # grad r, param w, master/m/v r+w
+
+    # unfused Apex-style O2.
+    model2 = [p.to(low) for p in fp32]
+    low_grads = [(gr * scale).to(low) for gr in grads32]
+    masters = [p.clone().requires_grad_() for p in fp32]
+    for m in masters:
+        m.grad = torch.empty_like(m)
+    adamw = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.01, foreach=True)
+    inv = scale.reciprocal()
+
+    def unfused():
+        found.zero_()
+        torch._foreach_copy_([m.grad for m in masters], low_grads)
+        torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in masters], found, inv)
+        adamw.step()
+        torch._foreach_copy_(model2, masters)
+    t_unfused = timed(unfused, dev, args.repeats)
+    # copy in (2r+4w), unscale (4r+4w), AdamW foreach (~grad r, param/m/v r+w, plus temporaries),
+    # copy back (4r+2w): counted as the minimum the passes must touch.
+    unfused_bytes = (2 + 4) + (4 + 4) + (4 + 8 + 8 + 8) + (4 + 2) - 2 + low.itemsize
+
+    # torch fused AdamW on fp32.
+    model3 = [p.clone().requires_grad_() for p in fp32]
+    for p, gr in zip(model3, grads32):
+        p.grad = gr.clone()
+    fused = torch.optim.AdamW(model3, lr=1e-4, weight_decay=0.01, fused=True)
+    t_torch_fused = timed(fused.step, dev, args.repeats)
+    torch_fused_bytes = 4 + 8 * 3
+
+    src = torch.empty(n * peak_bytes // 8, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: dst.copy_(src), dev, args.repeats)
+    copy_gbs = 2 * src.numel() * 4 / t_copy / 1e9
+
+    print(f"peak {peak.__version__}, torch {torch.__version__}, device {dev}, "
+          f"{n / 1e6:.1f}M params in {len(fp32)} tensors, low precision {args.dtype}, "
+          f"threads {torch.get_num_threads()}")
+    header = (f"{'contender':<28}{'ms/step':>9}{'B/param':>9}{'GB/s':>8}{'of copy':>9}"
+              f"{'peak speedup':>14}")
+    print(header)
+    print("-" * len(header))
+    for name, t, b in (("peak FusedAdam (O2, fused)", t_peak, peak_bytes),
+                       ("(a) unfused Apex-style O2", t_unfused, unfused_bytes),
+                       ("(b) torch AdamW fused fp32", t_torch_fused, torch_fused_bytes)):
+        gbs = n * b / t / 1e9
+        print(f"{name:<28}{t * 1e3:>9.2f}{b:>9d}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}"
+              f"{t / t_peak:>13.2f}x")
+    print(f"{'plain copy':<28}{t_copy * 1e3:>9.2f}{'':>9}{copy_gbs:>8.1f}{1.0:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
