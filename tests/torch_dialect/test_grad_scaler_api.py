@@ -142,6 +142,10 @@ def test_closure_and_no_inf_checks():
     s2 = scaler_at(4.0)
     with pytest.raises(AssertionError, match="No inf checks were recorded prior to update."):
         s2.update()
+    model = make_model()
+    for call in (s2.unscale_, s2.step):
+        with pytest.raises(TypeError, match="pass the optimizer, not the model"):
+            call(model)
 
 
 def test_update_new_scale():

@@ -431,6 +431,13 @@ class GradScaler(torch.amp.GradScaler):
             for t, dense in copies:
                 t.copy_(dense)
 
+    @staticmethod
+    def _check_optimizer(optimizer, method: str) -> None:
+        if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "step")):
+            raise TypeError(f"GradScaler.{method}: optimizer must be a torch.optim.Optimizer (an "
+                            f"object with param_groups and step()), got {type(optimizer).__name__}; "
+                            f"pass the optimizer, not the model")
+
     def _get_inv_scale(self) -> torch.Tensor:
         inv = self._inv_scale
         if inv is None:
@@ -448,6 +455,7 @@ class GradScaler(torch.amp.GradScaler):
         fp16 and bf16 gradients are accepted (fp32 math, stored back in their dtype)."""
         if not self._enabled:
             return
+        self._check_optimizer(optimizer, "unscale_")
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
@@ -528,6 +536,7 @@ class GradScaler(torch.amp.GradScaler):
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_optimizer(optimizer, "step")
         self._check_scale_growth_tracker("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
