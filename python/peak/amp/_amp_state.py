@@ -84,6 +84,11 @@ def master_params(optimizer):
 
         torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)
     """
+    stash = getattr(optimizer, "_amp_stash", None)
+    if stash is not None and stash.fused:
+        # A fused optimizer reads the model's gradients, still scaled: unscale them now so that
+        # clipping sees true values (the step then divides by 1).
+        stash.fused_unscale_in_place()
     for group in optimizer.param_groups:
         for p in group["params"]:
             yield p

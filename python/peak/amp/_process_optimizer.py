@@ -16,6 +16,15 @@ backward pass writes fresh, scaled ones; on exit (``post_backward``) the fresh o
 master gradients (``multi_tensor_scale_``, fp16/bf16 in, fp32 out) or added to the stashed ones
 (``multi_tensor_axpby_``, only the new gradients checked for inf/NaN).  The overflow flag stays on the
 device; ``scale_loss`` reads it once to decide whether the next ``step()`` is skipped.
+
+Fused optimizers (``peak.optimizers``; NOTE: [Fused master-weight step] in csrc/core). Under master
+weights they keep the fp32 masters in their own state and read the low-precision gradients
+directly, so amp neither swaps masters into ``param_groups`` nor unscales: on ``scale_loss`` exit one
+read-only pass checks the gradients for inf/NaN, the scale used is kept on the device, and
+``step()`` hands it to the optimizer (``grad_scale``), which unscales inside its single pass and
+writes the model weights itself. Gradient accumulation over several ``scale_loss`` passes keeps the
+gradients scaled by the latest scale (earlier gradients are rescaled by the ratio of two powers of
+two, exact short of overflow); ``amp.master_params`` unscales them in place first, for clipping.
 """
 
 from __future__ import annotations
@@ -39,9 +48,19 @@ master_of = WeakIdKeyDictionary()
 MASTERS_KEY = "amp_master_params"
 
 
+def _is_fused(optimizer) -> bool:
+    from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (peak.optimizers imports nothing of amp)
+    return isinstance(optimizer, FusedOptimizer)
+
+
 class AmpOptimizerState:
     def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int) -> None:
+        self.optimizer = optimizer
         self.master_weights = master_weights
+        # A peak fused optimizer with master weights: see "Fused optimizers" above.
+        self.fused = master_weights and _is_fused(optimizer)
+        self.fused_params: list[torch.Tensor] = []
+        self.fused_grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
         self.o1 = o1
         self.generation = generation
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
@@ -70,6 +89,15 @@ class AmpOptimizerState:
         (low-precision params replaced by their new fp32 masters).  A master is the parameter's fp32
         data from before ``initialize`` cast it when known (``fp32_originals``), else an upcast copy."""
         out = []
+        if self.fused:
+            for p in params:
+                original = fp32_originals.pop(id(p), None) if fp32_originals else None
+                if original is not None and p.dtype in _LOW:
+                    # the exact fp32 weights from before the cast become the optimizer's master
+                    self.optimizer.state[p]["master_param"] = original
+                self.fused_params.append(p)
+                out.append(p)
+            return out
         for p in params:
             if self.master_weights and p.requires_grad and p.dtype in _LOW:
                 original = fp32_originals.pop(id(p), None) if fp32_originals else None
@@ -92,6 +120,38 @@ class AmpOptimizerState:
                 if flag is None:
                     flag = self.copy_flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
                 ops.multi_tensor_scale_(masters, models, 1.0, flag)
+
+    # ------------------------------------------------------------------ fused path
+    def fused_grads(self):
+        return [p.grad for p in self.fused_params if p.grad is not None]
+
+    def fused_prepare_backward(self, scaler) -> None:
+        """Gradients still pending from an earlier pass carry that pass's scale: bring them to the
+        scale of the pass about to run, so that the backward accumulates like with like."""
+        grads = self.fused_grads()
+        if self.fused_grad_scale is None or not grads:
+            return
+        with torch.no_grad():
+            for device, (group,) in group_by_device_dtype(grads):
+                ratio = (scaler.scale.to(device) / self.fused_grad_scale.to(device)).reshape(())
+                torch._foreach_mul_(group, ratio)
+        self.fused_grad_scale = None
+
+    def fused_post_backward(self, scaler) -> None:
+        with torch.no_grad():
+            for device, (group,) in group_by_device_dtype(self.fused_grads()):
+                ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
+        self.fused_grad_scale = scaler.scale.clone()  # taken before the scale is updated
+
+    def fused_unscale_in_place(self) -> None:
+        """Unscale the pending gradients in place (for clipping); the step then divides by 1."""
+        if self.fused_grad_scale is None:
+            return
+        with torch.no_grad():
+            for device, (group,) in group_by_device_dtype(self.fused_grads()):
+                inv = self.fused_grad_scale.to(device).reciprocal()
+                ops.multi_tensor_scale_(group, group, inv, torch.zeros(1, device=device))
+        self.fused_grad_scale = torch.ones_like(self.fused_grad_scale)
 
     # ------------------------------------------------------------------ backward
     def prepare_backward(self) -> None:
@@ -167,7 +227,7 @@ def process_optimizer(optimizer, properties, fp32_originals=None) -> None:
     optimizer.step = types.MethodType(_step, optimizer)
     optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)
     optimizer.add_param_group = types.MethodType(_add_param_group, optimizer)
-    if stash.master_weights:
+    if stash.master_weights and not stash.fused:  # a fused optimizer saves its masters itself
         optimizer.register_state_dict_post_hook(_save_masters_hook)
         optimizer.register_load_state_dict_pre_hook(_take_masters_hook)
         optimizer.register_load_state_dict_post_hook(_restore_masters_hook)
@@ -194,10 +254,13 @@ def _step(self, closure=None):
         for m in stash.masters:
             m.grad = None
         return None
-    if closure is not None and stash.master_weights:
+    if closure is not None and stash.master_weights and not stash.fused:
         raise RuntimeError(_CLOSURE_MSG.format(" and master weights"))
     args = () if closure is None else (closure,)
-    if stash.o1:
+    if stash.fused:
+        grad_scale, stash.fused_grad_scale = stash.fused_grad_scale, None
+        result = stash.orig_step(*args, grad_scale=grad_scale)
+    elif stash.o1:
         with _caster.disabled():
             result = stash.orig_step(*args)
     else:
@@ -220,6 +283,7 @@ def _zero_grad(self, set_to_none: bool = True):
                 p.grad.detach_().zero_()
     stash.grad_stash = None
     stash.params_have_scaled_gradients = False
+    stash.fused_grad_scale = None
 
 
 def _add_param_group(self, param_group):
@@ -234,11 +298,11 @@ def _add_param_group(self, param_group):
                         "tensors in sets will change between runs. Please use a list instead.")
     else:
         params = list(params)
-    held = {id(p) for p in stash.model_low_params}
+    held = {id(p) for p in stash.model_low_params + stash.fused_params}
     if any(id(p) in held for p in params):
         raise ValueError("some parameters appear in more than one parameter group (this optimizer already "
                          "steps them through their fp32 master weights)")
-    n_masters, n_own = len(stash.masters), len(stash.own_master_params)
+    n_masters, n_own, n_fused = len(stash.masters), len(stash.own_master_params), len(stash.fused_params)
     group = dict(param_group)
     group["params"] = stash.register_params(params)
     try:
@@ -248,6 +312,7 @@ def _add_param_group(self, param_group):
         for p in stash.model_low_params[n_masters:]:
             master_of.pop(p, None)
         del stash.model_low_params[n_masters:], stash.masters[n_masters:], stash.own_master_params[n_own:]
+        del stash.fused_params[n_fused:]
         raise
 
 

@@ -92,9 +92,13 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
 
     prepared = []
     if not delay_unscale:
-        prepared = [stash for stash in stashes if not stash.params_have_scaled_gradients]
+        prepared = [stash for stash in stashes
+                    if not stash.params_have_scaled_gradients and not stash.fused]
         for stash in prepared:
             stash.prepare_backward()
+    for stash in stashes:
+        if stash.fused:
+            stash.fused_prepare_backward(scaler)
 
     try:
         yield scaler.scaled(loss)
@@ -109,7 +113,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
         return
     scaler.clear_overflow_state()
     for stash in stashes:
-        stash.post_backward(scaler)
+        if stash.fused:
+            stash.fused_post_backward(scaler)
+        else:
+            stash.post_backward(scaler)
         stash.params_have_scaled_gradients = False
     should_skip = False if delay_overflow_check else scaler.update_scale()
     if should_skip:

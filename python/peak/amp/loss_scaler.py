@@ -165,11 +165,8 @@ class LossScaler:
         """``out[i] = model_grads[i] / S + stashed_grads[i]``; only the new ``model_grads`` are checked
         for inf/NaN (the stash was checked when it was unscaled)."""
         for device, (xs, ys, outs) in group_by_device_dtype(model_grads, stashed_grads, out_grads):
-            inv = self._inv_scale(device)
-            if isinstance(inv, torch.Tensor):
-                # axpby takes Python scalars; a dynamic scale is a power of two, read once per call.
-                inv = float(inv.item())
-            ops.multi_tensor_axpby_(xs, ys, outs, inv, 1.0, self.found_inf_for(device), check="x")
+            ops.multi_tensor_axpby_(xs, ys, outs, self._inv_scale(device), 1.0,
+                                    self.found_inf_for(device), check="x")
 
     # ------------------------------------------------------------------ updating
     def update(self) -> None:

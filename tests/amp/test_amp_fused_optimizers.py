@@ -1,0 +1,136 @@
+"""amp O2 with a peak fused optimizer: the fused path (no unscale pass, no master->model copy)."""
+import copy
+
+import pytest
+import torch
+
+from peak import amp, ops
+from peak.optimizers import FusedAdam, FusedSGD
+
+torch.set_num_threads(1)
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batches(n=5):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(n)]
+
+
+def amp_run(make_opt, dtype, data, **init_kw):
+    model = net()
+    opt = make_opt(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=dtype,
+                                verbosity=0, **init_kw)
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float16, 2.0 ** 16), (torch.bfloat16, 1.0)],
+                         ids=["f16_dynamic", "bf16_static"])
+def test_o2_fused_equals_the_optimizer_used_by_hand(dtype, scale):
+    data = batches()
+    model, opt = amp_run(lambda p: FusedAdam(p, lr=1e-2, adam_w_mode=True, weight_decay=0.1),
+                         dtype, data)
+    # By hand: the same fp32 weights as masters, a low-precision model, loss * S, grad_scale=S.
+    ref = net()
+    masters = [p.detach().clone() for p in ref.parameters()]
+    ref = ref.to(dtype)
+    ref_opt = FusedAdam(ref.parameters(), lr=1e-2, adam_w_mode=True, weight_decay=0.1)
+    for p, m in zip(ref.parameters(), masters):
+        ref_opt.state[p]["master_param"] = m
+    for x, y in data:
+        ref_opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ref(x.to(dtype)).float(), y)
+        (loss.float() * scale).backward()
+        ref_opt.step(grad_scale=torch.tensor([scale]))
+    for (p, q) in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == dtype
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["master_param"], ref_opt.state[q]["master_param"])
+
+
+def test_no_unscale_or_copy_pass(monkeypatch):
+    calls = []
+    real = ops.multi_tensor_scale_
+    monkeypatch.setattr(ops, "multi_tensor_scale_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    amp_run(lambda p: FusedSGD(p, lr=0.1, momentum=0.9), torch.float16, batches(3))
+    assert calls == [], "the fused path unscales and writes the model inside the optimizer step"
+
+
+def test_overflow_skips_bit_for_bit_and_backs_off():
+    model = net()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    (x, y), = batches(1)
+    for poison in (False, True):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if poison:
+            before = copy.deepcopy(opt.state_dict())
+            weights = [p.detach().clone() for p in model.parameters()]
+            loss = loss * float("inf")
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 15
+    for p, w in zip(model.parameters(), weights):
+        assert torch.equal(p, w)
+    after = opt.state_dict()
+    for k, st in before["state"].items():
+        for name, v in st.items():
+            assert torch.equal(after["state"][k][name], v), name
+
+
+def test_accumulating_two_passes_equals_one_pass_of_the_sum():
+    data = batches(2)
+    runs = []
+    for split in (True, False):
+        model = net()
+        opt = FusedSGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        opt.zero_grad()
+        losses = [torch.nn.functional.mse_loss(model(x), y) for x, y in data]
+        for loss in (losses if split else [sum(losses)]):
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+        runs.append([opt.state[p]["master_param"].clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)  # fp16 grads summed in fp16
+
+
+def test_clipping_on_master_params_sees_unscaled_gradients():
+    model = net()
+    opt = FusedSGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    (x, y), = batches(1)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1e9)
+    # the true (unscaled) gradient norm, from an fp32 copy of the same half model
+    ref = net()
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    torch.nn.functional.mse_loss(ref(x.half().float()), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    torch.testing.assert_close(norm.float(), ref_norm, rtol=2e-2, atol=0)
+    weights = [p.detach().float().clone() for p in model.parameters()]
+    opt.step()
+    assert any(not torch.equal(p.float(), w) for p, w in zip(model.parameters(), weights))
+
+
+def test_masters_checkpoint_through_the_optimizer_state():
+    model, opt = amp_run(lambda p: FusedAdam(p, lr=1e-2), torch.bfloat16, batches(2))
+    sd = opt.state_dict()
+    masters = [st["master_param"] for st in sd["state"].values()]
+    assert len(masters) == 4 and all(m.dtype == torch.float32 for m in masters)
+    assert "amp_master_params" not in sd  # the fused optimizer saves its own masters
