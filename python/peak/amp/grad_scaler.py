@@ -22,7 +22,7 @@ import warnings
 import weakref
 from collections import abc, defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
