@@ -448,3 +448,29 @@ def test_emulated_cuda_grid_equals_cpu_bitwise(family, dtype, with_master, grid)
         else:
             assert torch.equal(a, b)
     assert s1["steps"][1].item() == 1 + 3  # started at 1, 4 calls, one skipped
+
+
+@pytest.mark.parametrize("make", [lambda p: FusedAdam(p, lr=1e-2), lambda p: FusedSGD(p, lr=0.1, momentum=0.9)],
+                         ids=["adam", "sgd"])
+def test_torch_grad_scaler_hands_off_by_attributes(make):
+    """torch.amp.GradScaler sets optimizer.grad_scale / found_inf (not keywords): an overflow must
+    skip the step, and a clean step must unscale -- same result as no scaler at all."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    x = torch.randn(4, 5)
+    for poison in (False, True, False):
+        opt.zero_grad()
+        loss = model(x).square().mean() * (float("inf") if poison else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if not poison:
+            ref_opt.zero_grad()
+            ref(x).square().mean().backward()
+            ref_opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -169,9 +169,12 @@ void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64
   }
   int64_t total_elements = 0;
   for (int64_t n : lists.numels) total_elements += n;
-  // Tasks of at least ~64K elements: many tiny tensors are batched into one task.
+  // NOTE: [CPU task size] Tasks of at least 512K elements: these passes are memory-bound, so a
+  // second thread pays off only on large lists, and every parallel region costs a wake-up of the
+  // worker threads (milliseconds when another process holds the other core). Small lists run on
+  // the calling thread; many tiny tensors are batched into one task.
   const int64_t avg = total_elements / total_chunks;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(avg, 1));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 19) / std::max<int64_t>(avg, 1));
 
   std::atomic<int> any_nonfinite{0};
   // One byte per chunk, so that threads never write the same per-tensor flag.

@@ -87,6 +87,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         """One fused step. ``grad_scale``/``found_inf`` (float32, one element) come from a
         loss scaler: grads are divided by ``grad_scale`` inside the step, and a set
         ``found_inf`` skips it on the device, leaving every weight and state bit-for-bit."""
+        # torch.amp.GradScaler hands these over as attributes of the optimizer instead.
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
         loss = None
         if closure is not None:
             with torch.enable_grad():
