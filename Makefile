@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 all: test
 
-$(VENV)/.ready:
+$(VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) $(DEPS)
 	touch $@
@@ -40,7 +40,7 @@ docs: build
 
 # The CUDA variant: compiled and linked with nvcc against torch's CUDA build. No GPU is needed
 # to build it; its kernels run only where one is present, and the suite runs on the CPU.
-$(CUDA_VENV)/.ready:
+$(CUDA_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) $(DEPS)
 	touch $@
