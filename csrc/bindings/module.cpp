@@ -3,6 +3,7 @@
 // views into the core (the launch plan, the emulated CUDA grid).
 #include <torch/extension.h>
 
+#include "../caster/caster.h"
 #include "../core/grid_block.h"
 #include "../core/launch_plan.h"
 #include "../ops/emulated_ops.h"
@@ -59,6 +60,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_launches", &plan_launches, py::arg("numels"), py::arg("chunk_size"),
         py::arg("max_tensors"), py::arg("max_blocks"),
         "The CUDA launcher's packing of chunks into launches (for tests and inspection)");
+
+  peak::caster::register_bindings(m);
 
   py::module_ emu = m.def_submodule(
       "emulated", "The CUDA launcher's plan and block code run serially on the CPU (tests)");

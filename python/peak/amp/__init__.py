@@ -14,6 +14,10 @@ from ._amp_state import _amp_state, master_params
 from .frontend import Properties, initialize, load_state_dict, opt_levels, state_dict
 from .handle import AmpHandle, NoOpHandle, disable_casts, init, scale_loss
 from .loss_scaler import LossScaler
+# O1 caster (issue 4): run-time list edits and user functions, see docs/caster.md
+from . import lists
+from .lists import (float_function, half_function, promote_function, register_float_function,
+                    register_half_function, register_promote_function)
 # torch.amp dialect (issue 5): see docs/torch_dialect.md
 from .autocast_mode import autocast, custom_bwd, custom_fwd
 from .grad_scaler import GradScaler, OptState, OverflowReport
@@ -27,6 +31,13 @@ __all__ = [
     "disable_casts",
     "init",
     "LossScaler",
+    "lists",
+    "half_function",
+    "float_function",
+    "promote_function",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
     "GradScaler",
     "OverflowReport",
     "autocast",

@@ -1,17 +1,13 @@
-"""O1 caster hook -- INTERIM, MINIMAL IMPLEMENTATION.
+"""The O1 caster's Python side: a ``TorchFunctionMode`` whose ``__torch_function__`` is peak's C++
+handler (``peak._C.caster.torch_function``), plus the on/off plumbing ``amp.initialize`` uses.
 
-``amp.initialize(opt_level="O1")`` calls ``enable(low_dtype)`` and ``disable()`` here; the models it
-returns run their ``forward`` inside ``region(device_type)``, and ``disabled()`` switches casting off
-(``amp.disable_casts()``, optimizer steps).
-
-For now the casting itself is ``torch.autocast(device_type, dtype=low_dtype)`` entered and exited around
-each amp model's forward, so O1 really trains in mixed precision today (on CPU and CUDA, fp16 and bf16).
-Issue 4 replaces this module's body with peak's C++ caster (policy tables + thread-local state + weight
-cast cache); the four functions below are the whole contract and stay.
-
-Differences from Apex's O1 that this interim version has and the C++ caster removes: casts happen only
-inside the forward of models passed to ``amp.initialize`` (Apex patched torch process-wide, so a loss
-computed outside the model was cast too), and the op lists are PyTorch autocast's, not Apex's.
+``enable(low_dtype)`` (called by ``amp.initialize(opt_level="O1")`` and ``amp.init``) pushes the mode
+on the *calling thread's* torch-function mode stack, so from then on every torch function, Tensor
+method and ``torch.nn.functional`` call in that thread -- the model's forward and the loss computed
+outside it, CPU and CUDA tensors alike -- is looked up in the C++ policy tables and cast as Apex's O1
+did. Other threads see no casting. ``disable()`` removes the mode and restores plain behaviour.
+``disabled()`` (``amp.disable_casts()``, optimizer steps) suspends casting in this thread.
+See docs/caster.md for the design.
 """
 
 from __future__ import annotations
@@ -20,59 +16,111 @@ import contextlib
 import threading
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-_dtype: torch.dtype | None = None  # the low-precision dtype while enabled (process-wide, like Apex)
-_local = threading.local()  # per thread: depth of disabled() regions
+from .. import _C
+
+_c = _C.caster
+
+__all__ = ["enable", "disable", "is_enabled", "low_dtype", "region", "disabled", "clear_cache",
+           "cache_stats"]
 
 
-def _suspended() -> int:
-    return getattr(_local, "suspended", 0)
+class CasterMode(TorchFunctionMode):
+    """peak's O1 caster as a torch-function mode. The dispatch decision is C++ (no Python runs for
+    an op): ``__torch_function__`` looks the called function up in the policy tables, casts the
+    eligible arguments and calls it with torch's autocast keys excluded for that op only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.__torch_function__ = _c.bind(self)  # a C++ builtin bound to this mode
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # replaced per instance
+        raise RuntimeError("peak CasterMode: __torch_function__ is bound in __init__")
 
 
-def enable(low_dtype: torch.dtype) -> None:
-    """Turn O1 casting on with ``low_dtype`` (torch.float16 or torch.bfloat16) as the lower precision."""
+_lock = threading.Lock()
+_owner: dict = {"mode": None, "thread": None}  # where the mode was pushed
+
+
+def _remove_mode(mode) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack (wherever it sits)."""
+    above = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
+def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
+    """Turn O1 casting on in this thread with ``low_dtype`` (torch.float16 or torch.bfloat16) as the
+    lower precision; ``allow_banned=True`` lets banned functions run (in fp32) instead of raising."""
     if low_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"low_dtype must be torch.float16 or torch.bfloat16, got {low_dtype}")
-    global _dtype
-    _dtype = low_dtype
+    from . import lists  # noqa: PLC0415 (lists imports this module)
+
+    disable()
+    lists._ensure_defaults()
+    lists._apply_registrations()
+    _c.set_low_dtype(low_dtype)
+    _c.set_allow_banned(bool(allow_banned))
+    mode = CasterMode()
+    torch._C._push_on_torch_function_stack(mode)
+    with _lock:
+        _owner["mode"], _owner["thread"] = mode, threading.get_ident()
+    _c.set_thread_active(True)
+    _c.clear_cache()
 
 
 def disable() -> None:
-    """Turn O1 casting off (``initialize`` calls it before setting up a new state)."""
-    global _dtype
-    _dtype = None
+    """Turn O1 casting off and restore plain behaviour (``initialize`` calls it before a new setup)."""
+    from . import lists  # noqa: PLC0415
+
+    _c.set_low_dtype(None)  # from here on the mode (wherever it is) only calls through
+    _c.set_allow_banned(False)
+    with _lock:
+        mode, thread = _owner["mode"], _owner["thread"]
+        _owner["mode"] = _owner["thread"] = None
+    if mode is not None and thread == threading.get_ident():
+        _remove_mode(mode)
+    _c.set_thread_active(False)
+    _c.clear_cache()
+    lists._undo_registrations()
 
 
 def is_enabled() -> bool:
-    return _dtype is not None and _suspended() == 0
+    """True when O1 casts in this thread now."""
+    return _c.is_casting()
 
 
 def low_dtype() -> torch.dtype | None:
-    return _dtype
+    return _c.low_dtype()
 
 
 @contextlib.contextmanager
 def region(device_type: str):
-    """Where casting applies: entered around each O1 model's forward."""
-    if _dtype is None or _suspended():
-        yield
-        return
-    with torch.autocast(device_type=device_type, dtype=_dtype):
-        yield
+    """Kept for the amp models' forward: casting is thread-wide now, so this adds nothing."""
+    yield
 
 
 @contextlib.contextmanager
 def disabled():
-    """Run the body without casts (exception safe, unlike Apex's ``disable_casts``)."""
-    _local.suspended = _suspended() + 1
+    """Run the body without O1 casts (exception safe, unlike Apex's ``disable_casts``)."""
+    _c.suspend()
     try:
-        with torch.autocast(device_type="cpu", enabled=False), _cuda_autocast_off():
-            yield
+        yield
     finally:
-        _local.suspended -= 1
+        _c.resume()
 
 
-def _cuda_autocast_off():
-    if torch.cuda.is_available():
-        return torch.autocast(device_type="cuda", enabled=False)
-    return contextlib.nullcontext()
+def clear_cache() -> None:
+    """Drop this thread's weight-cast cache (``scale_loss`` exit does it, as Apex)."""
+    _c.clear_cache()
+
+
+def cache_stats() -> dict:
+    """This thread's weight-cast cache counters: hits, casts, stores, size."""
+    return _c.cache_stats()

@@ -70,6 +70,15 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
             ``step()`` before a later ``scale_loss`` without it.
         delay_overflow_check: unscale, but neither check for overflow nor update the scale.
     """
+    try:
+        with _scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check) as scaled:
+            yield scaled
+    finally:
+        _caster.clear_cache()  # the O1 weight-cast cache lives for one iteration (as Apex)
+
+
+@contextlib.contextmanager
+def _scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check):
     if not _amp_state.initialized:
         raise RuntimeError(_NOT_INITIALIZED)
     if not _amp_state.opt_properties.enabled:
@@ -151,11 +160,11 @@ class AmpHandle:
         _caster.disable()
 
     def _clear_cache(self) -> None:
-        pass  # the interim caster keeps no cache across forward passes
+        _caster.clear_cache()
 
     @property
     def has_cache(self) -> bool:
-        return False
+        return True
 
     @property
     def verbose(self) -> bool:
@@ -240,7 +249,7 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
     _amp_state.verbosity = 2 if verbose else 1
     _amp_state.opt_properties = properties
     _amp_state.loss_scalers = [LossScaler(properties.loss_scale)]
-    _caster.enable(torch.float16)
+    _caster.enable(torch.float16, allow_banned=allow_banned)
     handle = AmpHandle(legacy=True)
     _amp_state.handle = handle
     return handle

@@ -1,0 +1,486 @@
+// The O1 caster: the C++ __torch_function__ of peak's TorchFunctionMode, the thread-local state
+// and the weight-cast cache. See docs/caster.md.
+#include "caster.h"
+
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <string>
+#include <unordered_map>
+
+#include "policy.h"
+
+namespace py = pybind11;
+
+namespace peak::caster {
+namespace {
+
+// ---- state
+// Process-wide, like Apex's handle: the low dtype (Undefined = O1 off) and allow_banned.
+at::ScalarType g_low = at::ScalarType::Undefined;
+bool g_allow_banned = false;
+
+struct CacheKey {
+  c10::TensorImpl* impl;
+  at::ScalarType dtype;
+  bool operator==(const CacheKey& o) const { return impl == o.impl && dtype == o.dtype; }
+};
+struct CacheKeyHash {
+  size_t operator()(const CacheKey& k) const {
+    return std::hash<void*>()(k.impl) ^ (static_cast<size_t>(k.dtype) << 1);
+  }
+};
+struct CacheEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> source;  // keeps the address from being reused
+  uint32_t version;                                  // the source's version when cast
+  at::Tensor cast;
+};
+
+// Per thread: disable_casts depth, whether O1 was switched on in this thread (for the decorators;
+// the mode itself lives on the thread's torch-function mode stack), the weight-cast cache.
+struct ThreadState {
+  int suspended = 0;
+  bool active = false;
+  std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> cache;
+  int64_t hits = 0, casts = 0, stores = 0;
+};
+thread_local ThreadState tls;
+
+inline bool is_low(at::ScalarType s) {
+  return s == at::ScalarType::Half || s == at::ScalarType::BFloat16;
+}
+// Tensors the caster may cast: f16, bf16, f32 (float64, integers, complex are left alone).
+inline bool eligible(at::ScalarType s) { return is_low(s) || s == at::ScalarType::Float; }
+
+at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache) {
+  if (t.scalar_type() == to) return t;
+  const bool cacheable = use_cache && t.scalar_type() == at::ScalarType::Float && t.is_leaf() &&
+                         t.requires_grad() && !t.is_view() && !c10::InferenceMode::is_enabled();
+  if (!cacheable) {
+    ++tls.casts;
+    return t.to(to);
+  }
+  CacheKey key{t.unsafeGetTensorImpl(), to};
+  const uint32_t version = t.unsafeGetTensorImpl()->version_counter().current_version();
+  auto it = tls.cache.find(key);
+  if (it != tls.cache.end()) {
+    if (!it->second.source.expired() && it->second.version == version) {
+      ++tls.hits;
+      return it->second.cast;
+    }
+    tls.cache.erase(it);  // stale: the weight changed in place (or died)
+  }
+  ++tls.casts;
+  at::Tensor out = t.to(to);
+  // Only a grad-mode cast is stored: one made under no_grad has no autograd history, and reusing
+  // it in a later grad-enabled forward would silently cut the weight's gradient (torch #112583).
+  if (c10::GradMode::is_enabled()) {
+    ++tls.stores;
+    tls.cache.emplace(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(
+                                          t.getIntrusivePtr()),
+                                      version, out});
+  }
+  return out;
+}
+
+// A cast rule applied to every eligible tensor found in an argument tree.
+struct Rule {
+  at::ScalarType to;
+  bool use_cache;
+};
+
+// Returns a new reference: `o` itself (incref'd) when nothing inside changed.
+PyObject* cast_tree(PyObject* o, const Rule& r) {
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (!t.defined() || !eligible(t.scalar_type()) || t.scalar_type() == r.to) {
+      Py_INCREF(o);
+      return o;
+    }
+    return THPVariable_Wrap(cast_tensor(t, r.to, r.use_cache));
+  }
+  const bool is_tuple = PyTuple_Check(o), is_list = PyList_Check(o);
+  if (is_tuple || is_list) {
+    const Py_ssize_t n = is_tuple ? PyTuple_GET_SIZE(o) : PyList_GET_SIZE(o);
+    PyObject* out = nullptr;  // created on the first change
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = is_tuple ? PyTuple_GET_ITEM(o, i) : PyList_GET_ITEM(o, i);
+      PyObject* c = cast_tree(item, r);
+      if (!c) {
+        Py_XDECREF(out);
+        return nullptr;
+      }
+      if (c != item && !out) {
+        out = is_tuple ? PyTuple_New(n) : PyList_New(n);
+        for (Py_ssize_t j = 0; j < i; ++j) {
+          PyObject* prev = is_tuple ? PyTuple_GET_ITEM(o, j) : PyList_GET_ITEM(o, j);
+          Py_INCREF(prev);
+          if (is_tuple) PyTuple_SET_ITEM(out, j, prev); else PyList_SET_ITEM(out, j, prev);
+        }
+      }
+      if (out) {
+        if (is_tuple) PyTuple_SET_ITEM(out, i, c); else PyList_SET_ITEM(out, i, c);
+      } else {
+        Py_DECREF(c);
+      }
+    }
+    if (!out) {
+      Py_INCREF(o);
+      return o;
+    }
+    if (is_tuple && !PyTuple_CheckExact(o)) {  // a namedtuple (e.g. PackedSequence): rebuild it
+      PyObject* rebuilt = PyObject_Call(reinterpret_cast<PyObject*>(Py_TYPE(o)), out, nullptr);
+      Py_DECREF(out);
+      return rebuilt;
+    }
+    return out;
+  }
+  if (PyDict_Check(o)) {
+    PyObject* out = PyDict_New();
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &k, &v)) {
+      PyObject* c = cast_tree(v, r);
+      if (!c || PyDict_SetItem(out, k, c) < 0) {
+        Py_XDECREF(c);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      Py_DECREF(c);
+    }
+    return out;
+  }
+  Py_INCREF(o);
+  return o;
+}
+
+// Walks the tree and records which eligible floating dtypes occur (bit per dtype).
+constexpr int kHalfBit = 1, kBf16Bit = 2, kFloatBit = 4;
+void collect_dtypes(PyObject* o, int& bits) {
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (!t.defined()) return;
+    switch (t.scalar_type()) {
+      case at::ScalarType::Half: bits |= kHalfBit; break;
+      case at::ScalarType::BFloat16: bits |= kBf16Bit; break;
+      case at::ScalarType::Float: bits |= kFloatBit; break;
+      default: break;
+    }
+    return;
+  }
+  if (PyTuple_Check(o)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i) collect_dtypes(PyTuple_GET_ITEM(o, i), bits);
+  } else if (PyList_Check(o)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) collect_dtypes(PyList_GET_ITEM(o, i), bits);
+  } else if (PyDict_Check(o)) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &k, &v)) collect_dtypes(v, bits);
+  }
+}
+inline bool mixed(int bits) { return bits != 0 && (bits & (bits - 1)) != 0; }
+
+const char kBannedMessage[] =
+    "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It "
+    "requires that the output of the previous function be already a FloatTensor. \n\n"
+    "Most models have a Sigmoid right before BCELoss. In that case, you can use\n"
+    "    torch.nn.BCEWithLogitsLoss (torch.nn.functional.binary_cross_entropy_with_logits)\n"
+    "to combine Sigmoid+BCELoss into a single layer that is compatible with amp.\n"
+    "Another option is to add\n"
+    "    amp.register_float_function(torch, 'sigmoid')\n"
+    "before calling `amp.initialize()`.\n"
+    "If you _really_ know what you are doing, you can disable this warning by passing "
+    "allow_banned=True to `amp.init()` (or peak.amp.lists.set_allow_banned(True)).";
+
+PyObject* func_name(PyObject* func) {
+  PyObject* n = PyObject_GetAttrString(func, "__qualname__");
+  if (!n) {
+    PyErr_Clear();
+    n = PyObject_Repr(func);
+  }
+  return n;
+}
+
+// Cast the arguments as `p` says and call `func` with torch's autocast keys excluded (so
+// torch.autocast, if also on, does not re-cast this op). New reference or nullptr.
+PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs) {
+  const at::ScalarType low = g_low;
+  if (p == Policy::kBanned) {
+    if (!g_allow_banned) {
+      int bits = 0;
+      collect_dtypes(args, bits);
+      if (kwargs) collect_dtypes(kwargs, bits);
+      if (bits & (kHalfBit | kBf16Bit)) {
+        PyErr_SetString(PyExc_NotImplementedError, kBannedMessage);
+        return nullptr;
+      }
+    }
+    p = Policy::kFp32;
+  }
+  PyObject* new_args = nullptr;
+  PyObject* new_kwargs = nullptr;
+  Rule rule{at::ScalarType::Float, false};
+  bool cast_all = true;  // apply `rule` to args and kwargs
+  switch (p) {
+    case Policy::kLower: rule = {low, true}; break;
+    case Policy::kFp32: rule = {at::ScalarType::Float, false}; break;
+    case Policy::kPromote: {
+      int bits = 0;
+      collect_dtypes(args, bits);
+      if (kwargs) collect_dtypes(kwargs, bits);
+      cast_all = mixed(bits);
+      break;
+    }
+    case Policy::kSequencePromote: {
+      cast_all = false;
+      if (PyTuple_GET_SIZE(args) > 0) {
+        PyObject* seq = PyTuple_GET_ITEM(args, 0);
+        int bits = 0;
+        if (PyTuple_Check(seq) || PyList_Check(seq)) collect_dtypes(seq, bits);
+        if (mixed(bits)) {
+          PyObject* c = cast_tree(seq, rule);
+          if (!c) return nullptr;
+          new_args = PyTuple_New(PyTuple_GET_SIZE(args));
+          PyTuple_SET_ITEM(new_args, 0, c);
+          for (Py_ssize_t i = 1; i < PyTuple_GET_SIZE(args); ++i) {
+            PyObject* a = PyTuple_GET_ITEM(args, i);
+            Py_INCREF(a);
+            PyTuple_SET_ITEM(new_args, i, a);
+          }
+        }
+      }
+      break;
+    }
+    case Policy::kInplaceFp32:
+    case Policy::kMatchSelf: {
+      PyObject* self = PyTuple_GET_SIZE(args) > 0 ? PyTuple_GET_ITEM(args, 0) : nullptr;
+      if (!self || !THPVariable_Check(self)) {
+        cast_all = false;
+        break;
+      }
+      const at::ScalarType st = THPVariable_Unpack(self).scalar_type();
+      if (p == Policy::kInplaceFp32 && is_low(st)) {
+        PyObject* n = func_name(func);
+        PyErr_Format(PyExc_NotImplementedError,
+                     "Cannot call in-place function %S on %s tensors under O1 (it is on the fp32 "
+                     "list): call the out-of-place version, or run it under amp.disable_casts()",
+                     n, st == at::ScalarType::Half ? "fp16" : "bf16");
+        Py_XDECREF(n);
+        return nullptr;
+      }
+      if (p == Policy::kMatchSelf && !eligible(st)) {
+        cast_all = false;
+        break;
+      }
+      rule = {p == Policy::kMatchSelf ? st : at::ScalarType::Float, false};
+      // Cast every argument after self.
+      const Py_ssize_t n = PyTuple_GET_SIZE(args);
+      new_args = PyTuple_New(n);
+      Py_INCREF(self);
+      PyTuple_SET_ITEM(new_args, 0, self);
+      for (Py_ssize_t i = 1; i < n; ++i) {
+        PyObject* c = cast_tree(PyTuple_GET_ITEM(args, i), rule);
+        if (!c) {
+          Py_DECREF(new_args);
+          return nullptr;
+        }
+        PyTuple_SET_ITEM(new_args, i, c);
+      }
+      if (kwargs) {
+        new_kwargs = cast_tree(kwargs, rule);
+        if (!new_kwargs) {
+          Py_DECREF(new_args);
+          return nullptr;
+        }
+      }
+      cast_all = false;
+      break;
+    }
+    default: cast_all = false; break;
+  }
+  if (cast_all) {
+    new_args = cast_tree(args, rule);
+    if (!new_args) return nullptr;
+    if (kwargs) {
+      new_kwargs = cast_tree(kwargs, rule);
+      if (!new_kwargs) {
+        Py_DECREF(new_args);
+        return nullptr;
+      }
+    }
+  }
+  PyObject* result;
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    result = PyObject_Call(func, new_args ? new_args : args, new_kwargs ? new_kwargs : kwargs);
+  }
+  Py_XDECREF(new_args);
+  Py_XDECREF(new_kwargs);
+  return result;
+}
+
+// __torch_function__(func, types, args=(), kwargs=None), installed as a staticmethod of the mode.
+PyObject* torch_function(PyObject* /*unused*/, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (n < 2 || n > 4) {
+    PyErr_SetString(PyExc_TypeError,
+                    "peak caster __torch_function__(func, types, args=(), kwargs=None): wrong "
+                    "number of arguments");
+    return nullptr;
+  }
+  PyObject* func = a[0];
+  PyObject* args = n > 2 ? a[2] : nullptr;
+  PyObject* kwargs = n > 3 && a[3] != Py_None ? a[3] : nullptr;
+  if (kwargs && PyDict_GET_SIZE(kwargs) == 0) kwargs = nullptr;
+  PyObject* empty = nullptr;
+  if (!args || args == Py_None) {
+    empty = PyTuple_New(0);
+    args = empty;
+  }
+  const Policy p = lookup(func);
+  PyObject* result;
+  if (p == Policy::kNone || g_low == at::ScalarType::Undefined || tls.suspended > 0 ||
+      !PyTuple_Check(args)) {
+    result = PyObject_Call(func, args, kwargs);
+  } else {
+    result = apply_policy(p, func, args, kwargs);
+  }
+  Py_XDECREF(empty);
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef kTorchFunctionDef = {
+    "caster_torch_function", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)),
+    METH_FASTCALL,
+    "The O1 caster's __torch_function__(func, types, args=(), kwargs=None) (docs/caster.md)"};
+
+Policy policy_from_int(int p, const char* arg) {
+  if (p < 0 || p >= kNumPolicies) {
+    throw py::value_error(std::string(arg) + " must be a policy code 0.." +
+                          std::to_string(kNumPolicies - 1) + ", got " + std::to_string(p) +
+                          "; use peak.amp.lists, which takes policy names");
+  }
+  return static_cast<Policy>(p);
+}
+
+at::ScalarType low_from_obj(py::handle dtype) {
+  if (dtype.is_none()) return at::ScalarType::Undefined;
+  if (!THPDtype_Check(dtype.ptr())) {
+    throw py::type_error("low_dtype must be torch.float16, torch.bfloat16 or None, got " +
+                         py::repr(dtype).cast<std::string>());
+  }
+  auto s = reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+  if (!is_low(s)) {
+    throw py::value_error("low_dtype must be torch.float16 or torch.bfloat16, got " +
+                          py::repr(dtype).cast<std::string>());
+  }
+  return s;
+}
+
+}  // namespace
+
+void register_bindings(py::module_& m) {
+  py::module_ c = m.def_submodule("caster", "The O1 caster's C++ side (docs/caster.md)");
+  // torch requires a mode's __torch_function__ to be bound to the mode (__self__ is the mode):
+  // bind(mode) makes the C++ handler a builtin bound to it, stored on the instance.
+  c.def(
+      "bind",
+      [](py::handle mode) {
+        PyObject* tf = PyCFunction_NewEx(&kTorchFunctionDef, mode.ptr(), nullptr);
+        if (!tf) throw py::error_already_set();
+        return py::reinterpret_steal<py::object>(tf);
+      },
+      py::arg("mode"), "The C++ __torch_function__ bound to mode");
+
+  for (int p = 0; p < kNumPolicies; ++p) {
+    c.attr(("POLICY_" + std::string(policy_name(static_cast<Policy>(p)))).c_str()) = p;
+  }
+  c.def("policy_name", [](int p) { return std::string(policy_name(policy_from_int(p, "policy"))); });
+  c.def(
+      "set_policy",
+      [](py::handle func, int p) {
+        if (!PyCallable_Check(func.ptr())) {
+          throw py::type_error("func must be callable (a torch function, Tensor method or "
+                               "torch.nn.functional function), got " +
+                               py::repr(func).cast<std::string>());
+        }
+        set_policy(func.ptr(), policy_from_int(p, "policy"));
+      },
+      py::arg("func"), py::arg("policy"));
+  c.def("get_policy", [](py::handle func) { return static_cast<int>(lookup(func.ptr())); },
+        py::arg("func"));
+  c.def("clear_table", &clear_table);
+  c.def("table", []() {
+    py::list out;
+    for (auto& [f, p] : table_items())
+      out.append(py::make_tuple(py::reinterpret_borrow<py::object>(f), static_cast<int>(p)));
+    return out;
+  });
+  c.def("default_entries", []() {
+    py::list out;
+    for (auto& e : default_entries())
+      out.append(py::make_tuple(e.where, e.name, static_cast<int>(e.policy)));
+    return out;
+  }, "Apex's O1 lists as (where, name, policy) with where in torch/functional/Tensor");
+
+  c.def("set_low_dtype", [](py::handle d) { g_low = low_from_obj(d); }, py::arg("low_dtype"));
+  c.def("low_dtype", []() -> py::object {
+    if (g_low == at::ScalarType::Undefined) return py::none();
+    return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(g_low)));
+  });
+  c.def("set_allow_banned", [](bool v) { g_allow_banned = v; }, py::arg("allow_banned"));
+  c.def("allow_banned", []() { return g_allow_banned; });
+  c.def("set_thread_active", [](bool v) { tls.active = v; }, py::arg("active"));
+  c.def("thread_active", []() { return tls.active; });
+  c.def("suspend", []() { ++tls.suspended; });
+  c.def("resume", []() {
+    if (tls.suspended <= 0) throw py::value_error("caster.resume() without a matching suspend()");
+    --tls.suspended;
+  });
+  c.def("suspended", []() { return tls.suspended; });
+  c.def("is_casting", []() {
+    return g_low != at::ScalarType::Undefined && tls.active && tls.suspended == 0;
+  }, "True when O1 casts in this thread now (enabled, switched on here, not in disable_casts)");
+  c.def(
+      "call",
+      [](int p, py::handle func, py::handle args, py::handle kwargs) -> py::object {
+        const Policy pol = policy_from_int(p, "policy");
+        if (!PyTuple_Check(args.ptr())) throw py::type_error("args must be a tuple");
+        PyObject* kw = kwargs.is_none() ? nullptr : kwargs.ptr();
+        if (kw && !PyDict_Check(kw)) throw py::type_error("kwargs must be a dict or None");
+        PyObject* r;
+        if (pol == Policy::kNone || g_low == at::ScalarType::Undefined || !tls.active ||
+            tls.suspended > 0) {
+          r = PyObject_Call(func.ptr(), args.ptr(), kw);
+        } else {
+          r = apply_policy(pol, func.ptr(), args.ptr(), kw);
+        }
+        if (!r) throw py::error_already_set();
+        return py::reinterpret_steal<py::object>(r);
+      },
+      py::arg("policy"), py::arg("func"), py::arg("args"), py::arg("kwargs") = py::none(),
+      "Call func(*args, **kwargs) with the policy's casts when O1 casts in this thread (decorators)");
+
+  c.def("clear_cache", []() { tls.cache.clear(); }, "Drop this thread's weight-cast cache");
+  c.def("cache_stats", []() {
+    py::dict d;
+    d["hits"] = tls.hits;
+    d["casts"] = tls.casts;
+    d["stores"] = tls.stores;
+    d["size"] = tls.cache.size();
+    return d;
+  });
+  c.def("reset_cache_stats", []() { tls.hits = tls.casts = tls.stores = 0; });
+}
+
+}  // namespace peak::caster

@@ -1,0 +1,197 @@
+"""``peak.amp.lists``: the O1 caster's op lists, editable at run time.
+
+The tables live in C++ and map a callable (a ``torch`` function, a ``torch.Tensor`` method or a
+``torch.nn.functional`` function: the object torch hands to ``__torch_function__``) to a policy:
+
+==================  ==========================================================================
+``"lower"``         cast f32/f16/bf16 arguments to the low dtype (fp16 or bf16); weights cached
+``"fp32"``          cast f16/bf16 arguments to float32
+``"promote"``       if the floating arguments mix f16/bf16/f32, cast them all to float32
+``"sequence_promote"``  the same, for the tensors in the first (sequence) argument (``cat``)
+``"banned"``        raise on low-precision arguments (``allow_banned``: run in fp32 instead)
+==================  ==========================================================================
+
+(plus ``"inplace_fp32"`` and ``"match_self"``, which the defaults give the in-place twins.)
+float64, integer and complex tensors are never cast. The defaults are Apex's O1 lists.
+
+    from peak.amp import lists
+    lists.add("fp32", torch.nn.functional.gelu)   # or move it: add() replaces a policy
+    lists.remove(torch.nn.functional.gelu)        # unlisted: runs in the dtypes it gets
+    lists.policy_of(torch.mm)                      # "lower"
+    lists.reset()                                  # back to Apex's lists
+
+Edits act at once, in every thread, whether O1 is on or not (they persist across
+``amp.initialize``); the user functions of ``register_*_function`` are applied by ``initialize``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .. import _C
+
+_c = _C.caster
+
+__all__ = ["POLICIES", "add", "remove", "policy_of", "entries", "reset", "set_allow_banned",
+           "half_function", "float_function", "promote_function", "register_half_function",
+           "register_float_function", "register_promote_function"]
+
+_CODES = {name: getattr(_c, "POLICY_" + name) for name in (
+    "lower", "fp32", "promote", "sequence_promote", "banned", "inplace_fp32", "match_self")}
+_NAMES = {code: name for name, code in _CODES.items()}
+#: The policy names ``add`` accepts.
+POLICIES = tuple(_CODES)
+_WHERE = {"torch": torch, "functional": F, "Tensor": torch.Tensor}
+_loaded = False
+
+
+def _ensure_defaults() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        _load_defaults()
+
+
+def _load_defaults() -> None:
+    for where, name, code in _c.default_entries():
+        fn = getattr(_WHERE[where], name, None)
+        if fn is not None and callable(fn):
+            _c.set_policy(fn, code)
+
+
+def _code(policy) -> int:
+    if policy not in _CODES:
+        raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
+    return _CODES[policy]
+
+
+def _check_callable(fn, arg: str = "func") -> None:
+    if not callable(fn):
+        raise TypeError(f"{arg} must be a callable (e.g. torch.nn.functional.gelu, torch.mm, "
+                        f"torch.Tensor.add), got {type(fn).__name__}: {fn!r}")
+
+
+def add(policy: str, *funcs) -> None:
+    """Give each of ``funcs`` the ``policy`` (replacing any policy it had)."""
+    code = _code(policy)
+    if not funcs:
+        raise TypeError("lists.add(policy, *funcs): pass at least one function, "
+                        "e.g. lists.add('fp32', torch.nn.functional.gelu)")
+    for fn in funcs:
+        _check_callable(fn)
+    _ensure_defaults()
+    for fn in funcs:
+        _c.set_policy(fn, code)
+
+
+def remove(*funcs) -> None:
+    """Take each of ``funcs`` off the lists (it then runs in whatever dtypes it receives)."""
+    _ensure_defaults()
+    for fn in funcs:
+        _check_callable(fn)
+        if _c.get_policy(fn) == 0:
+            raise ValueError(f"{fn!r} is on no O1 list; lists.policy_of(func) tells where a function is")
+    for fn in funcs:
+        _c.set_policy(fn, 0)
+
+
+def policy_of(func) -> str | None:
+    """The policy name of ``func``, or None if it is on no list."""
+    _ensure_defaults()
+    code = _c.get_policy(func)
+    return _NAMES.get(code) if code else None
+
+
+def entries() -> dict:
+    """Every listed callable and its policy name."""
+    _ensure_defaults()
+    return {fn: _NAMES[code] for fn, code in _c.table()}
+
+
+def reset() -> None:
+    """Restore Apex's O1 lists (drops every edit)."""
+    global _loaded
+    _c.clear_table()
+    _loaded = True
+    _load_defaults()
+
+
+def set_allow_banned(allow: bool) -> None:
+    """Let banned functions (binary_cross_entropy) run in fp32 instead of raising (Apex's
+    ``allow_banned``), until O1 is next enabled."""
+    _c.set_allow_banned(bool(allow))
+
+
+# ---- user functions (Apex's decorators and registrations)
+
+def _decorator(policy: str):
+    code = _CODES[policy]
+
+    def decorate(fn):
+        _check_callable(fn, "fn")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return _c.call(code, fn, args, kwargs or None)
+
+        wrapper.__peak_cast_policy__ = policy
+        return wrapper
+
+    return decorate
+
+
+half_function = _decorator("lower")
+half_function.__doc__ = ("Decorator: under O1, cast the function's floating arguments to the low "
+                         "dtype (fp16/bf16) before calling it; otherwise call it unchanged.")
+float_function = _decorator("fp32")
+float_function.__doc__ = "Decorator: under O1, cast the function's floating arguments to float32."
+promote_function = _decorator("promote")
+promote_function.__doc__ = ("Decorator: under O1, if the floating arguments mix precisions, cast "
+                            "them all to float32.")
+
+_pending: list = []  # (module, name, policy), applied by the next initialize (as Apex)
+_applied: list = []  # (module, name, original, previous table code) to undo on disable
+
+
+def _register(module, name, policy: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str (the attribute name), got {type(name).__name__}")
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name} in module {module}.")
+    _pending.append((module, name, policy))
+
+
+def register_half_function(module, name) -> None:
+    """Before ``amp.initialize``: under O1, run ``module.name`` with low-precision arguments."""
+    _register(module, name, "lower")
+
+
+def register_float_function(module, name) -> None:
+    """Before ``amp.initialize``: under O1, run ``module.name`` with float32 arguments."""
+    _register(module, name, "fp32")
+
+
+def register_promote_function(module, name) -> None:
+    """Before ``amp.initialize``: under O1, promote ``module.name``'s mixed-precision arguments."""
+    _register(module, name, "promote")
+
+
+def _apply_registrations() -> None:
+    """Patch each registered ``module.name`` with the policy's wrapper and list the original, so that
+    the registration wins over the built-in lists (Apex: user casts run innermost). One-shot."""
+    for module, name, policy in _pending:
+        orig = getattr(module, name)
+        _applied.append((module, name, orig, _c.get_policy(orig)))
+        _c.set_policy(orig, _CODES[policy])
+        setattr(module, name, _decorator(policy)(orig))
+    _pending.clear()
+
+
+def _undo_registrations() -> None:
+    while _applied:
+        module, name, orig, code = _applied.pop()
+        setattr(module, name, orig)
+        _c.set_policy(orig, code)
