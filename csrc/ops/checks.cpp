@@ -21,6 +21,7 @@ void check_tensor_lists(const char* op, std::initializer_list<NamedList> lists) 
   }
   if (n == 0) return;
   const c10::Device device = first.second[0].device();
+  bool is_first = true;
   for (const NamedList& l : lists) {
     const at::ScalarType dtype = l.second[0].scalar_type();
     TORCH_CHECK(supported_dtype(dtype), op, ": ", l.first, "[0] has dtype ", dtype,
@@ -39,6 +40,7 @@ void check_tensor_lists(const char* op, std::initializer_list<NamedList> lists) 
       TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", l.first, "[", i,
                   "] is not dense (sizes ", t.sizes(), ", strides ", t.strides(),
                   "); multi-tensor ops walk memory linearly, pass t.contiguous()");
+      if (is_first) continue;  // the reference list itself
       const at::Tensor& ref = first.second[i];
       TORCH_CHECK(t.sizes() == ref.sizes(), op, ": ", l.first, "[", i, "] has shape ",
                   t.sizes(), " but ", first.first, "[", i, "] has shape ", ref.sizes());
@@ -46,6 +48,7 @@ void check_tensor_lists(const char* op, std::initializer_list<NamedList> lists) 
                   "] has strides ", t.strides(), " but ", first.first, "[", i, "] has ",
                   ref.strides(), "; use the same memory format for corresponding tensors");
     }
+    is_first = false;
   }
 }
 

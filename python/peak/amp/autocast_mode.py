@@ -17,6 +17,7 @@ lists below are torch's, as registered in torch 2.13 -- peak does not change the
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import functools
 import threading
 from typing import Any, Callable, Iterable
@@ -29,7 +30,7 @@ try:
 except ModuleNotFoundError:  # pragma: no cover
     _np = None
 
-__all__ = ["autocast", "custom_fwd", "custom_bwd", "TORCH_AUTOCAST_LISTS"]
+__all__ = ["autocast", "custom_fwd", "custom_bwd", "TORCH_AUTOCAST_LISTS", "TORCH_AUTOCAST_LIST_CHANGES"]
 
 #: torch 2.13's autocast op lists (aten op[.overload] names), by device type and cast policy.
 #: Read from torch's source (aten/src/ATen/autocast_mode.cpp); tests/torch_dialect checks them against
@@ -111,6 +112,15 @@ TORCH_AUTOCAST_LISTS = {
         "banned": (
             'binary_cross_entropy',
         ),
+    },
+}
+
+#: How other supported torch releases differ from the 2.13 lists above (read off their dispatchers;
+#: tests/torch_dialect checks it): ops added to / removed from each device's autocast set.
+TORCH_AUTOCAST_LIST_CHANGES = {
+    (2, 14): {
+        "cpu": {"added": ("linalg_matrix_sqrth",), "removed": ("cholesky", "qr")},
+        "cuda": {"added": ("_cudnn_rnn", "linalg_matrix_sqrth"), "removed": ()},
     },
 }
 
@@ -334,6 +344,16 @@ def _cast(value, device_type: str, dtype: torch.dtype):
     return value
 
 
+def _o1_casting() -> bool:
+    from . import _caster  # noqa: PLC0415
+    return _caster.is_enabled()
+
+
+def _o1_disabled():
+    from . import _caster  # noqa: PLC0415
+    return _caster.disabled()
+
+
 def _check_device_type(device_type) -> None:
     if not isinstance(device_type, str):
         raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
@@ -372,8 +392,14 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
             return fwd(*args, **kwargs)
         ctx._fwd_used_autocast = False
         ctx._peak_edits = []
-        if enabled:
-            with autocast(device_type=device_type, enabled=False):
+        o1 = _o1_casting()  # peak's O1 caster stands down here too (docs/caster.md)
+        ctx._peak_o1_off = o1
+        if enabled or o1:
+            with contextlib.ExitStack() as stack:
+                if enabled:
+                    stack.enter_context(autocast(device_type=device_type, enabled=False))
+                if o1:
+                    stack.enter_context(_o1_disabled())
                 return fwd(*_cast(args, device_type, cast_inputs),
                            **_cast(kwargs, device_type, cast_inputs))
         return fwd(*args, **kwargs)
@@ -407,7 +433,8 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
             for policy in edits:  # outer first, inner edits win
                 merged.update(policy)
             region._policy = merged
-        with region:
+        with region, (_o1_disabled() if getattr(ctx, "_peak_o1_off", False)
+                      else contextlib.nullcontext()):
             return bwd(*args, **kwargs)
 
     return decorate_bwd
