@@ -28,6 +28,7 @@ namespace {
 // Process-wide, like Apex's handle: the low dtype (Undefined = O1 off) and allow_banned.
 at::ScalarType g_low = at::ScalarType::Undefined;
 bool g_allow_banned = false;
+PyObject* g_hook = nullptr;  // strong reference, for Policy::kHook
 
 struct CacheKey {
   c10::TensorImpl* impl;
@@ -329,7 +330,7 @@ PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwarg
 }
 
 // __torch_function__(func, types, args=(), kwargs=None), installed as a staticmethod of the mode.
-PyObject* torch_function(PyObject* /*unused*/, PyObject* const* a, Py_ssize_t n) {
+PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   if (n < 2 || n > 4) {
     PyErr_SetString(PyExc_TypeError,
@@ -351,6 +352,13 @@ PyObject* torch_function(PyObject* /*unused*/, PyObject* const* a, Py_ssize_t n)
   if (p == Policy::kNone || g_low == at::ScalarType::Undefined || tls.suspended > 0 ||
       !PyTuple_Check(args)) {
     result = PyObject_Call(func, args, kwargs);
+  } else if (p == Policy::kHook) {
+    if (!g_hook) {
+      result = PyObject_Call(func, args, kwargs);
+    } else {
+      PyObject* kw = kwargs ? kwargs : Py_None;
+      result = PyObject_CallFunctionObjArgs(g_hook, mode ? mode : Py_None, func, args, kw, nullptr);
+    }
   } else {
     result = apply_policy(p, func, args, kwargs);
   }
@@ -438,6 +446,17 @@ void register_bindings(py::module_& m) {
     if (g_low == at::ScalarType::Undefined) return py::none();
     return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(g_low)));
   });
+  c.def(
+      "set_hook",
+      [](py::handle hook) {
+        Py_XDECREF(g_hook);
+        g_hook = nullptr;
+        if (!hook.is_none()) {
+          Py_INCREF(hook.ptr());
+          g_hook = hook.ptr();
+        }
+      },
+      py::arg("hook"), "hook(mode, func, args, kwargs) for functions with the 'hook' policy");
   c.def("set_allow_banned", [](bool v) { g_allow_banned = v; }, py::arg("allow_banned"));
   c.def("allow_banned", []() { return g_allow_banned; });
   c.def("set_thread_active", [](bool v) { tls.active = v; }, py::arg("active"));

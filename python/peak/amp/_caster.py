@@ -39,6 +39,42 @@ class CasterMode(TorchFunctionMode):
         raise RuntimeError("peak CasterMode: __torch_function__ is bound in __init__")
 
 
+def _backward_hook(mode, func, args, kwargs):
+    """``Tensor.backward`` under O1: torch pops a mode while its ``__torch_function__`` runs, so a
+    plain call-through would run backward -- and the recomputation of ``torch.utils.checkpoint``
+    -- uncast. Run the engine with the mode back on the stack instead (as Apex's process-wide
+    patches did), so recomputed activations get the dtypes of the forward pass."""
+    kwargs = kwargs or {}
+    names = ("gradient", "retain_graph", "create_graph", "inputs")
+    call = dict(zip(names, args[1:]), **kwargs)
+    if func is not torch.Tensor.backward or call.get("inputs") is not None or _engine is None:
+        return func(*args, **kwargs)
+    tensors = (args[0],)
+    grads = _engine["make_grads"](tensors, _engine["to_tuple"](call.get("gradient"), 1),
+                                  is_grads_batched=False)
+    create_graph = bool(call.get("create_graph", False))
+    retain_graph = call.get("retain_graph")
+    if retain_graph is None:
+        retain_graph = create_graph
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        _engine["run"](tensors, grads, retain_graph, create_graph, (), allow_unreachable=True,
+                       accumulate_grad=True)
+    finally:
+        _remove_mode(mode)
+    return None
+
+
+try:  # torch internals used by _backward_hook (present in 2.3 .. 2.14); without them: call through
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+    _engine = {"make_grads": _make_grads, "to_tuple": _tensor_or_tensors_to_tuple,
+               "run": _engine_run_backward}
+except ImportError:  # pragma: no cover
+    _engine = None
+
+_c.set_hook(_backward_hook)
+
 _lock = threading.Lock()
 _owner: dict = {"mode": None, "thread": None}  # where the mode was pushed
 

@@ -40,10 +40,10 @@ __all__ = ["POLICIES", "add", "remove", "policy_of", "entries", "reset", "set_al
            "register_float_function", "register_promote_function"]
 
 _CODES = {name: getattr(_c, "POLICY_" + name) for name in (
-    "lower", "fp32", "promote", "sequence_promote", "banned", "inplace_fp32", "match_self")}
+    "lower", "fp32", "promote", "sequence_promote", "banned", "inplace_fp32", "match_self", "hook")}
 _NAMES = {code: name for name, code in _CODES.items()}
 #: The policy names ``add`` accepts.
-POLICIES = tuple(_CODES)
+POLICIES = tuple(n for n in _CODES if n != "hook")
 _WHERE = {"torch": torch, "functional": F, "Tensor": torch.Tensor}
 _loaded = False
 
@@ -60,10 +60,11 @@ def _load_defaults() -> None:
         fn = getattr(_WHERE[where], name, None)
         if fn is not None and callable(fn):
             _c.set_policy(fn, code)
+    _c.set_policy(torch.Tensor.backward, _CODES["hook"])  # see _caster._backward_hook
 
 
 def _code(policy) -> int:
-    if policy not in _CODES:
+    if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
     return _CODES[policy]
 

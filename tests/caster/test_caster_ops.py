@@ -1,0 +1,243 @@
+"""Per-op behaviour of the O1 caster: dtypes, bitwise equality with casting by hand, policies."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from peak.amp import _caster, lists
+
+torch.manual_seed(0)
+_g = torch.Generator().manual_seed(0)
+
+
+def r(*shape):
+    return torch.randn(*shape, generator=_g)
+
+
+def rp(*shape):
+    return torch.rand(*shape, generator=_g) + 0.5
+
+
+# (id, function, args builder, policy). Every policy kind, each of the three namespaces.
+CASES = [
+    # lower
+    ("F.linear", F.linear, lambda: (r(3, 4), r(5, 4), r(5)), "lower"),
+    ("F.conv1d", F.conv1d, lambda: (r(1, 2, 8), r(3, 2, 3)), "lower"),
+    ("F.conv2d", F.conv2d, lambda: (r(1, 2, 6, 6), r(3, 2, 3, 3)), "lower"),
+    ("F.conv_transpose2d", F.conv_transpose2d, lambda: (r(1, 2, 4, 4), r(2, 3, 3, 3)), "lower"),
+    ("torch.mm", torch.mm, lambda: (r(3, 4), r(4, 5)), "lower"),
+    ("torch.matmul", torch.matmul, lambda: (r(2, 3, 4), r(4, 5)), "lower"),
+    ("torch.addmm", torch.addmm, lambda: (r(3, 5), r(3, 4), r(4, 5)), "lower"),
+    ("torch.mv", torch.mv, lambda: (r(3, 4), r(4)), "lower"),
+    ("torch.addmv", torch.addmv, lambda: (r(3), r(3, 4), r(4)), "lower"),
+    ("torch.addr", torch.addr, lambda: (r(3, 4), r(3), r(4)), "lower"),
+    ("torch.bmm", torch.bmm, lambda: (r(2, 3, 4), r(2, 4, 5)), "lower"),
+    ("torch.baddbmm", torch.baddbmm, lambda: (r(2, 3, 5), r(2, 3, 4), r(2, 4, 5)), "lower"),
+    ("torch.addbmm", torch.addbmm, lambda: (r(3, 5), r(2, 3, 4), r(2, 4, 5)), "lower"),
+    ("torch.prelu", torch.prelu, lambda: (r(2, 3), r(3)), "lower"),
+    ("Tensor.mm", torch.Tensor.mm, lambda: (r(3, 4), r(4, 5)), "lower"),
+    ("Tensor.matmul", torch.Tensor.matmul, lambda: (r(3, 4), r(4, 5)), "lower"),
+    # fp32
+    ("F.softmax", F.softmax, lambda: (r(3, 4), 1), "fp32"),
+    ("F.log_softmax", F.log_softmax, lambda: (r(3, 4), 1), "fp32"),
+    ("F.gelu", F.gelu, lambda: (r(3, 4),), "fp32"),
+    ("F.softplus", F.softplus, lambda: (r(3, 4),), "fp32"),
+    ("F.layer_norm", F.layer_norm, lambda: (r(3, 4), (4,), r(4), r(4)), "fp32"),
+    ("F.group_norm", F.group_norm, lambda: (r(2, 4, 3), 2), "fp32"),
+    ("F.normalize", F.normalize, lambda: (r(3, 4),), "fp32"),
+    ("F.mse_loss", F.mse_loss, lambda: (r(3, 4), r(3, 4)), "fp32"),
+    ("F.l1_loss", F.l1_loss, lambda: (r(3, 4), r(3, 4)), "fp32"),
+    ("F.smooth_l1_loss", F.smooth_l1_loss, lambda: (r(3, 4), r(3, 4)), "fp32"),
+    ("F.kl_div", F.kl_div, lambda: (r(3, 4), torch.rand(3, 4, generator=_g)), "fp32"),
+    ("F.binary_cross_entropy_with_logits", F.binary_cross_entropy_with_logits,
+     lambda: (r(3, 4), torch.rand(3, 4, generator=_g)), "fp32"),
+    ("F.cosine_similarity", F.cosine_similarity, lambda: (r(3, 4), r(3, 4)), "fp32"),
+    ("F.interpolate", F.interpolate, lambda: (r(1, 2, 4), 8), "fp32"),
+    ("torch.exp", torch.exp, lambda: (r(3, 4),), "fp32"),
+    ("torch.log", torch.log, lambda: (rp(3, 4),), "fp32"),
+    ("torch.rsqrt", torch.rsqrt, lambda: (rp(3, 4),), "fp32"),
+    ("torch.pow", torch.pow, lambda: (rp(3, 4), 2.5), "fp32"),
+    ("torch.sum", torch.sum, lambda: (r(3, 4),), "fp32"),
+    ("torch.prod", torch.prod, lambda: (rp(3, 4),), "fp32"),
+    ("torch.cumsum", torch.cumsum, lambda: (r(3, 4), 1), "fp32"),
+    ("torch.var", torch.var, lambda: (r(3, 4),), "fp32"),
+    ("torch.norm", torch.norm, lambda: (r(3, 4),), "fp32"),
+    ("torch.dist", torch.dist, lambda: (r(3, 4), r(3, 4)), "fp32"),
+    ("Tensor.sum", torch.Tensor.sum, lambda: (r(3, 4),), "fp32"),
+    ("Tensor.exp", torch.Tensor.exp, lambda: (r(3, 4),), "fp32"),
+    ("Tensor.cpu", torch.Tensor.cpu, lambda: (r(3, 4),), "fp32"),
+    # promote (all same-dtype here: a no-op; mixed inputs below)
+    ("torch.add", torch.add, lambda: (r(3, 4), r(3, 4)), "promote"),
+    ("torch.mul", torch.mul, lambda: (r(3, 4), r(3, 4)), "promote"),
+    ("torch.addcmul", torch.addcmul, lambda: (r(3, 4), r(3, 4), r(3, 4)), "promote"),
+    ("torch.atan2", torch.atan2, lambda: (r(3, 4), r(3, 4)), "promote"),
+    ("Tensor.add", torch.Tensor.add, lambda: (r(3, 4), r(3, 4)), "promote"),
+    # sequence promote
+    ("torch.cat", torch.cat, lambda: ([r(3, 4), r(2, 4)],), "sequence_promote"),
+    ("torch.stack", torch.stack, lambda: ([r(3, 4), r(3, 4)],), "sequence_promote"),
+]
+
+EXPECTED_DTYPE = {"lower": "low", "fp32": torch.float32}
+
+
+def _to(tree, dtype):
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.dtype in (torch.float16, torch.bfloat16, torch.float32) else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to(t, dtype) for t in tree)
+    return tree
+
+
+@pytest.mark.parametrize("name,fn,make,policy", CASES, ids=[c[0] for c in CASES])
+def test_op_dtype_and_bitwise(o1, name, fn, make, policy):
+    assert lists.policy_of(fn) == policy
+    args = make()
+    start = {"lower": torch.float32, "fp32": o1}.get(policy, torch.float32)
+    args = _to(args, start)
+    out = fn(*args)
+    if policy == "lower":
+        want, ref_args = o1, _to(args, o1)
+    elif policy == "fp32":
+        want, ref_args = torch.float32, _to(args, torch.float32)
+    else:
+        want, ref_args = torch.float32, args
+    with _caster.disabled():
+        ref = fn(*ref_args)
+    assert out.dtype == want
+    assert torch.equal(out, ref), name
+
+
+def test_mode_sees_listed_identities(o1):
+    """What torch hands to __torch_function__ is the object on the list (incl. dunders)."""
+    seen = []
+
+    class Rec(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    a, b = r(2, 2), r(2, 2)
+    with _caster.disabled(), Rec():
+        a + b; a @ b; a * b; a ** 2; a.add_(b); a.exp(); a.cpu(); torch.cat([a, b]); F.linear(a, b)
+    pol = [lists.policy_of(f) for f in seen]
+    assert pol == ["promote", "lower", "promote", "fp32", "match_self", "fp32", "fp32",
+                   "sequence_promote", "lower"]
+
+
+def test_every_default_entry_resolves():
+    ents = lists.entries()
+    assert len(ents) > 200
+    names = {(w, n) for w, n, _ in __import__("peak")._C.caster.default_entries()}
+    for w, n in [("functional", "linear"), ("torch", "mm"), ("Tensor", "__matmul__"),
+                 ("functional", "binary_cross_entropy"), ("torch", "lstm")]:
+        assert (w, n) in names
+    for fn, pol in ents.items():
+        assert callable(fn) and pol in lists.POLICIES + ("hook",)
+
+
+def test_promote_mixed(o1):
+    a32, a16 = r(3), r(3).to(o1)
+    assert torch.add(a32, a16).dtype == torch.float32
+    assert (a16 * a32).dtype == torch.float32
+    assert torch.equal(a16 + a32, a16.float() + a32)
+    other = torch.bfloat16 if o1 == torch.float16 else torch.float16
+    assert torch.add(a16, r(3).to(other)).dtype == torch.float32  # f16 + bf16 -> f32
+    assert torch.add(a16, a16).dtype == o1  # one dtype: untouched
+    d = r(3).double()
+    assert torch.add(d, a32).dtype == torch.float64  # f64 never cast; torch promotes
+
+
+def test_sequence_promote_mixed(o1):
+    a32, a16 = r(2, 3), r(2, 3).to(o1)
+    assert torch.cat([a16, a32]).dtype == torch.float32
+    assert torch.equal(torch.cat([a16, a32]), torch.cat([a16.float(), a32]))
+    assert torch.cat((a16, a16)).dtype == o1
+    assert torch.stack([a32, a16]).dtype == torch.float32
+
+
+def test_fp64_and_integers_untouched(o1):
+    d = r(3, 3).double()
+    assert torch.mm(d, d).dtype == torch.float64
+    assert F.softmax(d, 0).dtype == torch.float64
+    i = torch.arange(6).reshape(2, 3)
+    assert torch.sum(i).dtype == torch.int64 and torch.cumsum(i, 1).dtype == torch.int64
+    # mixed: the float arg is cast, the integer arg is left alone
+    idx = torch.tensor([0, 2])
+    out = F.cross_entropy(r(2, 3).to(o1), idx)
+    assert out.dtype == torch.float32
+
+
+def test_nested_kwargs_and_dicts(o1):
+    w = r(5, 4)
+    assert F.linear(input=r(3, 4), weight=w).dtype == o1
+    assert torch.cat(tensors=[r(2).to(o1), r(2)]).dtype == torch.float32
+
+
+def test_banned(o1):
+    p = torch.sigmoid(F.linear(r(3, 4), r(2, 4)))
+    assert p.dtype == o1
+    with pytest.raises(NotImplementedError, match="binary_cross_entropy_with_logits"):
+        F.binary_cross_entropy(p, torch.rand(3, 2))
+    # fp32 inputs are fine
+    assert F.binary_cross_entropy(p.float(), torch.rand(3, 2)).dtype == torch.float32
+    lists.set_allow_banned(True)
+    out = F.binary_cross_entropy(p, torch.rand(3, 2))
+    assert out.dtype == torch.float32
+
+
+def test_inplace_twins(o1):
+    h = r(3).to(o1)
+    with pytest.raises(NotImplementedError, match="exp_"):
+        h.exp_()
+    h.add_(r(3))  # match_self: the f32 arg is cast to self's dtype
+    assert h.dtype == o1
+    f = r(3)
+    f.mul_(r(3).to(o1))
+    assert f.dtype == torch.float32
+
+
+def test_off_outside_o1(low):
+    a = r(3, 3)
+    assert torch.mm(a, a).dtype == torch.float32
+    _caster.enable(low)
+    assert torch.mm(a, a).dtype == low
+    _caster.disable()
+    assert torch.mm(a, a).dtype == torch.float32
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_disable_casts(o1):
+    from peak import amp
+    a = r(3, 3)
+    with amp.disable_casts():
+        assert torch.mm(a, a).dtype == torch.float32
+    assert torch.mm(a, a).dtype == o1
+    with pytest.raises(ZeroDivisionError):
+        with amp.disable_casts():
+            1 / 0
+    assert torch.mm(a, a).dtype == o1  # exception safe
+
+
+def test_torch_autocast_at_the_same_time(o1):
+    a, b = r(4, 4), r(4, 4)
+    other = torch.bfloat16 if o1 == torch.float16 else torch.float16
+    with torch.autocast("cpu", dtype=other):
+        out = torch.mm(a, b)  # ours wins, torch's does not re-cast
+        assert out.dtype == o1
+        assert torch.equal(out, torch.mm(a.to(o1), b.to(o1)))
+        sm = F.softmax(r(3, 4).to(o1), 1)
+        assert sm.dtype == torch.float32
+        # unlisted ops still get torch.autocast's rules
+        lists.remove(torch.mm)
+        assert torch.mm(a, b).dtype == other
+
+
+def test_thread_isolation(o1):
+    import threading
+    a = r(3, 3)
+    res = {}
+    t = threading.Thread(target=lambda: res.setdefault("d", torch.mm(a, a).dtype))
+    t.start()
+    t.join()
+    assert res["d"] == torch.float32
+    assert torch.mm(a, a).dtype == o1

@@ -1,0 +1,283 @@
+"""The O1 caster in training: weight-cast cache, autograd, user functions, list edits, amp."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from peak import amp
+from peak.amp import _caster, lists
+
+TOL = {torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+
+def _stats():
+    return _caster.cache_stats()
+
+
+# ---- weight-cast cache
+
+def test_cache_hit_counted_once_per_iteration(o1):
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4)
+    _caster.clear_cache()
+    s0 = _stats()
+    y = F.linear(x, w) + F.linear(x, w) + torch.mm(x, w)
+    s1 = _stats()
+    assert s1["stores"] - s0["stores"] == 1 and s1["hits"] - s0["hits"] == 2 and s1["size"] == 1
+    y.float().sum().backward()
+    # the gradient of three uses flows back to the fp32 weight in fp32
+    with _caster.disabled():
+        x16 = x.to(o1).float()
+        g = torch.ones(2, 4)
+        expected = 2 * (g.t() @ x16) + x16.t() @ g
+    assert w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad, expected, rtol=TOL[o1], atol=TOL[o1])
+    _caster.clear_cache()
+    assert _stats()["size"] == 0
+
+
+def test_cache_invalidated_by_inplace_update(o1):
+    w = nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4)
+    y1 = F.linear(x, w)
+    with torch.no_grad():
+        w.add_(1.0)  # bumps the version counter
+    s0 = _stats()
+    y2 = F.linear(x, w)
+    assert _stats()["hits"] == s0["hits"]  # stale entry not used
+    with _caster.disabled():
+        ref = F.linear(x.to(o1), w.detach().to(o1))
+    assert torch.equal(y2, ref) and not torch.equal(y1, y2)
+
+
+def test_no_grad_then_grad_keeps_weight_gradients(o1):
+    model = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x)  # must not fill the cache with a history-less cast
+    model(x).float().sum().backward()
+    assert model.weight.grad is not None and model.weight.grad.abs().sum() > 0
+    # grad first, then no_grad reuse is fine too
+    model.zero_grad()
+    model(x)
+    with torch.no_grad():
+        model(x)
+    model(x).float().sum().backward()
+    assert model.weight.grad is not None
+
+
+def test_inference_mode_does_not_fill(o1):
+    model = nn.Linear(4, 3)
+    with torch.inference_mode():
+        assert model(torch.randn(2, 4)).dtype == o1
+    assert _stats()["size"] == 0
+    model(torch.randn(2, 4)).float().sum().backward()
+    assert model.weight.grad is not None
+
+
+# ---- autograd
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.ln = nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.l2(F.gelu(self.ln(self.l1(x))))
+
+
+def test_small_model_gradients_match_fp32(low):
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    x, t = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    F.cross_entropy(ref(x), t).backward()
+    _caster.enable(low)
+    out = model(x)
+    assert out.dtype == low
+    loss = F.cross_entropy(out, t)
+    assert loss.dtype == torch.float32
+    loss.backward()
+    _caster.disable()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad, rtol=TOL[low], atol=TOL[low])
+
+
+class MyMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.mm(a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return g.to(a.dtype) @ b.t().to(a.dtype), a.t().to(b.dtype) @ g.to(b.dtype)
+
+
+def test_custom_autograd_function(o1):
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, 2, requires_grad=True)
+    out = MyMM.apply(a, b)
+    assert out.dtype == o1
+    out.float().sum().backward()
+    assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_rnn(o1, cls):
+    rnn = cls(4, 6, num_layers=2)
+    x = torch.randn(5, 2, 4)
+    out, _ = rnn(x)
+    assert out.dtype == o1
+    out.float().sum().backward()
+    for p in rnn.parameters():
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+
+
+def test_rnn_cell(o1):
+    cell = nn.LSTMCell(4, 3)
+    h, c = cell(torch.randn(2, 4))
+    assert h.dtype == o1
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpoint(o1, reentrant):
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=reentrant)
+    assert out.dtype == o1
+    out.float().sum().backward()
+    ref(x.detach()).float().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+# ---- user functions and list edits
+
+def test_decorators(o1):
+    @amp.half_function
+    def h(a, b):
+        return a, b
+
+    @amp.float_function
+    def f(a):
+        return a
+
+    @amp.promote_function
+    def p(a, b):
+        return a + b
+
+    a, d = torch.randn(2), torch.randn(2).double()
+    x, y = h(a, d)
+    assert x.dtype == o1 and y.dtype == torch.float64
+    assert f(a.to(o1)).dtype == torch.float32
+    assert p(a.to(o1), a).dtype == torch.float32
+    with amp.disable_casts():
+        assert h(a, a)[0].dtype == torch.float32
+    assert h.__name__ == "h"
+
+
+def test_decorators_off_outside_o1():
+    @amp.half_function
+    def h(a):
+        return a
+
+    assert h(torch.randn(2)).dtype == torch.float32
+
+
+class _UserModule:
+    @staticmethod
+    def fn(a):
+        return a * 1
+
+
+def test_register_functions(low):
+    orig_sigmoid = torch.sigmoid
+    amp.register_float_function(torch, "sigmoid")
+    amp.register_half_function(_UserModule, "fn")
+    _caster.enable(low)
+    try:
+        assert torch.sigmoid(torch.randn(3).to(low)).dtype == torch.float32
+        assert _UserModule.fn(torch.randn(3)).dtype == low
+        # user registration wins over the built-in lists
+    finally:
+        _caster.disable()
+    assert torch.sigmoid is orig_sigmoid and lists.policy_of(torch.sigmoid) is None
+    assert _UserModule.fn(torch.randn(3)).dtype == torch.float32
+    _caster.enable(low)  # registrations are one-shot, as Apex
+    assert torch.sigmoid is orig_sigmoid
+
+
+def test_register_overrides_builtin(low):
+    amp.register_float_function(torch, "mm")
+    _caster.enable(low)
+    a = torch.randn(2, 2)
+    assert torch.mm(a, a).dtype == torch.float32
+    _caster.disable()
+    assert lists.policy_of(torch.mm) == "lower"
+
+
+def test_register_errors():
+    with pytest.raises(ValueError, match="No function named nope in module"):
+        amp.register_half_function(torch, "nope")
+    with pytest.raises(TypeError, match="name must be a str"):
+        amp.register_half_function(torch, torch.mm)
+
+
+def test_lists_api(o1):
+    x = torch.randn(3, 4)
+    assert F.relu(x.to(o1)).dtype == o1 and lists.policy_of(F.relu) is None
+    lists.add("fp32", F.relu)
+    assert lists.policy_of(F.relu) == "fp32"
+    assert F.relu(x.to(o1)).dtype == torch.float32
+    lists.add("lower", F.softmax)  # move
+    assert F.softmax(x, 1).dtype == o1
+    lists.remove(F.softmax, F.relu)
+    assert F.softmax(x, 1).dtype == torch.float32 and lists.policy_of(F.softmax) is None
+    assert F.softmax(x.to(o1), 1).dtype == o1
+    lists.reset()
+    assert lists.policy_of(F.softmax) == "fp32"
+    assert F.gelu in lists.entries()
+
+
+def test_lists_errors():
+    with pytest.raises(ValueError, match="policy must be one of"):
+        lists.add("half", F.relu)
+    with pytest.raises(TypeError, match="func must be a callable"):
+        lists.add("fp32", "relu")
+    with pytest.raises(TypeError, match="at least one function"):
+        lists.add("fp32")
+    with pytest.raises(ValueError, match="on no O1 list"):
+        lists.remove(F.relu)
+    with pytest.raises(ValueError, match="low_dtype must be"):
+        _caster.enable(torch.float32)
+
+
+# ---- through amp.initialize
+
+def test_initialize_o1_casts_loss_outside_forward(low):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", low_precision_dtype=low, verbosity=0)
+    x, t = torch.randn(8, 16), torch.randn(8, 4)
+    out = model(x)
+    assert out.dtype == low
+    extra = F.linear(out.float(), torch.eye(4))  # outside the model: still cast, as Apex
+    assert extra.dtype == low
+    loss = F.mse_loss(extra, t)
+    assert loss.dtype == torch.float32
+    assert _stats()["size"] > 0
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert _stats()["size"] == 0  # cleared on scale_loss exit
+    opt.step()
+    for p in model.parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
