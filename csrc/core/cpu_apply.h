@@ -27,7 +27,7 @@
 namespace peak {
 namespace cpu {
 
-constexpr int64_t kTile = 512;
+constexpr int64_t kTile = 1024;
 
 inline void load_tile(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
 
