@@ -1,11 +1,12 @@
 // The CPU launcher of multi-tensor apply: parallel over chunks, vectorised inside a chunk.
 //
 // NOTE: [CPU tiles]
-// Each chunk is walked in tiles of kTile elements: every list the op reads is converted to a
-// float tile (fp16 with F16C, bf16 with a shift: both vectorise), the op's per-element math runs
-// on float arrays (a loop the compiler vectorises, since the op is inlined and its state is a
-// local), and the lists it writes are converted back. The conversions round exactly as c10's
-// scalar casts do (round to nearest even; bf16 NaN -> 0x7fc0), so results equal torch's `.to()`.
+// Each chunk is walked in tiles of kTile elements: every fp16/bf16 list the op reads is converted
+// to a float tile (AVX-512/F16C for fp16, a shift for bf16: both vectorise), fp32 lists are used
+// where they lie, the op's per-element math runs on float arrays (a loop the compiler vectorises,
+// since the op is inlined and its state is a local), and the fp16/bf16 lists it writes are
+// converted back. The conversions round exactly as c10's scalar casts do (round to nearest even;
+// bf16 NaN -> 0x7fc0), so results equal torch's `.to()`.
 #pragma once
 
 #include <ATen/Parallel.h>
