@@ -51,7 +51,12 @@ def check_inputs(models, optimizers):
             raise RuntimeError(
                 "Incoming model is an instance of {}. Parallel wrappers should only be applied to the model(s) "
                 "AFTER \nthe model(s) have been returned from amp.initialize.".format(
-                    f"torch.nn.parallel.{type(model).__name__}"))
+                    f"torch.nn.parallel.{type(model).__name__}")
+                + f" (models[{i}]: the wrapper has already registered the parameters' fp32 dtype and storage "
+                "for its gradient all-reduce, and amp.initialize would cast them and patch the inner module's "
+                "forward behind its back; see docs/distributed.md.) Pass the unwrapped model: "
+                "model, optimizer = amp.initialize(model, optimizer, opt_level=...), then "
+                "model = DistributedDataParallel(model, ...).")
         for j in range(i):
             if models_list[j] is model:
                 raise ValueError(f"models[{i}] is the same object as models[{j}]; pass each model once.")

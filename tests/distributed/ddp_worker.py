@@ -1,0 +1,161 @@
+"""The rank side of tests/distributed/test_ddp.py: every configuration trains the same small model
+under DistributedDataParallel (gloo, CPU) for ``STEPS`` steps, each rank on its own data; rank 1
+alone gets an inf loss at step 3 and a NaN input at step 7.  Records, per step, the loss scale and
+whether the step changed anything, and at the end every parameter and optimizer-state tensor."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dist_helpers import batch, make_model, reset_amp, same, snapshot
+
+STEPS = 10
+POISON = {3: "loss_inf", 7: "input_nan"}  # injected on rank 1 only
+POISON_RANK = 1
+
+# name -> (kind, opt_level / model dtype, low dtype, optimizer, dynamic scaling)
+CONFIGS = {
+    "amp-O0-f32": ("amp", "O0", None, "sgd", False),  # static scale 1: never skips, not poisoned
+    "amp-O0-f32-dynamic": ("amp", "O0", None, "sgd", True),
+    "amp-O1-f16": ("amp", "O1", torch.float16, "sgd", True),
+    "amp-O1-bf16": ("amp", "O1", torch.bfloat16, "sgd", True),
+    "amp-O2-f16": ("amp", "O2", torch.float16, "sgd", True),
+    "amp-O2-bf16": ("amp", "O2", torch.bfloat16, "sgd", True),
+    "amp-O2-f16-FusedAdam": ("amp", "O2", torch.float16, "fused_adam", True),
+    "amp-O2-bf16-FusedAdam": ("amp", "O2", torch.bfloat16, "fused_adam", True),
+    "amp-O3-f16": ("amp", "O3", torch.float16, "sgd", True),
+    "amp-O3-bf16": ("amp", "O3", torch.bfloat16, "sgd", True),
+    "scaler-autocast-f16": ("scaler", torch.float32, torch.float16, "sgd", True),
+    "scaler-autocast-bf16": ("scaler", torch.float32, torch.bfloat16, "sgd", True),
+    "scaler-bf16model-FusedAdam": ("scaler", torch.bfloat16, None, "fused_adam", True),
+    "scaler-f16model-FusedAdam": ("scaler", torch.float16, None, "fused_adam", True),
+}
+
+
+def _optimizer(name, params):
+    import peak.optimizers
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return peak.optimizers.FusedAdam(params, lr=1e-2)
+
+
+def state_tensors(model, opt) -> list:
+    """Model parameters, then for each optimizer parameter its state tensors (masters, moments,
+    step counters) in a fixed order."""
+    out = [p.detach().clone() for p in model.parameters()]
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.append(p.detach().clone())
+            st = opt.state.get(p, {})
+            for k in sorted(st):
+                v = st[k]
+                out.append(v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
+    return out
+
+
+def _data(step, rank, poison):
+    """Rank ``rank``'s batch, poisoned on ``POISON_RANK``; ``rank=None``: the single-process
+    reference's batch, both ranks' rows concatenated (rank 1's rows poisoned the same way)."""
+    if rank is None:
+        (x0, y0), (x1, y1) = batch(step, 0), batch(step, 1)
+        x1, what = _data_poison(step, x1, poison)
+        return torch.cat([x0, x1]), torch.cat([y0, y1]), what
+    x, y = batch(step, rank)
+    if rank == POISON_RANK:
+        x, what = _data_poison(step, x, poison)
+        return x, y, what
+    return x, y, None
+
+
+def _data_poison(step, x, poison):
+    what = POISON.get(step) if poison else None
+    if what == "input_nan":
+        x = x.clone()
+        x[0, 0] = float("nan")
+    return x, what
+
+
+def run_amp(rank, opt_level, low, opt_name, dynamic):
+    from peak import amp
+
+    reset_amp()
+    model = make_model()
+    opt = _optimizer(opt_name, model.parameters())
+    kwargs = {"low_precision_dtype": low} if low is not None else {}
+    if dynamic:
+        kwargs["loss_scale"] = "dynamic"
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0, **kwargs)
+    ddp = DDP(model) if rank is not None else model
+    scaler = amp._amp_state.loss_scalers[0]
+    scales, skipped = [], []
+    for step in range(STEPS):
+        x, y, what = _data(step, rank, dynamic)
+        before = snapshot(state_tensors(model, opt))
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x).float(), y)
+        if what == "loss_inf":
+            loss = loss * math.inf
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        skipped.append(same(before, state_tensors(model, opt)))
+        scales.append(float(scaler.loss_scale()))
+    return {"state": state_tensors(model, opt), "scales": scales, "skipped": skipped}
+
+
+def run_scaler(rank, model_dtype, low, opt_name, dynamic):
+    from peak import amp
+
+    reset_amp()
+    model = make_model().to(model_dtype)
+    opt = _optimizer(opt_name, model.parameters())
+    ddp = DDP(model) if rank is not None else model
+    scaler = amp.GradScaler("cpu")
+    scales, skipped = [], []
+    for step in range(STEPS):
+        x, y, what = _data(step, rank, dynamic)
+        before = snapshot(state_tensors(model, opt))
+        opt.zero_grad()
+        with amp.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+            out = ddp(x.to(model_dtype))
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        if what == "loss_inf":
+            loss = loss * math.inf
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(same(before, state_tensors(model, opt)))
+        scales.append(float(scaler.get_scale()))
+    return {"state": state_tensors(model, opt), "scales": scales, "skipped": skipped,
+            "skipped_steps": scaler.skipped_steps}
+
+
+def wrong_order(rank):
+    """DDP first, then amp.initialize: the message for each opt_level."""
+    from peak import amp
+
+    out = {}
+    for level in ("O2", "O3"):
+        reset_amp()
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp = DDP(model)
+        try:
+            amp.initialize(ddp, opt, opt_level=level, verbosity=0)
+            out[level] = None
+        except RuntimeError as e:
+            out[level] = (str(e), next(model.parameters()).dtype)
+    return out
+
+
+def worker(rank, world_size):
+    results = {"wrong_order": wrong_order(rank)}
+    for name, (kind, a, low, opt_name, dynamic) in CONFIGS.items():
+        fn = run_amp if kind == "amp" else run_scaler
+        results[name] = fn(rank, a, low, opt_name, dynamic)
+    reset_amp()
+    return results

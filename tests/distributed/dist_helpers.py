@@ -1,0 +1,66 @@
+"""Multi-process helpers: spawn ``world_size`` gloo ranks on 127.0.0.1 (a free port), each runs a
+worker function that writes its results to ``<out_dir>/rank<r>.pt``; the test compares them."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD_SIZE = 2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, out_dir, args):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, out_dir, *args, world_size: int = WORLD_SIZE) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; returns their results."""
+    mp.spawn(_entry, args=(world_size, free_port(), fn, str(out_dir), args), nprocs=world_size, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def reset_amp() -> None:
+    from peak.amp import _caster
+    from peak.amp._amp_state import _amp_state
+
+    _caster.disable()
+    _amp_state.reset()
+    _amp_state.hard_override = False
+    _amp_state.allow_incoming_model_not_fp32 = False
+    _amp_state.verbosity = 0
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def batch(step: int, rank: int, n: int = 8):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
+
+
+def snapshot(tensors) -> list:
+    return [t.detach().clone() for t in tensors]
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))

@@ -1,0 +1,86 @@
+"""amp O0-O3 and GradScaler (with torch SGD and peak's FusedAdam) under DistributedDataParallel:
+2 gloo ranks on CPU, rank 1 alone poisoned (inf loss at step 3, NaN input at step 7).  Every rank
+skips the same steps, the scales agree, and every parameter, master weight, moment and step counter
+is bit-identical across ranks; a single-process run on both ranks' data is the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddp_worker
+from dist_helpers import WORLD_SIZE, run_ranks
+
+CONFIGS = list(ddp_worker.CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """One spawn of both ranks runs every configuration (spawning costs seconds, a config does not)."""
+    return run_ranks(ddp_worker.worker, tmp_path_factory.mktemp("ddp"))
+
+
+def _reference(name):
+    kind, a, low, opt_name, dynamic = ddp_worker.CONFIGS[name]
+    fn = ddp_worker.run_amp if kind == "amp" else ddp_worker.run_scaler
+    return fn(None, a, low, opt_name, dynamic)
+
+
+def test_world_size(ranks):
+    assert len(ranks) == WORLD_SIZE == 2
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_ranks_bit_identical(ranks, name):
+    r0, r1 = ranks[0][name], ranks[1][name]
+    assert len(r0["state"]) == len(r1["state"]) > 0
+    for i, (a, b) in enumerate(zip(r0["state"], r1["state"])):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: state tensor {i} differs between ranks"
+        assert torch.isfinite(a.float()).all(), f"{name}: state tensor {i} is not finite"
+    assert r0["scales"] == r1["scales"]
+    assert r0["skipped"] == r1["skipped"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_poisoned_steps_skipped_on_every_rank(ranks, name):
+    dynamic = ddp_worker.CONFIGS[name][4]
+    poisoned = [s in ddp_worker.POISON for s in range(ddp_worker.STEPS)] if dynamic else [False] * ddp_worker.STEPS
+    for r in range(WORLD_SIZE):
+        res = ranks[r][name]
+        assert res["skipped"] == poisoned, f"rank {r}"
+        if "skipped_steps" in res:
+            assert res["skipped_steps"] == sum(poisoned)
+        if dynamic:  # the scale backs off exactly at the poisoned steps, on every rank
+            expect, s = [], res["scales"][0]
+            for step in range(ddp_worker.STEPS):
+                expect.append(s / 2 if poisoned[step] else s)
+                s = expect[-1]
+            assert res["scales"] == expect
+            assert res["scales"][0] == 2.0 ** 16
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_matches_single_process_reference(ranks, name):
+    """The single-process run on the concatenated batch (poisoned alike) skips the same steps with
+    the same scales; its weights agree to rounding (DDP averages per-rank gradients)."""
+    ref = _reference(name)
+    got = ranks[0][name]
+    assert got["skipped"] == ref["skipped"]
+    assert got["scales"] == ref["scales"]
+    low = ddp_worker.CONFIGS[name][2] is not None or ddp_worker.CONFIGS[name][1] in (torch.float16, torch.bfloat16)
+    tol = 3e-2 if low else 1e-5
+    n_params = sum(1 for _ in ddp_worker.make_model().parameters())
+    for i, (a, b) in enumerate(zip(got["state"][:n_params], ref["state"][:n_params])):
+        assert torch.allclose(a.double(), b.double(), rtol=tol, atol=tol), f"{name}: parameter {i}"
+    # and training moved the weights (the comparison is not between two untouched models)
+    init = [p.detach() for p in ddp_worker.make_model().parameters()]
+    assert any(not torch.allclose(a.double(), b.double(), atol=tol) for a, b in zip(got["state"], init))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_ddp_before_initialize_is_an_explained_error(ranks, level):
+    for r in range(WORLD_SIZE):
+        msg, dtype = ranks[r]["wrong_order"][level]
+        assert "DistributedDataParallel" in msg and "AFTER" in msg
+        assert "model = DistributedDataParallel(model" in msg and "docs/distributed.md" in msg
+        assert dtype == torch.float32  # rejected before anything was cast
