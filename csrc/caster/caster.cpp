@@ -367,6 +367,46 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
+// The "patch" dispatch: a builtin standing in for a listed torch callable (self = the original).
+// Casting off (or not in this thread): one vectorcall through; on: the table's policy.
+PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  if (g_low == at::ScalarType::Undefined || !tls.active || tls.suspended > 0) {
+    return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  }
+  const Policy p = lookup(orig);
+  if (p == Policy::kNone || p == Policy::kHook) {
+    return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  }
+  PyObject* args = PyTuple_New(nargs);
+  if (!args) return nullptr;
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    Py_INCREF(a[i]);
+    PyTuple_SET_ITEM(args, i, a[i]);
+  }
+  PyObject* kwargs = nullptr;
+  if (kwnames && PyTuple_GET_SIZE(kwnames) > 0) {
+    kwargs = PyDict_New();
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); ++i) {
+      if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), a[nargs + i]) < 0) {
+        Py_DECREF(kwargs);
+        Py_DECREF(args);
+        return nullptr;
+      }
+    }
+  }
+  PyObject* result = apply_policy(p, orig, args, kwargs);
+  Py_DECREF(args);
+  Py_XDECREF(kwargs);
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef kPatchedDef = {
+    "peak_o1_cast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(patched_call)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "peak O1 caster wrapper: casts as the policy of the wrapped function says (docs/caster.md)"};
+
 PyMethodDef kTorchFunctionDef = {
     "caster_torch_function", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)),
     METH_FASTCALL,
@@ -409,6 +449,24 @@ void register_bindings(py::module_& m) {
         return py::reinterpret_steal<py::object>(tf);
       },
       py::arg("mode"), "The C++ __torch_function__ bound to mode");
+
+  c.def(
+      "wrap",
+      [](py::handle orig) {
+        if (!PyCallable_Check(orig.ptr())) throw py::type_error("wrap: orig must be callable");
+        PyObject* f = PyCFunction_NewEx(&kPatchedDef, orig.ptr(), nullptr);
+        if (!f) throw py::error_already_set();
+        return py::reinterpret_steal<py::object>(f);
+      },
+      py::arg("orig"), "A C++ builtin that calls orig with the caster's casts (patch dispatch)");
+  c.def(
+      "instancemethod",
+      [](py::handle f) {
+        PyObject* m = PyInstanceMethod_New(f.ptr());
+        if (!m) throw py::error_already_set();
+        return py::reinterpret_steal<py::object>(m);
+      },
+      py::arg("func"), "Make a builtin bind self when stored on a class");
 
   for (int p = 0; p < kNumPolicies; ++p) {
     c.attr(("POLICY_" + std::string(policy_name(static_cast<Policy>(p)))).c_str()) = p;

@@ -9,10 +9,15 @@ def low(request):
     return request.param
 
 
+@pytest.fixture(params=["patch", "mode"])
+def dispatch(request):
+    return request.param
+
+
 @pytest.fixture
-def o1(low):
+def o1(low, dispatch):
     """O1 casting on in this thread with the low dtype; off and default lists afterwards."""
-    _caster.enable(low)
+    _caster.enable(low, dispatch=dispatch)
     try:
         yield low
     finally:

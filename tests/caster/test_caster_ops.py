@@ -10,6 +10,15 @@ torch.manual_seed(0)
 _g = torch.Generator().manual_seed(0)
 
 
+_OWNERS = {"F": F, "torch": torch, "Tensor": torch.Tensor}
+
+
+def resolve(name):
+    """Look the function up at call time (under patch dispatch torch.mm is then the wrapper)."""
+    owner, attr = name.split(".")
+    return getattr(_OWNERS[owner], attr)
+
+
 def r(*shape):
     return torch.randn(*shape, generator=_g)
 
@@ -91,6 +100,8 @@ def _to(tree, dtype):
 @pytest.mark.parametrize("name,fn,make,policy", CASES, ids=[c[0] for c in CASES])
 def test_op_dtype_and_bitwise(o1, name, fn, make, policy):
     assert lists.policy_of(fn) == policy
+    fn = resolve(name)
+    assert lists.policy_of(fn) == policy
     args = make()
     start = {"lower": torch.float32, "fp32": o1}.get(policy, torch.float32)
     args = _to(args, start)
@@ -107,8 +118,10 @@ def test_op_dtype_and_bitwise(o1, name, fn, make, policy):
     assert torch.equal(out, ref), name
 
 
-def test_mode_sees_listed_identities(o1):
+def test_mode_sees_listed_identities(o1, dispatch):
     """What torch hands to __torch_function__ is the object on the list (incl. dunders)."""
+    if dispatch != "mode":
+        pytest.skip("mode dispatch only")
     seen = []
 
     class Rec(TorchFunctionMode):
@@ -241,3 +254,27 @@ def test_thread_isolation(o1):
     t.join()
     assert res["d"] == torch.float32
     assert torch.mm(a, a).dtype == o1
+
+
+def test_patch_restores_everything(low):
+    before_tensor = dict(vars(torch.Tensor))
+    before = {n: getattr(torch, n) for n in ("mm", "matmul", "cat", "exp", "lstm")}
+    before_f = {n: getattr(F, n) for n in ("linear", "softmax", "conv2d")}
+    _caster.enable(low, dispatch="patch")
+    assert torch.mm is not before["mm"] and F.conv2d is torch.conv2d  # both sites patched
+    assert torch._VF.lstm is not before["lstm"]
+    _caster.disable()
+    assert dict(vars(torch.Tensor)) == before_tensor
+    assert {n: getattr(torch, n) for n in before} == before
+    assert {n: getattr(F, n) for n in before_f} == before_f
+    assert "lstm" not in vars(torch._VF)
+
+
+def test_patch_add_while_active(low):
+    _caster.enable(low, dispatch="patch")
+    x = torch.randn(3).to(low)
+    assert torch.sigmoid(x).dtype == low
+    lists.add("fp32", torch.sigmoid)
+    assert torch.sigmoid(x).dtype == torch.float32
+    lists.remove(torch.sigmoid)  # the wrapper stays but calls through
+    assert torch.sigmoid(x).dtype == low

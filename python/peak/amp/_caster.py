@@ -22,7 +22,7 @@ from .. import _C
 
 _c = _C.caster
 
-__all__ = ["enable", "disable", "is_enabled", "low_dtype", "region", "disabled", "clear_cache",
+__all__ = ["enable", "disable", "dispatch", "is_enabled", "low_dtype", "region", "disabled", "clear_cache",
            "cache_stats"]
 
 
@@ -91,22 +91,41 @@ def _remove_mode(mode) -> None:
         torch._C._push_on_torch_function_stack(m)
 
 
-def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
+#: How casts are dispatched: "patch" (default) puts a C++ wrapper in place of each listed callable
+#: in torch, torch.nn.functional, torch.Tensor and torch._VF (as Apex patched them, but gated per
+#: thread), so unlisted ops pay nothing; "mode" pushes CasterMode, which sees every call.
+DISPATCHES = ("patch", "mode")
+_state: dict = {"dispatch": None, "default": "patch"}
+
+
+def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | None = None) -> None:
     """Turn O1 casting on in this thread with ``low_dtype`` (torch.float16 or torch.bfloat16) as the
-    lower precision; ``allow_banned=True`` lets banned functions run (in fp32) instead of raising."""
+    lower precision; ``allow_banned=True`` lets banned functions run (in fp32) instead of raising;
+    ``dispatch`` picks the mechanism (see ``DISPATCHES``)."""
     if low_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"low_dtype must be torch.float16 or torch.bfloat16, got {low_dtype}")
+    if dispatch is None:
+        dispatch = _state["default"]
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     from . import lists  # noqa: PLC0415 (lists imports this module)
 
     disable()
     lists._ensure_defaults()
+    _index()  # before anything is patched
     lists._apply_registrations()
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
-    mode = CasterMode()
-    torch._C._push_on_torch_function_stack(mode)
-    with _lock:
-        _owner["mode"], _owner["thread"] = mode, threading.get_ident()
+    _state["dispatch"] = dispatch
+    if dispatch == "mode":
+        mode = CasterMode()
+        torch._C._push_on_torch_function_stack(mode)
+        with _lock:
+            _owner["mode"], _owner["thread"] = mode, threading.get_ident()
+    else:
+        for fn, code in _c.table():
+            if code != _c.POLICY_hook:
+                _patch(fn)
     _c.set_thread_active(True)
     _c.clear_cache()
 
@@ -115,16 +134,82 @@ def disable() -> None:
     """Turn O1 casting off and restore plain behaviour (``initialize`` calls it before a new setup)."""
     from . import lists  # noqa: PLC0415
 
-    _c.set_low_dtype(None)  # from here on the mode (wherever it is) only calls through
+    _c.set_low_dtype(None)  # from here on the mode / wrappers (wherever they are) only call through
     _c.set_allow_banned(False)
     with _lock:
         mode, thread = _owner["mode"], _owner["thread"]
         _owner["mode"] = _owner["thread"] = None
     if mode is not None and thread == threading.get_ident():
         _remove_mode(mode)
+    _unpatch_all()
+    _state["dispatch"] = None
     _c.set_thread_active(False)
     _c.clear_cache()
     lists._undo_registrations()
+
+
+# ---- patch dispatch
+
+_sites: dict = {}  # id(callable) -> [(owner, name)] where torch code finds it
+_patched: list = []  # (owner, name, had_own_attribute, previous value), in patch order
+_patched_ids: set = set()
+_RNN = ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell",
+        "rnn_relu_cell")
+
+
+def _index() -> dict:
+    """Where each callable of torch's public namespaces lives (built once, before any patching)."""
+    if _sites:
+        return _sites
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft]
+    for owner in owners:
+        for name in dir(owner):
+            try:
+                obj = getattr(owner, name)
+            except Exception:  # noqa: BLE001 (some attributes raise on access)
+                continue
+            if callable(obj) and not isinstance(obj, type):
+                _sites.setdefault(id(obj), []).append((owner, name))
+    for name in _RNN:  # nn.LSTM & co. call torch._VF.<name> (a module forwarding to torch._C)
+        obj = getattr(torch._C._VariableFunctions, name, None)
+        if obj is not None:
+            _sites.setdefault(id(obj), []).append((torch._VF, name))
+    return _sites
+
+
+def _patch(fn) -> bool:
+    """Put a C++ wrapper of ``fn`` at each place torch code looks it up. False if none is known."""
+    sites = _index().get(id(fn), [])
+    if not sites:
+        return False
+    if id(fn) in _patched_ids:
+        return True
+    _patched_ids.add(id(fn))
+    wrapper = _c.wrap(fn)
+    for owner, name in sites:
+        own = owner.__dict__ if isinstance(owner, type) else vars(owner)
+        had = name in own
+        prev = own.get(name)
+        setattr(owner, name, _c.instancemethod(wrapper) if isinstance(owner, type) else wrapper)
+        _patched.append((owner, name, had, prev))
+    return True
+
+
+def _unpatch_all() -> None:
+    while _patched:
+        owner, name, had, prev = _patched.pop()
+        if had:
+            setattr(owner, name, prev)
+        else:
+            delattr(owner, name)
+    _patched_ids.clear()
+
+
+def dispatch() -> str | None:
+    """The dispatch in use ("patch" or "mode"), or None when O1 is off."""
+    return _state["dispatch"]
 
 
 def is_enabled() -> bool:

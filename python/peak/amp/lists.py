@@ -32,10 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import _C
+from . import _caster
 
 _c = _C.caster
 
-__all__ = ["POLICIES", "add", "remove", "policy_of", "entries", "reset", "set_allow_banned",
+__all__ = ["POLICIES", "add", "remove", "policy_of", "entries", "reset", "set_allow_banned", "set_dispatch",
            "half_function", "float_function", "promote_function", "register_half_function",
            "register_float_function", "register_promote_function"]
 
@@ -57,10 +58,17 @@ def _ensure_defaults() -> None:
 
 def _load_defaults() -> None:
     for where, name, code in _c.default_entries():
-        fn = getattr(_WHERE[where], name, None)
+        fn = _unwrap(getattr(_WHERE[where], name, None))
         if fn is not None and callable(fn):
             _c.set_policy(fn, code)
     _c.set_policy(torch.Tensor.backward, _CODES["hook"])  # see _caster._backward_hook
+
+
+def _unwrap(fn):
+    """The torch callable behind a patch-dispatch wrapper (what ``torch.mm`` is while O1 is on)."""
+    if getattr(fn, "__name__", None) == "peak_o1_cast" and getattr(fn, "__self__", None) is not None:
+        return fn.__self__
+    return fn
 
 
 def _code(policy) -> int:
@@ -83,14 +91,19 @@ def add(policy: str, *funcs) -> None:
                         "e.g. lists.add('fp32', torch.nn.functional.gelu)")
     for fn in funcs:
         _check_callable(fn)
+    funcs = [_unwrap(fn) for fn in funcs]
     _ensure_defaults()
     for fn in funcs:
         _c.set_policy(fn, code)
+    if _caster.dispatch() == "patch":
+        for fn in funcs:
+            _caster._patch(fn)
 
 
 def remove(*funcs) -> None:
     """Take each of ``funcs`` off the lists (it then runs in whatever dtypes it receives)."""
     _ensure_defaults()
+    funcs = [_unwrap(fn) for fn in funcs]
     for fn in funcs:
         _check_callable(fn)
         if _c.get_policy(fn) == 0:
@@ -102,7 +115,7 @@ def remove(*funcs) -> None:
 def policy_of(func) -> str | None:
     """The policy name of ``func``, or None if it is on no list."""
     _ensure_defaults()
-    code = _c.get_policy(func)
+    code = _c.get_policy(_unwrap(func))
     return _NAMES.get(code) if code else None
 
 
@@ -118,6 +131,18 @@ def reset() -> None:
     _c.clear_table()
     _loaded = True
     _load_defaults()
+    if _caster.dispatch() == "patch":
+        for fn, code in _c.table():
+            _caster._patch(fn)
+
+
+def set_dispatch(dispatch: str) -> None:
+    """How the next O1 ``initialize`` dispatches casts: ``"patch"`` (default: C++ wrappers in place
+    of the listed callables; unlisted ops pay nothing) or ``"mode"`` (a TorchFunctionMode with a
+    C++ handler: sees every call, also in autograd's worker threads). See docs/caster.md."""
+    if dispatch not in _caster.DISPATCHES:
+        raise ValueError(f"dispatch must be one of {_caster.DISPATCHES}, got {dispatch!r}")
+    _caster._state["default"] = dispatch
 
 
 def set_allow_banned(allow: bool) -> None:
