@@ -133,7 +133,8 @@ def reset() -> None:
     _load_defaults()
     if _caster.dispatch() == "patch":
         for fn, code in _c.table():
-            _caster._patch(fn)
+            if code != _CODES["hook"]:
+                _caster._patch(fn)
 
 
 def set_dispatch(dispatch: str) -> None:
