@@ -7,6 +7,7 @@ models and optimizers exactly as they were.
 from __future__ import annotations
 
 import itertools
+import sys
 import types
 import weakref
 from collections.abc import Mapping
@@ -92,6 +93,29 @@ def check_inputs(models, optimizers):
                         "amp.initialize([model_a, model_b], optimizer, ...), and build the optimizer from "
                         "model.parameters().")
     return models_list, optimizers_list
+
+
+def check_sharded_optimizers(optimizers_list, properties) -> None:
+    """Master weights live in the optimizer's ``param_groups``; ``ZeroRedundancyOptimizer`` steps
+    an inner optimizer with its own groups (this rank's shard) and broadcasts the model's
+    parameters, so the masters would never be stepped and training would silently stand still."""
+    if not properties.master_weights:
+        return
+    # Not imported here: importing torch.distributed.optim scripts torch's functional optimizers
+    # (slow, and fails under an active O1 caster). No ZeroRedundancyOptimizer exists unless its
+    # module was imported.
+    zero_module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero_module is None:
+        return
+    for i, opt in enumerate(optimizers_list):
+        if isinstance(opt, zero_module.ZeroRedundancyOptimizer):
+            raise RuntimeError(
+                f"optimizers[{i}] is a torch.distributed.optim.ZeroRedundancyOptimizer, which cannot keep "
+                f"amp's fp32 master weights (opt_level={properties.opt_level!r}, master_weights=True): its "
+                "inner optimizer steps its own shard of the parameters, so the masters would never change. "
+                "Use opt_level='O1' (fp32 weights) or 'O3' with ZeRO, or peak.amp.GradScaler with a "
+                "low-precision model and a peak.optimizers fused optimizer (optimizer_class=FusedAdam), "
+                "which keeps fp32 masters in its own sharded state; see docs/distributed.md.")
 
 
 def _check_fp32(model: nn.Module) -> None:

@@ -275,6 +275,7 @@ def initialize(
 
     # Validate the models and optimizers completely before changing anything.
     models_list, optimizers_list = _initialize.check_inputs(models, optimizers)
+    _initialize.check_sharded_optimizers(optimizers_list, properties)
 
     _reset_global_state()
     _amp_state.opt_properties = properties

@@ -94,6 +94,41 @@ class OverflowReport:
         return f"iteration {self.iteration} skipped: inf/NaN gradients in {names}"
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A DTensor gradient (FSDP2's ``fully_shard``) is unscaled through its local shard, which
+    shares its storage; anything else is itself."""
+    local = getattr(grad, "_local_tensor", None)
+    return local if local is not None and hasattr(grad, "device_mesh") else grad
+
+
+def _sharded_meshes(optimizer) -> list:
+    """The device meshes of the optimizer's DTensor gradients (none for ordinary tensors)."""
+    meshes = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            mesh = getattr(p.grad, "device_mesh", None) if p.grad is not None else None
+            if mesh is not None and all(m is not mesh for m in meshes):
+                meshes.append(mesh)
+    return meshes
+
+
+def _agree_on_overflow(optimizer, per_device_found_inf: dict) -> None:
+    """Sharded gradients: an inf/NaN in one rank's shard must skip the step on every rank, so the
+    overflow flags are all-reduced (MAX) over every dimension of the gradients' meshes (what
+    torch's ShardedGradScaler does for FSDP1). Ordinary gradients (DDP all-reduced them already,
+    or one process) cost nothing here."""
+    meshes = _sharded_meshes(optimizer)
+    if not meshes:
+        return
+    import torch.distributed as dist  # noqa: PLC0415 (only for sharded gradients)
+
+    for device in sorted(per_device_found_inf, key=str):
+        flag = per_device_found_inf[device]
+        for mesh in meshes:
+            for dim in range(mesh.ndim):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+
+
 def _is_dense(t: torch.Tensor) -> bool:
     """``t`` covers its memory exactly once (contiguous in some dimension order), as the
     multi-tensor kernels require; transposed gradients qualify, slices like ``g[:, :5]`` do not."""
@@ -305,6 +340,7 @@ class GradScaler(torch.amp.GradScaler):
         report = self._report_enabled
         if not report:
             self._unscale_fast(optimizer, per_device_inv_scale, per_device_found_inf, check_only)
+            _agree_on_overflow(optimizer, per_device_found_inf._per_device_tensors)
             return per_device_found_inf._per_device_tensors
         groups: dict[tuple, list[torch.Tensor]] = {}
         owners: dict[tuple, list] = {} if report else None
@@ -315,6 +351,7 @@ class GradScaler(torch.amp.GradScaler):
                     grad = param.grad
                     if grad is None:
                         continue
+                    grad = _local(grad)
                     if grad.is_sparse:
                         # Duplicate indices of a low-precision sparse gradient may overflow only
                         # once summed: check the coalesced values (torch does this for fp16).
@@ -374,6 +411,7 @@ class GradScaler(torch.amp.GradScaler):
                         torch.maximum(dev_found_inf, flags.max(), out=dev_found_inf)
                 if report:
                     self._record_flags(optimizer, owners[key], flags)
+        _agree_on_overflow(optimizer, per_device_found_inf._per_device_tensors)
         return per_device_found_inf._per_device_tensors
 
     def _unscale_fast(self, optimizer, per_device_inv_scale, per_device_found_inf,
@@ -383,7 +421,7 @@ class GradScaler(torch.amp.GradScaler):
         (sparse or non-dense gradients; the kernel validates before it writes anything) goes
         through ``_unscale_group_slow``."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        grads = [g for g in grads if g is not None]
+        grads = [_local(g) for g in grads if g is not None]
         if not grads:
             return
         with torch.no_grad():
