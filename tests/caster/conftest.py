@@ -28,5 +28,8 @@ def o1(low, dispatch):
 @pytest.fixture(autouse=True)
 def _clean():
     yield
+    from peak.amp._amp_state import _amp_state
     _caster.disable()
     lists.reset()
+    lists.set_allow_banned(False)
+    _amp_state.reset()

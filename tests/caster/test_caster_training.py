@@ -281,3 +281,28 @@ def test_initialize_o1_casts_loss_outside_forward(low):
     opt.step()
     for p in model.parameters():
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+
+
+def test_multihead_attention_is_cast_under_patch(low):
+    mha = nn.MultiheadAttention(16, 2)
+    x = torch.randn(5, 2, 16)
+    _caster.enable(low, dispatch="patch")
+    out, w = mha(x, x, x)
+    assert out.dtype == low  # the F.linear inside F.multi_head_attention_forward is cast
+    out.float().sum().backward()
+    assert mha.in_proj_weight.grad.dtype == torch.float32
+
+
+def test_legacy_init_allow_banned():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        amp.init(allow_banned=True)
+    p = torch.sigmoid(F.linear(torch.randn(3, 4), torch.randn(2, 4)))
+    assert p.dtype == torch.float16
+    assert F.binary_cross_entropy(p, torch.rand(3, 2)).dtype == torch.float32
+    _caster.disable()
+    amp.init()
+    with pytest.raises(NotImplementedError, match="allow_banned=True"):
+        F.binary_cross_entropy(torch.sigmoid(F.linear(torch.randn(3, 4), torch.randn(2, 4))),
+                               torch.rand(3, 2))

@@ -181,7 +181,8 @@ def _index() -> dict:
 
 def _patch(fn) -> bool:
     """Put a C++ wrapper of ``fn`` at each place torch code looks it up. False if none is known."""
-    sites = _index().get(id(fn), [])
+    # The index is keyed by id(): keep only the sites that still hold this very object.
+    sites = [(o, n) for o, n in _index().get(id(fn), []) if _plain(getattr(o, n, None)) is fn]
     if not sites:
         return False
     if id(fn) in _patched_ids:
@@ -195,6 +196,13 @@ def _patch(fn) -> bool:
         setattr(owner, name, _c.instancemethod(wrapper) if isinstance(owner, type) else wrapper)
         _patched.append((owner, name, had, prev))
     return True
+
+
+def _plain(obj):
+    """``obj`` itself, or the original behind one of our wrappers."""
+    if getattr(obj, "__name__", None) == "peak_o1_cast" and getattr(obj, "__self__", None) is not None:
+        return obj.__self__
+    return obj
 
 
 def _unpatch_all() -> None:
