@@ -268,6 +268,7 @@ class GradScaler(torch.amp.GradScaler):
         self._report_records: list = []
         self._report_records_iteration = -1
         self._last_report: OverflowReport | None = None
+        self._overflow_counts: dict[str, int] = {}  # name -> skipped iterations it overflowed in
 
     def _reset_transient_state(self) -> None:
         """State that lives within one iteration or is derived from the tensors (never pickled)."""
@@ -691,10 +692,24 @@ class GradScaler(torch.amp.GradScaler):
             msg = (f"GradScaler: gradients held inf/NaN while the loss scale was at its floor "
                    f"min_scale={self._min_scale}, so it cannot back off further (the step was "
                    f"skipped). Training has probably diverged: check the loss for NaN or lower the "
-                   f"learning rate; or lower min_scale. on_min_scale='keep' continues silently.")
+                   f"learning rate; or lower min_scale. on_min_scale='keep' continues silently."
+                   + self._floor_culprits())
             if self._on_min_scale == "raise":
                 raise RuntimeError(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+    def _floor_culprits(self) -> str:
+        """The floor message's last sentence: which parameters keep overflowing."""
+        if not self._report_enabled:
+            return (" Call scaler.register_model(model) before training to have the parameters "
+                    "whose gradients overflow named here.")
+        self._finish_report_records()
+        last = self._last_report
+        if last is None or last.iteration != self._iteration - 1 or not last.parameters:
+            return ""
+        names = dict.fromkeys(last.parameters)
+        parts = [f"{n} (in {self._overflow_counts.get(n, 1)} skipped iterations)" for n in names]
+        return " Gradients with inf/NaN in this iteration: " + ", ".join(parts) + "."
 
     def _may_have_overflowed(self) -> bool:
         """False only if every optimizer's flags were already read on the host and were clean."""
@@ -787,6 +802,8 @@ class GradScaler(torch.amp.GradScaler):
         for optimizer, owners, flags in records:
             hit = flags.tolist()
             names.extend(self._param_name(optimizer, *owner) for owner, h in zip(owners, hit) if h)
+        for name in dict.fromkeys(names):
+            self._overflow_counts[name] = self._overflow_counts.get(name, 0) + 1
         if names:
             last = self._last_report
             if last is not None and last.iteration == self._report_records_iteration:
