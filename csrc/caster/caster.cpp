@@ -53,8 +53,19 @@ struct ThreadState {
   bool active = false;
   std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> cache;
   int64_t hits = 0, casts = 0, stores = 0;
+  // Thread-local list edits (peak.amp.lists.local), innermost last; keys hold strong references.
+  std::vector<std::unordered_map<PyObject*, Policy>> frames;
 };
 thread_local ThreadState tls;
+
+// The policy of func in this thread: the innermost local edit, else the process-wide table.
+inline Policy effective_policy(PyObject* func) {
+  for (auto f = tls.frames.rbegin(); f != tls.frames.rend(); ++f) {
+    auto it = f->find(func);
+    if (it != f->end()) return it->second;
+  }
+  return lookup(func);
+}
 
 inline bool is_low(at::ScalarType s) {
   return s == at::ScalarType::Half || s == at::ScalarType::BFloat16;
@@ -347,7 +358,7 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
     empty = PyTuple_New(0);
     args = empty;
   }
-  const Policy p = lookup(func);
+  const Policy p = effective_policy(func);
   PyObject* result;
   if (p == Policy::kNone || g_low == at::ScalarType::Undefined || tls.suspended > 0 ||
       !PyTuple_Check(args)) {
@@ -374,7 +385,7 @@ PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyO
   if (g_low == at::ScalarType::Undefined || !tls.active || tls.suspended > 0) {
     return PyObject_Vectorcall(orig, a, nargs, kwnames);
   }
-  const Policy p = lookup(orig);
+  const Policy p = effective_policy(orig);
   if (p == Policy::kNone || p == Policy::kHook) {
     return PyObject_Vectorcall(orig, a, nargs, kwnames);
   }
@@ -548,6 +559,28 @@ void register_bindings(py::module_& m) {
       py::arg("policy"), py::arg("func"), py::arg("args"), py::arg("kwargs") = py::none(),
       "Call func(*args, **kwargs) with the policy's casts when O1 casts in this thread (decorators)");
 
+  c.def(
+      "push_local",
+      [](py::dict edits) {
+        std::unordered_map<PyObject*, Policy> frame;
+        for (auto item : edits) {
+          if (!PyCallable_Check(item.first.ptr())) {
+            throw py::type_error("local edits: keys must be callables, got " +
+                                 py::repr(item.first).cast<std::string>());
+          }
+          frame[item.first.ptr()] = policy_from_int(item.second.cast<int>(), "policy");
+        }
+        for (auto& kv : frame) Py_INCREF(kv.first);
+        tls.frames.push_back(std::move(frame));
+      },
+      py::arg("edits"), "Push thread-local edits {func: policy code} (0: unlisted here)");
+  c.def("pop_local", []() {
+    if (tls.frames.empty()) throw py::value_error("pop_local() without a matching push_local()");
+    for (auto& kv : tls.frames.back()) Py_DECREF(kv.first);
+    tls.frames.pop_back();
+  });
+  c.def("effective_policy", [](py::handle f) { return static_cast<int>(effective_policy(f.ptr())); },
+        py::arg("func"), "The policy of func in this thread (local edits first)");
   c.def("clear_cache", []() { tls.cache.clear(); }, "Drop this thread's weight-cast cache");
   c.def("cache_stats", []() {
     py::dict d;

@@ -306,3 +306,32 @@ def test_legacy_init_allow_banned():
     with pytest.raises(NotImplementedError, match="allow_banned=True"):
         F.binary_cross_entropy(torch.sigmoid(F.linear(torch.randn(3, 4), torch.randn(2, 4))),
                                torch.rand(3, 2))
+
+
+def test_local_edits_are_thread_local(o1):
+    import threading
+    x = torch.randn(3, 4)
+    with lists.local({F.gelu: "lower", F.softmax: None, F.relu: "fp32"}):
+        assert lists.policy_of(F.gelu) == "lower" and lists.policy_of(F.softmax) is None
+        assert F.gelu(x).dtype == o1
+        assert F.softmax(x.to(o1), 1).dtype == o1
+        assert F.relu(x.to(o1)).dtype == torch.float32
+        with lists.local({F.gelu: "fp32"}):  # inner wins
+            assert F.gelu(x.to(o1)).dtype == torch.float32
+        assert F.gelu(x).dtype == o1
+        seen = {}
+
+        def other():
+            seen["policy"] = lists.policy_of(F.gelu)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert seen["policy"] == "fp32"  # the process-wide list
+    assert lists.policy_of(F.gelu) == "fp32" and F.gelu(x.to(o1)).dtype == torch.float32
+    with pytest.raises(ValueError, match="policy must be one of"):
+        with lists.local({F.gelu: "half"}):
+            pass
+    with pytest.raises(TypeError, match="edits must be a dict"):
+        with lists.local([F.gelu]):
+            pass

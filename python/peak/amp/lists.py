@@ -26,6 +26,7 @@ Edits act at once, in every thread, whether O1 is on or not (they persist across
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -36,7 +37,7 @@ from . import _caster
 
 _c = _C.caster
 
-__all__ = ["POLICIES", "add", "remove", "policy_of", "entries", "reset", "set_allow_banned", "set_dispatch",
+__all__ = ["POLICIES", "add", "remove", "local", "policy_of", "entries", "reset", "set_allow_banned", "set_dispatch",
            "half_function", "float_function", "promote_function", "register_half_function",
            "register_float_function", "register_promote_function"]
 
@@ -113,10 +114,37 @@ def remove(*funcs) -> None:
 
 
 def policy_of(func) -> str | None:
-    """The policy name of ``func``, or None if it is on no list."""
+    """The policy name of ``func`` in this thread (``local`` edits first), or None if unlisted."""
     _ensure_defaults()
-    code = _c.get_policy(_unwrap(func))
+    code = _c.effective_policy(_unwrap(func))
     return _NAMES.get(code) if code else None
+
+
+@contextlib.contextmanager
+def local(edits: dict):
+    """Edit the lists for this thread only, inside the ``with`` block::
+
+        with lists.local({F.gelu: "lower", F.softmax: None}):   # None: on no list here
+            ...
+
+    Inner blocks win over outer ones, and both over the process-wide lists; other threads are
+    not affected."""
+    if not isinstance(edits, dict):
+        raise TypeError(f"edits must be a dict {{function: policy name or None}}, got "
+                        f"{type(edits).__name__}")
+    codes = {}
+    for fn, policy in edits.items():
+        _check_callable(fn, "edits key")
+        codes[_unwrap(fn)] = 0 if policy is None else _code(policy)
+    _ensure_defaults()
+    _c.push_local(codes)
+    try:
+        if _caster.dispatch() == "patch":
+            for fn in codes:
+                _caster._patch(fn)
+        yield
+    finally:
+        _c.pop_local()
 
 
 def entries() -> dict:
