@@ -302,7 +302,8 @@ def test_legacy_init_allow_banned():
     assert p.dtype == torch.float16
     assert F.binary_cross_entropy(p, torch.rand(3, 2)).dtype == torch.float32
     _caster.disable()
-    amp.init()
+    with pytest.warns(DeprecationWarning):
+        amp.init()
     with pytest.raises(NotImplementedError, match="allow_banned=True"):
         F.binary_cross_entropy(torch.sigmoid(F.linear(torch.randn(3, 4), torch.randn(2, 4))),
                                torch.rand(3, 2))
