@@ -122,7 +122,11 @@ def _rss_growth(level, leak=None, iters=None):
     model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=torch.bfloat16,
                                 loss_scale="dynamic", verbosity=0)
     x, y = _batch(0, 3)
-    assert model(x).dtype == torch.bfloat16  # the casts (O1: the caster, O2: the model) are on
+    seen = []
+    hook = model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    model(x)
+    hook.remove()
+    assert seen == [torch.bfloat16]  # the casts are on (O1: the caster, O2: the model's weights)
     base = None
     for i in range(iters or ITERS[level]):
         if i == WARMUP:
