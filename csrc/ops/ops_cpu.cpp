@@ -7,8 +7,7 @@
 #include "../core/emulated_grid.h"
 #include "../core/loss_scale_update.h"
 #include "emulated_ops.h"
-#include "multi_tensor_ops.h"
-#include "optimizer_ops_impl.h"
+#include "op_entries.h"
 #include "../bindings/fused_schemas.h"
 
 namespace peak {
@@ -68,6 +67,10 @@ struct CpuExec {
     finish_norms_on_host(partials.data_ptr<float>(), offsets, total.data_ptr<float>(),
                          per_tensor ? per_tensor->data_ptr<float>() : nullptr);
   }
+  static void update_scale(float* scale, int* growth, int* hysteresis, const float* found_inf,
+                           const LossScaleParams& params) {
+    update_loss_scale(scale, growth, hysteresis, found_inf, params);
+  }
 };
 
 // The grid shape the peak_emulated ops use (0: the real CUDA launcher's value).
@@ -91,42 +94,6 @@ struct EmulatedExec : CpuExec {
     emulated::apply<Op, T...>(lists, chunk_size, op, sink, s);
   }
 };
-
-void multi_tensor_scale_cpu(at::TensorList inputs, const std::optional<at::TensorList>& outputs,
-                            const at::Tensor& scale, const at::Tensor& found_inf,
-                            int64_t chunk_size, const std::optional<at::Tensor>& per_tensor_found_inf) {
-  CpuExec exec;
-  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size,
-                     per_tensor_found_inf);
-}
-
-void multi_tensor_axpby_cpu(at::TensorList xs, at::TensorList ys, at::TensorList outputs,
-                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& found_inf,
-                            int64_t check,
-                            int64_t chunk_size) {
-  CpuExec exec;
-  multi_tensor_axpby(exec, xs, ys, outputs, a, b, found_inf, check, chunk_size);
-}
-
-std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors,
-                                                           bool per_tensor, int64_t chunk_size) {
-  CpuExec exec;
-  return multi_tensor_l2norm(exec, tensors, per_tensor, chunk_size);
-}
-
-void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                      const c10::optional<at::Tensor>& hysteresis_tracker,
-                      const at::Tensor& found_inf, double growth_factor, double backoff_factor,
-                      int64_t growth_interval, int64_t hysteresis, double min_scale,
-                      double max_scale) {
-  check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                          backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
-  update_loss_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int>(),
-                    hysteresis_tracker ? hysteresis_tracker->data_ptr<int>() : nullptr,
-                    found_inf.data_ptr<float>(),
-                    {growth_factor, backoff_factor, static_cast<int>(growth_interval),
-                     static_cast<int>(hysteresis), min_scale, max_scale});
-}
 
 }  // namespace
 
@@ -168,16 +135,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tenso
 
 }  // namespace emulated_ops
 
-TORCH_LIBRARY_IMPL(peak, CPU, m) {
-  m.impl("multi_tensor_scale_", &multi_tensor_scale_cpu);
-  m.impl("multi_tensor_axpby_", &multi_tensor_axpby_cpu);
-  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_cpu);
-  m.impl("update_scale_", &update_scale_cpu);
-  m.impl("multi_tensor_check_finite_", &check_finite_entry<CpuExec>);
-  m.impl("fused_adam_", &fused_adam_entry<CpuExec>);
-  m.impl("fused_sgd_", &fused_sgd_entry<CpuExec>);
-  m.impl("fused_lamb_", &fused_lamb_entry<CpuExec>);
-}
+TORCH_LIBRARY_IMPL(peak, CPU, m) { register_kernels<CpuExec>(m); }
 
 }  // namespace peak
 

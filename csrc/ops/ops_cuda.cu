@@ -9,8 +9,7 @@
 
 #include "../core/cuda_apply.cuh"
 #include "../core/loss_scale_update.h"
-#include "multi_tensor_ops.h"
-#include "optimizer_ops_impl.h"
+#include "op_entries.h"
 
 namespace peak {
 namespace {
@@ -19,6 +18,11 @@ __global__ void sqrt_norms_kernel(float* total, float* per_tensor, int64_t n) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i < n && per_tensor != nullptr) per_tensor[i] = sqrtf(per_tensor[i]);
   if (i == 0) *total = sqrtf(*total);
+}
+
+__global__ void update_scale_kernel(float* scale, int* growth_tracker, int* hysteresis_tracker,
+                                    const float* found_inf, LossScaleParams params) {
+  update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, params);
 }
 
 struct CudaExec {
@@ -70,68 +74,18 @@ struct CudaExec {
         total.data_ptr<float>(), per, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+
+  // One thread: the state is a handful of scalars, and the step never waits for the host.
+  static void update_scale(float* scale, int* growth, int* hysteresis, const float* found_inf,
+                           const LossScaleParams& params) {
+    update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(scale, growth, hysteresis,
+                                                                       found_inf, params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 };
-
-void multi_tensor_scale_cuda(at::TensorList inputs, const std::optional<at::TensorList>& outputs,
-                             const at::Tensor& scale, const at::Tensor& found_inf,
-                             int64_t chunk_size, const std::optional<at::Tensor>& per_tensor_found_inf) {
-  const c10::cuda::CUDAGuard guard(found_inf.device());
-  CudaExec exec;
-  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size,
-                     per_tensor_found_inf);
-}
-
-void multi_tensor_axpby_cuda(at::TensorList xs, at::TensorList ys, at::TensorList outputs,
-                             const at::Tensor& a, const at::Tensor& b, const at::Tensor& found_inf,
-                            int64_t check,
-                             int64_t chunk_size) {
-  const c10::cuda::CUDAGuard guard(found_inf.device());
-  CudaExec exec;
-  multi_tensor_axpby(exec, xs, ys, outputs, a, b, found_inf, check, chunk_size);
-}
-
-std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tensors,
-                                                            bool per_tensor,
-                                                            int64_t chunk_size) {
-  TORCH_CHECK(!tensors.empty(), "multi_tensor_l2norm: tensors is empty");
-  const c10::cuda::CUDAGuard guard(tensors[0].device());
-  CudaExec exec;
-  return multi_tensor_l2norm(exec, tensors, per_tensor, chunk_size);
-}
-
-__global__ void update_scale_kernel(float* scale, int* growth_tracker, int* hysteresis_tracker,
-                                    const float* found_inf, LossScaleParams params) {
-  update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, params);
-}
-
-void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                       const c10::optional<at::Tensor>& hysteresis_tracker,
-                       const at::Tensor& found_inf, double growth_factor, double backoff_factor,
-                       int64_t growth_interval, int64_t hysteresis, double min_scale,
-                       double max_scale) {
-  check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                          backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
-  const c10::cuda::CUDAGuard guard(scale.device());
-  update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      scale.data_ptr<float>(), growth_tracker.data_ptr<int>(),
-      hysteresis_tracker ? hysteresis_tracker->data_ptr<int>() : nullptr,
-      found_inf.data_ptr<float>(),
-      {growth_factor, backoff_factor, static_cast<int>(growth_interval),
-       static_cast<int>(hysteresis), min_scale, max_scale});
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(peak, CUDA, m) {
-  m.impl("multi_tensor_scale_", &multi_tensor_scale_cuda);
-  m.impl("multi_tensor_axpby_", &multi_tensor_axpby_cuda);
-  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_cuda);
-  m.impl("update_scale_", &update_scale_cuda);
-  m.impl("multi_tensor_check_finite_", &check_finite_entry<CudaExec>);
-  m.impl("fused_adam_", &fused_adam_entry<CudaExec>);
-  m.impl("fused_sgd_", &fused_sgd_entry<CudaExec>);
-  m.impl("fused_lamb_", &fused_lamb_entry<CudaExec>);
-}
+TORCH_LIBRARY_IMPL(peak, CUDA, m) { register_kernels<CudaExec>(m); }
 
 }  // namespace peak

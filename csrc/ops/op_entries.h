@@ -1,0 +1,74 @@
+// The dispatcher entry points of every op, written once over a backend (Exec: CpuExec in
+// ops_cpu.cpp, CudaExec in ops_cuda.cu, EmulatedExec for the test-only twins), and the one list
+// that registers them. An Exec provides: a Guard constructed from a device, apply<Op, T...>,
+// finish_norms, and update_scale (host call or one-thread kernel).
+#pragma once
+
+#include <torch/library.h>
+
+#include "../core/loss_scale_update.h"
+#include "multi_tensor_ops.h"
+#include "optimizer_ops_impl.h"
+
+namespace peak {
+
+template <typename Exec>
+void multi_tensor_scale_entry(at::TensorList inputs, const std::optional<at::TensorList>& outputs,
+                              const at::Tensor& scale, const at::Tensor& found_inf,
+                              int64_t chunk_size,
+                              const std::optional<at::Tensor>& per_tensor_found_inf) {
+  const typename Exec::Guard guard(found_inf.device());
+  Exec exec;
+  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size,
+                     per_tensor_found_inf);
+}
+
+template <typename Exec>
+void multi_tensor_axpby_entry(at::TensorList xs, at::TensorList ys, at::TensorList outputs,
+                              const at::Tensor& a, const at::Tensor& b,
+                              const at::Tensor& found_inf, int64_t check, int64_t chunk_size) {
+  const typename Exec::Guard guard(found_inf.device());
+  Exec exec;
+  multi_tensor_axpby(exec, xs, ys, outputs, a, b, found_inf, check, chunk_size);
+}
+
+template <typename Exec>
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_entry(at::TensorList tensors,
+                                                             bool per_tensor,
+                                                             int64_t chunk_size) {
+  TORCH_CHECK(!tensors.empty(), "multi_tensor_l2norm: tensors is empty; the norm of no tensors "
+              "is 0, call it only with at least one tensor");
+  const typename Exec::Guard guard(tensors[0].device());
+  Exec exec;
+  return multi_tensor_l2norm(exec, tensors, per_tensor, chunk_size);
+}
+
+template <typename Exec>
+void update_scale_entry(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                        const c10::optional<at::Tensor>& hysteresis_tracker,
+                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                        int64_t growth_interval, int64_t hysteresis, double min_scale,
+                        double max_scale) {
+  check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+                          backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  const typename Exec::Guard guard(scale.device());
+  Exec::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int>(),
+                     hysteresis_tracker ? hysteresis_tracker->data_ptr<int>() : nullptr,
+                     found_inf.data_ptr<float>(),
+                     {growth_factor, backoff_factor, static_cast<int>(growth_interval),
+                      static_cast<int>(hysteresis), min_scale, max_scale});
+}
+
+template <typename Exec>
+void register_kernels(torch::Library& m) {
+  m.impl("multi_tensor_scale_", &multi_tensor_scale_entry<Exec>);
+  m.impl("multi_tensor_axpby_", &multi_tensor_axpby_entry<Exec>);
+  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_entry<Exec>);
+  m.impl("multi_tensor_check_finite_", &check_finite_entry<Exec>);
+  m.impl("update_scale_", &update_scale_entry<Exec>);
+  m.impl("fused_adam_", &fused_adam_entry<Exec>);
+  m.impl("fused_sgd_", &fused_sgd_entry<Exec>);
+  m.impl("fused_lamb_", &fused_lamb_entry<Exec>);
+}
+
+}  // namespace peak
