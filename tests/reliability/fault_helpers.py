@@ -21,7 +21,26 @@ CONFIGS = {
     "bf16model-FusedAdam": (torch.bfloat16, None, "fused_adam"),
     "f32-autocast-f16-Adam": (torch.float32, torch.float16, "adam"),
     "bf16model-FusedSGD": (torch.bfloat16, None, "fused_sgd"),
+    # the Apex dialect: amp.initialize(opt_level="O2") with its own loss scaler
+    "amp-O2-f16-SGD": ("amp-O2", torch.float16, "sgd"),
+    "amp-O2-f16-FusedAdam": ("amp-O2", torch.float16, "fused_adam"),
 }
+
+
+def is_amp(config):
+    return CONFIGS[config][0] == "amp-O2"
+
+
+def get_scale(scaler):
+    return scaler.loss_scale() if hasattr(scaler, "loss_scale") else scaler.get_scale()
+
+
+def set_scale(scaler, value):
+    if hasattr(scaler, "loss_scale"):
+        scaler._loss_scale = value
+    else:
+        scaler.scale(torch.zeros(()))  # creates the scale lazily if step 0 is "skipped"
+        scaler.update(value)
 KINDS = ("grad_inf", "grad_nan", "loss_inf", "loss_nan")
 INIT_SCALE, GROWTH_INTERVAL, MAX_SCALE = 2.0 ** 10, 10, 2.0 ** 14
 
@@ -55,15 +74,26 @@ def build(config: str):
     import peak.optimizers
     from peak import amp
 
-    model_dtype, _, opt_name = CONFIGS[config]
+    model_dtype, low, opt_name = CONFIGS[config]
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(model_dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    if not is_amp(config):
+        model = model.to(model_dtype)
     if opt_name == "fused_adam":
         opt = peak.optimizers.FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01, adam_w_mode=True)
     elif opt_name == "fused_sgd":
         opt = peak.optimizers.FusedSGD(model.parameters(), lr=1e-2, momentum=0.9)
+    elif opt_name == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if is_amp(config):
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=low, loss_scale="dynamic",
+                                    max_loss_scale=MAX_SCALE, verbosity=0)
+        scaler = amp._amp_state.loss_scalers[0]
+        scaler._loss_scale = INIT_SCALE
+        scaler.growth_interval = GROWTH_INTERVAL
+        return model, opt, scaler
     scaler = amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, max_scale=MAX_SCALE)
     return model, opt, scaler
 
@@ -78,6 +108,7 @@ def state_tensors(model, opt) -> list:
     out = [p.detach().clone() for p in model.parameters()]
     for group in opt.param_groups:
         for p in group["params"]:
+            out.append(p.detach().clone())  # amp O2 with a torch optimizer: the fp32 master
             st = opt.state.get(p, {})
             for k in sorted(st):
                 v = st[k]
@@ -97,6 +128,20 @@ def train_step(model, opt, scaler, config, step, poison=None, new_scale=None):
     _, low, _ = CONFIGS[config]
     x, y = batch(step)
     opt.zero_grad(set_to_none=True)
+    if is_amp(config):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        kind = poison[0] if poison else None
+        if kind in ("loss_inf", "loss_nan"):
+            loss = loss * float("inf" if kind == "loss_inf" else "nan")
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+            if kind in ("grad_inf", "grad_nan"):  # before scale_loss's exit checks it
+                flat = list(model.parameters())[poison[1]].grad.view(-1)
+                flat[int(poison[2] * flat.numel())] = float("inf") if kind == "grad_inf" else float("nan")
+        opt.step()
+        if new_scale is not None:
+            set_scale(scaler, new_scale)
+        return
     with amp.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
         out = model(x.to(next(model.parameters()).dtype))
     loss = torch.nn.functional.mse_loss(out.float(), y)
@@ -126,13 +171,17 @@ def run(config: str, steps: int, plan: dict, *, by_construction: bool = False, c
             if s not in plan:
                 train_step(model, opt, scaler, config, s, new_scale=expect[s])
             else:
-                scaler.scale(torch.zeros(()))  # creates the scale lazily if step 0 is "skipped"
-                scaler.update(expect[s])
+                set_scale(scaler, expect[s])
             skipped.append(s in plan)
         else:
+            before = state_tensors(model, opt) if is_amp(config) else None
             train_step(model, opt, scaler, config, s, plan.get(s))
-            skipped.append(scaler.last_step_skipped)
-        scales.append(scaler.get_scale())
+            if before is not None:  # amp has no last_step_skipped: nothing changed = skipped
+                after = state_tensors(model, opt)
+                skipped.append(all(torch.equal(a, b) for a, b in zip(before, after)))
+            else:
+                skipped.append(scaler.last_step_skipped)
+        scales.append(get_scale(scaler))
         if check_every_step and bad_step is None and not all_finite(state_tensors(model, opt)):
             bad_step = s
     return state_tensors(model, opt), scales, skipped, bad_step

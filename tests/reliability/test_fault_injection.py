@@ -1,6 +1,6 @@
 """Fault injection: inf/NaN written (seeded) into random gradient elements or the loss at random
 steps of a GradScaler run (fp16/bf16 models with FusedAdam/FusedSGD, fp32 + fp16 autocast with
-torch Adam). Every poisoned step is skipped, nothing in the model or the optimizer (masters,
+torch Adam) and of amp O2 runs (torch SGD with masters in param_groups, FusedAdam). Every poisoned step is skipped, nothing in the model or the optimizer (masters,
 moments, step counters) ever becomes non-finite, the scale recovers, and the final state equals
 bit for bit a clean run that skips the same steps by construction.  The default run is 300 steps
 per configuration; the soak (``-m slow``) 2,000."""
