@@ -85,3 +85,9 @@ def test_amp_o2_with_zero_is_an_explained_error(ranks):
         msg, dtype, stashed = ranks[r]["zero-amp-O2-error"]
         assert "ZeroRedundancyOptimizer" in msg and "master weights" in msg and "GradScaler" in msg
         assert dtype == torch.float32 and not stashed  # nothing changed
+
+
+def test_fused_optimizer_on_fsdp2_params_is_an_explained_error(ranks):
+    for r in range(WORLD_SIZE):
+        msg = ranks[r]["fsdp2-fused-error"]
+        assert msg is not None and "DTensor parameters (FSDP2's fully_shard)" in msg and "torch.optim.AdamW" in msg

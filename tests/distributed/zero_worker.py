@@ -140,6 +140,23 @@ def run_fsdp2(rank, low):
             "local_state": state}
 
 
+def fsdp2_fused_optimizer_error(rank):
+    """peak's fused optimizers on FSDP2's DTensor parameters: the explained error."""
+    import peak.optimizers
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    fully_shard(model)
+    opt = peak.optimizers.FusedAdam(model.parameters(), lr=1e-2)
+    x, y, _ = _data(0, rank, False)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    try:
+        opt.step()
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 def run_fsdp2_without_agreement(rank):
     """The control: with GradScaler's all-reduce of the overflow flag switched off, the ranks
     disagree on the poisoned steps (so the agreement above is the all-reduce's doing)."""
@@ -173,7 +190,8 @@ def worker(rank, world_size):
            "zero-amp-O3-f16": run_amp(rank, "O3", torch.float16),
            "zero-amp-O2-error": amp_o2_error(rank),
            "fsdp2-scaler-autocast-bf16": run_fsdp2(rank, torch.bfloat16),
-           "fsdp2-without-agreement": run_fsdp2_without_agreement(rank)}
+           "fsdp2-without-agreement": run_fsdp2_without_agreement(rank),
+           "fsdp2-fused-error": fsdp2_fused_optimizer_error(rank)}
     for name, (mdt, low, cls) in CONFIGS.items():
         out[name] = run_zero_scaler(rank, mdt, low, resolve(cls))
     reset_amp()

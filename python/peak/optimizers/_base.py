@@ -103,6 +103,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if hasattr(p, "device_mesh"):
+                    raise NotImplementedError(
+                        f"{type(self).__name__} does not support DTensor parameters (FSDP2's "
+                        "fully_shard) yet: its kernels take whole local tensors. Use a torch "
+                        "optimizer (e.g. torch.optim.AdamW) with peak.amp.GradScaler under FSDP2; "
+                        "see docs/distributed.md.")
                 if p.grad.dtype != p.dtype:
                     raise TypeError(f"a gradient has dtype {p.grad.dtype} but its parameter has "
                                     f"{p.dtype}; {type(self).__name__} reads gradients in the "
