@@ -2,7 +2,8 @@
 
 * Two threads training different models at the same time — one with amp O2 (fused optimizer and
   the Apex dialect's global loss scaler), one with GradScaler + autocast — end bit-for-bit where
-  each ends when run alone.  (The Apex dialect's state is process-global, as in Apex: one
+  each ends when run alone; likewise three threads with O1 (initialized in its thread), plain fp32
+  (which must never see the O1 casts) and GradScaler + autocast.  (The Apex dialect's state is process-global, as in Apex: one
   ``amp.initialize`` at a time; autocast and the O1 caster are per thread.)
 * Resident memory stays flat over thousands of O1 and O2 iterations: RSS (from /proc/self/statm)
   grows by at most ``RSS_BOUND_MB`` (8 MB) from iteration 300 to 10,000 (O1) / 5,000 (O2); a deliberate leak
@@ -68,6 +69,81 @@ def _train_scaler(out):
         scaler.update()
         opt.zero_grad()
     out["scaler"] = [p.detach().clone() for p in model.parameters()] + [scaler.get_scale(), scaler.skipped_steps]
+
+
+def _setup_o1():
+    model = _model(3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O1", low_precision_dtype=torch.bfloat16, verbosity=0)
+    return model, opt
+
+
+def _train_o1(out):
+    """amp.initialize(O1) in this thread: the caster then casts this thread's ops (and only
+    this thread's: its state is thread-local)."""
+    model, opt = _setup_o1()
+    seen = []
+    hook = model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    for i in range(STEPS):
+        if i == 1:
+            hook.remove()
+            assert seen == [torch.bfloat16]  # the caster is on in this thread
+        x, y = _batch(i, 3)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+        opt.step()
+        opt.zero_grad()
+    out["o1"] = [p.detach().clone() for p in model.parameters()]
+
+
+def _train_fp32(out):
+    """No amp at all: must not see another thread's O1 casts."""
+    model = _model(4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for i in range(STEPS):
+        x, y = _batch(i, 4)
+        seen = model(x).dtype
+        assert seen == torch.float32, f"an fp32 thread computed in {seen}"
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["fp32"] = [p.detach().clone() for p in model.parameters()]
+
+
+def _concurrently(*jobs):
+    start = threading.Barrier(len(jobs))
+    errors = []
+
+    def run(fn, *args):
+        try:
+            start.wait()
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+
+
+def test_o1_casts_stay_in_their_thread():
+    """The O1 caster's state is per thread: an O1 model trained in one thread, an fp32 model and a
+    GradScaler + autocast model in two others, all at once, end as each does alone."""
+    from peak.amp import _caster
+
+    alone = {}
+    _train_fp32(alone)
+    _train_scaler(alone)
+    _train_o1(alone)
+    _caster.disable()  # O1 casts every op of the thread that called initialize, until disabled
+    together = {}
+    _concurrently((_train_o1, together), (_train_fp32, together), (_train_scaler, together))
+    for key in ("o1", "fp32", "scaler"):
+        assert _same(together[key], alone[key]), key
 
 
 def _same(a, b):
