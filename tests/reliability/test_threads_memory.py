@@ -23,9 +23,13 @@ from peak import amp
 STEPS = 150
 
 
+_RNG = threading.Lock()  # torch's default generator is process-wide: seed + init atomically
+
+
 def _model(seed, width=64):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
+    with _RNG:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
 
 
 def _batch(i, seed):
