@@ -134,6 +134,30 @@ def run_scaler(rank, model_dtype, low, opt_name, dynamic):
             "skipped_steps": scaler.skipped_steps}
 
 
+def control_local_inf_after_all_reduce(rank):
+    """The control: an inf written into rank 1's gradient AFTER DDP's all-reduce is seen by
+    rank 1 only (DDP gradients are not sharded, so GradScaler does not all-reduce the flag): the
+    ranks disagree and their weights drift apart, and the comparisons above would notice."""
+    from peak import amp
+
+    reset_amp()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ddp = DDP(model)
+    scaler = amp.GradScaler("cpu")
+    skipped = []
+    for step in range(4):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
+        if step == 2 and rank == POISON_RANK:
+            next(model.parameters()).grad.view(-1)[0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.last_step_skipped)
+    return {"state": state_tensors(model, opt), "skipped": skipped, "scale": scaler.get_scale()}
+
+
 def wrong_order(rank):
     """DDP first, then amp.initialize: the message for each opt_level."""
     from peak import amp
@@ -153,7 +177,7 @@ def wrong_order(rank):
 
 
 def worker(rank, world_size):
-    results = {"wrong_order": wrong_order(rank)}
+    results = {"wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank)}
     for name, (kind, a, low, opt_name, dynamic) in CONFIGS.items():
         fn = run_amp if kind == "amp" else run_scaler
         results[name] = fn(rank, a, low, opt_name, dynamic)

@@ -12,6 +12,7 @@ import ddp_worker
 from dist_helpers import WORLD_SIZE, run_ranks
 
 CONFIGS = list(ddp_worker.CONFIGS)
+assert "control" not in CONFIGS
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +85,11 @@ def test_ddp_before_initialize_is_an_explained_error(ranks, level):
         assert "DistributedDataParallel" in msg and "AFTER" in msg
         assert "model = DistributedDataParallel(model" in msg and "docs/distributed.md" in msg
         assert dtype == torch.float32  # rejected before anything was cast
+
+
+def test_control_a_local_fault_after_the_all_reduce_splits_the_ranks(ranks):
+    """What the checks above would catch: rank 1 alone skips, the scales and weights diverge."""
+    c0, c1 = ranks[0]["control"], ranks[1]["control"]
+    assert c0["skipped"] == [False] * 4 and c1["skipped"] == [False, False, True, False]
+    assert c0["scale"] != c1["scale"]
+    assert not all(torch.equal(a, b) for a, b in zip(c0["state"], c1["state"]))
