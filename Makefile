@@ -13,7 +13,7 @@ DEPS       := scikit-build-core ninja cmake numpy pytest hypothesis expecttest m
 PIP_QUIET  := --quiet --disable-pip-version-check
 PYTEST_ARGS ?=
 
-.PHONY: all build demo test bench docs cuda-build test-cuda-build ci clean
+.PHONY: all build demo test bench docs soak cuda-build test-cuda-build test-sanitize ci clean
 
 all: test
 
@@ -51,7 +51,28 @@ cuda-build: $(CUDA_VENV)/.ready
 test-cuda-build: cuda-build
 	$(CUDA_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-ci: test test-cuda-build
+# The long fault-injection runs (2,000 steps per configuration); CI runs their short forms in `test`.
+soak: build
+	$(VENV)/bin/python -m pytest -m slow tests/reliability $(PYTEST_ARGS)
+
+# The C++ core built with AddressSanitizer + UBSan (PEAK_SANITIZE=ON, build/asan, its own venv),
+# running the kernel and optimizer tests. torch is not instrumented, so the ASan runtime (and
+# libstdc++, whose exceptions it intercepts) are preloaded; leak checks are off (CPython's own).
+SAN_VENV   ?= .venv-asan
+SAN_TESTS  := tests/test_multi_tensor_ops.py tests/test_launch_plan.py tests/test_ops_errors.py \
+              tests/test_update_scale.py tests/test_fused_optimizers.py tests/test_opcheck.py
+$(SAN_VENV)/.ready: Makefile
+	$(PYTHON) -m venv $(SAN_VENV)
+	$(SAN_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) scikit-build-core ninja cmake numpy pytest hypothesis expecttest
+	touch $@
+
+test-sanitize: $(SAN_VENV)/.ready
+	PEAK_SANITIZE=ON $(SAN_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . -C build-dir=build/asan
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+	$(SAN_VENV)/bin/python -m pytest -p no:cacheprovider $(SAN_TESTS) $(PYTEST_ARGS)
+
+ci: test test-cuda-build test-sanitize
 
 clean:
 	rm -rf build
