@@ -15,7 +15,7 @@ import torch
 import peak
 from peak import ops
 
-from peak_testing import DTYPES, TOLERANCES, assert_close_to_reference, dtype_id
+from peak_testing import DEVICES, DTYPES, TOLERANCES, assert_close_to_reference, dtype_id
 
 _C = peak._C
 
@@ -180,10 +180,10 @@ def test_flag_is_never_cleared(backend):
     assert flag.item() == 1.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=repr)
-def test_scale_by_device_tensor(backend):
-    if backend.name.startswith("grid"):
-        pytest.skip("the grid entry point always takes a tensor scale; covered above")
+# The dispatcher ops only: the emulated-grid entry point always takes a tensor scale.
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_by_device_tensor(device):
+    backend = Backend(device, device=device)
     xs = make_tensors([100, 3], torch.float16, backend.device)
     outs = [torch.empty_like(x, dtype=torch.float32) for x in xs]
     inv = torch.tensor([0.25], device=backend.device)
