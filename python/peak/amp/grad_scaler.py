@@ -38,10 +38,7 @@ _ON_MIN_SCALE = ("warn", "raise", "keep")
 _multi_tensor_scale = torch.ops.peak.multi_tensor_scale_.default
 _update_scale = torch.ops.peak.update_scale_.default
 _group_by_device_dtype = torch._C._group_tensors_by_device_and_dtype
-_check_finite = (torch.ops.peak.multi_tensor_check_finite_.default
-                 if hasattr(torch.ops.peak, "multi_tensor_check_finite_") else None)
-_HAS_PER_TENSOR_FLAGS = any(a.name == "per_tensor_found_inf"
-                            for a in _multi_tensor_scale._schema.arguments)
+_check_finite = torch.ops.peak.multi_tensor_check_finite_.default
 
 
 class _ConfigError(ValueError, AssertionError):
@@ -333,7 +330,7 @@ class GradScaler(torch.amp.GradScaler):
         ``allow_fp16`` is accepted for torch compatibility and ignored: fp16 and bf16 gradients
         are unscaled in fp32 math and stored back. ``_check_only``: check without writing (the
         fused-optimizer path; ``inv_scale`` must then be 1)."""
-        check_only = _check_only and _check_finite is not None
+        check_only = _check_only
         # The master tensors serve their own device without a copy (fresh tensors, read or
         # written only here).
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale, share_master=True)
@@ -752,10 +749,6 @@ class GradScaler(torch.amp.GradScaler):
         front of every name (for two models with the same layout). May be called several times.
         The per-gradient flags are written by the unscale pass itself (one float per gradient),
         not by a second pass. Returns the scaler."""
-        if not _HAS_PER_TENSOR_FLAGS:
-            raise NotImplementedError(
-                "overflow attribution needs peak.ops.multi_tensor_scale_(..., per_tensor_found_inf=...),"
-                " which this build of peak lacks; rebuild peak (pip install --no-build-isolation -e .)")
         if isinstance(model, torch.nn.Module):
             pairs = model.named_parameters()
         elif isinstance(model, abc.Mapping):
