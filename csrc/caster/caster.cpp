@@ -5,17 +5,21 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <memory>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "policy.h"
 
@@ -46,24 +50,123 @@ struct CacheEntry {
   at::Tensor cast;
 };
 
+// One peak.amp.lists.local block's edits. Immutable once pushed, so that published snapshots
+// share it; holds strong references to its keys (dropped with the GIL held: by pop_local, or by
+// the snapshot capsule's destructor).
+struct Frame {
+  std::unordered_map<PyObject*, Policy> policies;
+  Frame() = default;
+  Frame(const Frame&) = delete;
+  Frame& operator=(const Frame&) = delete;
+  ~Frame() {
+    for (auto& kv : policies) Py_DECREF(kv.first);
+  }
+};
+using FrameStack = std::vector<std::shared_ptr<const Frame>>;  // innermost last
+
 // Per thread: disable_casts depth, whether O1 was switched on in this thread (for the decorators;
 // the mode itself lives on the thread's torch-function mode stack), the weight-cast cache.
 struct ThreadState {
   int suspended = 0;
   bool active = false;
+  bool published = false;  // this thread's snapshot is in its ThreadLocalPythonObjects
   std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> cache;
   int64_t hits = 0, casts = 0, stores = 0;
-  // Thread-local list edits (peak.amp.lists.local), innermost last; keys hold strong references.
-  std::vector<std::unordered_map<PyObject*, Policy>> frames;
+  FrameStack frames;  // thread-local list edits (peak.amp.lists.local)
 };
 thread_local ThreadState tls;
 
-// The policy of func in this thread: the innermost local edit, else the process-wide table.
-inline Policy effective_policy(PyObject* func) {
-  for (auto f = tls.frames.rbegin(); f != tls.frames.rend(); ++f) {
-    auto it = f->find(func);
-    if (it != f->end()) return it->second;
+// NOTE: [Caster state in torch's worker threads]
+// torch runs some of a thread's work on its own threads: autograd runs backward for CUDA tensors
+// on its device threads (custom Function.backward code, the recomputation of a non-reentrant
+// torch.utils.checkpoint), and at::launch's inter-op pool runs TorchScript forks (which may call
+// Python). It hands them the caller's at::ThreadLocalState (grad mode, autocast, the
+// torch-function mode stack, ...), which knows nothing of `tls` above. So a thread that switched
+// O1 on also publishes an immutable snapshot of its state (on, disable_casts depth, list edits)
+// in at::impl::ThreadLocalPythonObjects, which ThreadLocalState carries, at every change. A
+// thread that did not switch O1 on itself casts as the snapshot it was handed says (Apex's patches
+// were process-wide, so such threads were cast under Apex too), plus its own disable_casts and
+// list edits; a thread torch did not start for this one (a plain Python thread) is handed nothing
+// and sees no casting. Casts made under a handed snapshot bypass the weight-cast cache: the cache
+// belongs to the thread whose scale_loss clears it.
+struct Published {
+  bool active;
+  int suspended;
+  FrameStack frames;
+};
+constexpr const char kPublishedName[] = "peak.caster.state";
+
+const std::string& published_key() {
+  static const std::string key = kPublishedName;
+  return key;
+}
+
+void destroy_published(PyObject* capsule) {
+  delete static_cast<Published*>(PyCapsule_GetPointer(capsule, kPublishedName));
+}
+
+// Called after every change of this thread's state.
+void publish() {
+  using at::impl::ThreadLocalPythonObjects;
+  if (!tls.active) {
+    if (tls.published && ThreadLocalPythonObjects::contains(published_key())) {
+      ThreadLocalPythonObjects::erase(published_key());
+    }
+    tls.published = false;
+    return;
   }
+  auto* snapshot = new Published{tls.active, tls.suspended, tls.frames};
+  PyObject* capsule = PyCapsule_New(snapshot, kPublishedName, destroy_published);
+  if (!capsule) {
+    delete snapshot;
+    throw py::error_already_set();
+  }
+  ThreadLocalPythonObjects::set(published_key(),
+                                std::make_shared<c10::SafePyObject>(capsule, getPyInterpreter()));
+  tls.published = true;
+}
+
+// The snapshot torch handed this thread, or nullptr.
+const Published* handed_state() {
+  using at::impl::ThreadLocalPythonObjects;
+  if (!ThreadLocalPythonObjects::contains(published_key())) return nullptr;
+  PyObject* capsule = ThreadLocalPythonObjects::get(published_key())->ptr(getPyInterpreter());
+  return static_cast<const Published*>(PyCapsule_GetPointer(capsule, kPublishedName));
+}
+
+// Whether O1 casts in this thread now, and whose state says so.
+struct Gate {
+  bool casting = false;
+  bool own = false;                   // this thread's own state: the weight-cast cache may serve
+  const Published* handed = nullptr;  // else the snapshot handed to this thread, if any
+};
+
+// `in_mode`: asked by the mode's handler (the mode on this thread's stack means O1 is on).
+inline Gate gate(bool in_mode) {
+  if (g_low == at::ScalarType::Undefined || tls.suspended > 0) return {};
+  if (tls.active) return {true, true, nullptr};
+  const Published* handed = handed_state();
+  if (!handed) return {in_mode, false, nullptr};
+  return {(in_mode || handed->active) && handed->suspended == 0, false, handed};
+}
+
+inline bool find_in(const FrameStack& frames, PyObject* func, Policy& out) {
+  for (auto f = frames.rbegin(); f != frames.rend(); ++f) {
+    auto it = (*f)->policies.find(func);
+    if (it != (*f)->policies.end()) {
+      out = it->second;
+      return true;
+    }
+  }
+  return false;
+}
+
+// The policy of func in this thread: the innermost local edit (this thread's, then the handed
+// snapshot's), else the process-wide table.
+inline Policy effective_policy(PyObject* func, const Published* handed) {
+  Policy p;
+  if (find_in(tls.frames, func, p)) return p;
+  if (handed && find_in(handed->frames, func, p)) return p;
   return lookup(func);
 }
 
@@ -224,7 +327,9 @@ PyObject* func_name(PyObject* func) {
 
 // Cast the arguments as `p` says and call `func` with torch's autocast keys excluded (so
 // torch.autocast, if also on, does not re-cast this op). New reference or nullptr.
-PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs) {
+// `own_state`: casting under this thread's own state (the weight-cast cache may serve).
+PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs,
+                       bool own_state) {
   const at::ScalarType low = g_low;
   if (p == Policy::kBanned) {
     if (!g_allow_banned) {
@@ -243,7 +348,7 @@ PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwarg
   Rule rule{at::ScalarType::Float, false};
   bool cast_all = true;  // apply `rule` to args and kwargs
   switch (p) {
-    case Policy::kLower: rule = {low, true}; break;
+    case Policy::kLower: rule = {low, own_state}; break;
     case Policy::kFp32: rule = {at::ScalarType::Float, false}; break;
     case Policy::kPromote: {
       int bits = 0;
@@ -358,10 +463,10 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
     empty = PyTuple_New(0);
     args = empty;
   }
-  const Policy p = effective_policy(func);
+  const Gate g = gate(/*in_mode=*/true);
+  const Policy p = g.casting ? effective_policy(func, g.handed) : Policy::kNone;
   PyObject* result;
-  if (p == Policy::kNone || g_low == at::ScalarType::Undefined || tls.suspended > 0 ||
-      !PyTuple_Check(args)) {
+  if (p == Policy::kNone || !PyTuple_Check(args)) {
     result = PyObject_Call(func, args, kwargs);
   } else if (p == Policy::kHook) {
     if (!g_hook) {
@@ -371,7 +476,7 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
       result = PyObject_CallFunctionObjArgs(g_hook, mode ? mode : Py_None, func, args, kw, nullptr);
     }
   } else {
-    result = apply_policy(p, func, args, kwargs);
+    result = apply_policy(p, func, args, kwargs, g.own);
   }
   Py_XDECREF(empty);
   return result;
@@ -382,10 +487,10 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
 // Casting off (or not in this thread): one vectorcall through; on: the table's policy.
 PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  if (g_low == at::ScalarType::Undefined || !tls.active || tls.suspended > 0) {
-    return PyObject_Vectorcall(orig, a, nargs, kwnames);
-  }
-  const Policy p = effective_policy(orig);
+  if (g_low == at::ScalarType::Undefined) return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  const Gate g = gate(/*in_mode=*/false);
+  if (!g.casting) return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  const Policy p = effective_policy(orig, g.handed);
   if (p == Policy::kNone || p == Policy::kHook) {
     return PyObject_Vectorcall(orig, a, nargs, kwnames);
   }
@@ -406,7 +511,7 @@ PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyO
       }
     }
   }
-  PyObject* result = apply_policy(p, orig, args, kwargs);
+  PyObject* result = apply_policy(p, orig, args, kwargs, g.own);
   Py_DECREF(args);
   Py_XDECREF(kwargs);
   return result;
@@ -528,17 +633,31 @@ void register_bindings(py::module_& m) {
       py::arg("hook"), "hook(mode, func, args, kwargs) for functions with the 'hook' policy");
   c.def("set_allow_banned", [](bool v) { g_allow_banned = v; }, py::arg("allow_banned"));
   c.def("allow_banned", []() { return g_allow_banned; });
-  c.def("set_thread_active", [](bool v) { tls.active = v; }, py::arg("active"));
+  c.def("set_thread_active", [](bool v) {
+    tls.active = v;
+    publish();
+  }, py::arg("active"));
   c.def("thread_active", []() { return tls.active; });
-  c.def("suspend", []() { ++tls.suspended; });
+  c.def("suspend", []() {
+    ++tls.suspended;
+    publish();
+  });
   c.def("resume", []() {
     if (tls.suspended <= 0) throw py::value_error("caster.resume() without a matching suspend()");
     --tls.suspended;
+    publish();
   });
   c.def("suspended", []() { return tls.suspended; });
-  c.def("is_casting", []() {
-    return g_low != at::ScalarType::Undefined && tls.active && tls.suspended == 0;
-  }, "True when O1 casts in this thread now (enabled, switched on here, not in disable_casts)");
+  c.def("is_casting", []() { return gate(/*in_mode=*/false).casting; },
+        "True when O1 casts in this thread now: enabled, switched on here (or handed to this "
+        "thread by torch with its thread-local state), not in disable_casts");
+  c.def("handed_state", []() -> py::object {
+    if (tls.active) return py::none();
+    const Published* h = handed_state();
+    if (!h) return py::none();
+    return py::make_tuple(h->active, h->suspended, h->frames.size());
+  }, "(on, disable_casts depth, list-edit frames) of the caster state torch handed this thread, "
+     "or None (this thread switched O1 on itself, or was handed nothing)");
   c.def(
       "call",
       [](int p, py::handle func, py::handle args, py::handle kwargs) -> py::object {
@@ -547,11 +666,11 @@ void register_bindings(py::module_& m) {
         PyObject* kw = kwargs.is_none() ? nullptr : kwargs.ptr();
         if (kw && !PyDict_Check(kw)) throw py::type_error("kwargs must be a dict or None");
         PyObject* r;
-        if (pol == Policy::kNone || g_low == at::ScalarType::Undefined || !tls.active ||
-            tls.suspended > 0) {
+        const Gate g = gate(/*in_mode=*/false);
+        if (pol == Policy::kNone || !g.casting) {
           r = PyObject_Call(func.ptr(), args.ptr(), kw);
         } else {
-          r = apply_policy(pol, func.ptr(), args.ptr(), kw);
+          r = apply_policy(pol, func.ptr(), args.ptr(), kw, g.own);
         }
         if (!r) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(r);
@@ -562,24 +681,29 @@ void register_bindings(py::module_& m) {
   c.def(
       "push_local",
       [](py::dict edits) {
-        std::unordered_map<PyObject*, Policy> frame;
+        std::unordered_map<PyObject*, Policy> policies;
         for (auto item : edits) {
           if (!PyCallable_Check(item.first.ptr())) {
             throw py::type_error("local edits: keys must be callables, got " +
                                  py::repr(item.first).cast<std::string>());
           }
-          frame[item.first.ptr()] = policy_from_int(item.second.cast<int>(), "policy");
+          policies[item.first.ptr()] = policy_from_int(item.second.cast<int>(), "policy");
         }
-        for (auto& kv : frame) Py_INCREF(kv.first);
+        auto frame = std::make_shared<Frame>();
+        frame->policies = std::move(policies);
+        for (auto& kv : frame->policies) Py_INCREF(kv.first);
         tls.frames.push_back(std::move(frame));
+        publish();
       },
       py::arg("edits"), "Push thread-local edits {func: policy code} (0: unlisted here)");
   c.def("pop_local", []() {
     if (tls.frames.empty()) throw py::value_error("pop_local() without a matching push_local()");
-    for (auto& kv : tls.frames.back()) Py_DECREF(kv.first);
     tls.frames.pop_back();
+    publish();
   });
-  c.def("effective_policy", [](py::handle f) { return static_cast<int>(effective_policy(f.ptr())); },
+  c.def("effective_policy", [](py::handle f) {
+    return static_cast<int>(effective_policy(f.ptr(), tls.active ? nullptr : handed_state()));
+  },
         py::arg("func"), "The policy of func in this thread (local edits first)");
   c.def("clear_cache", []() { tls.cache.clear(); }, "Drop this thread's weight-cast cache");
   c.def("cache_stats", []() {
