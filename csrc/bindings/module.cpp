@@ -7,6 +7,7 @@
 #include "../core/grid_block.h"
 #include "../core/launch_plan.h"
 #include "../ops/emulated_ops.h"
+#include "param_grads.h"
 
 #ifndef PEAK_VERSION
 #error "PEAK_VERSION must be defined by the build"
@@ -62,6 +63,7 @@ PYBIND11_MODULE(_C, m) {
         "The CUDA launcher's packing of chunks into launches (for tests and inspection)");
 
   peak::caster::register_bindings(m);
+  peak::bindings::register_param_grads(m);
 
   py::module_ emu = m.def_submodule(
       "emulated", "The CUDA launcher's plan and block code run serially on the CPU (tests)");

@@ -554,3 +554,84 @@ def test_is_a_torch_grad_scaler_with_torch_stage_enum():
     for name in dir(torch.amp.GradScaler):
         if callable(getattr(torch.amp.GradScaler, name)) and not name.startswith("__"):
             assert getattr(amp.GradScaler, name) is not getattr(torch.amp.GradScaler, name), name
+
+
+# ---- the C++ gradient walk (csrc/bindings/param_grads.cpp) ---------------------------------------
+
+def _groups(grads_per_group):
+    groups = []
+    for grads in grads_per_group:
+        params = []
+        for g in grads:
+            p = torch.nn.Parameter(torch.zeros_like(g) if g is not None and g.layout == torch.strided
+                                   else torch.zeros(1))
+            p.grad = g
+            params.append(p)
+        groups.append({"params": params})
+    return groups
+
+
+@pytest.mark.parametrize("check_only", [False, True], ids=["unscale", "check_only"])
+def test_param_grad_walk_takes_plain_grads(check_only):
+    """Several groups, every kernel dtype, params without grads, transposed grads: one C++ call,
+    results as torch's own unscale (fp32) or fp32 math rounded once (fp16/bf16)."""
+    from peak import _C
+    torch.manual_seed(0)
+    grads = [[torch.randn(300) * 64, None, (torch.randn(7, 5) * 64).to(torch.float16).t()],
+             [], [(torch.randn(70_000) * 64).to(torch.bfloat16), torch.randn(3, 3) * 64]]
+    before = [[None if g is None else g.clone() for g in gs] for gs in grads]
+    inv, found = torch.tensor(1 / 64), torch.zeros(())
+    assert _C.unscale_param_grads(_groups(grads), inv, found, check_only, 65536) == 4
+    assert found.item() == 0.0
+    for gs, bs in zip(grads, before):
+        for g, b in zip(gs, bs):
+            if g is None:
+                continue
+            expected = b if check_only else (b.float() * inv).to(b.dtype)
+            assert torch.equal(g, expected)
+    grads[2][1][2, 0] = INF
+    assert _C.unscale_param_grads(_groups(grads), inv, found, check_only, 65536) == 4
+    assert found.item() == 1.0
+    assert _C.unscale_param_grads(_groups([[None], []]), inv, torch.zeros(()), False, 65536) == 0
+
+
+@pytest.mark.parametrize("odd", ["sliced", "float64", "sparse", "other_device", "subclass"])
+def test_param_grad_walk_declines_before_writing(odd):
+    """A gradient the kernels cannot take as it is (last, after plain ones) makes the walk return
+    -1 with nothing written; GradScaler's general path then handles every gradient."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from peak import _C
+    odd_grad = {
+        "sliced": lambda: torch.full((4, 6), 8.0)[:, :3],
+        "float64": lambda: torch.full((4, 3), 8.0, dtype=torch.float64),
+        "sparse": lambda: torch.sparse_coo_tensor([[0, 2]], [8.0, 8.0], (4,), check_invariants=True),
+        "other_device": lambda: torch.full((4,), 8.0, device="meta"),
+        "subclass": lambda: TwoTensor(torch.full((4,), 8.0), torch.full((4,), 8.0)),
+    }[odd]()
+    plain = [torch.full((5,), 8.0), torch.full((5,), 8.0, dtype=torch.bfloat16)]
+    groups = _groups([plain, []])
+    p = torch.nn.Parameter(torch.zeros(odd_grad.shape, dtype=odd_grad.dtype,
+                                       device=odd_grad.device))
+    p.grad = odd_grad
+    groups[1]["params"].append(p)
+    found = torch.zeros(())
+    assert _C.unscale_param_grads(groups, torch.tensor(0.125), found, False, 65536) == -1
+    assert all(torch.equal(g, torch.full((5,), 8.0, dtype=g.dtype)) for g in plain)
+    if odd not in ("sliced", "float64"):
+        return  # their general paths are tested above (sparse; DTensor in tests/distributed)
+    o = torch.optim.SGD([q for g in groups for q in g["params"]], lr=1.0)
+    s = scaler_at(8.0)
+    s.unscale_(o)  # the general path
+    assert all(torch.equal(g, torch.ones(5, dtype=g.dtype)) for g in plain)
+    assert torch.equal(odd_grad, torch.ones(odd_grad.shape, dtype=odd_grad.dtype))
+
+
+def test_param_grad_walk_rejects_odd_containers():
+    from peak import _C
+    found = torch.zeros(())
+    assert _C.unscale_param_grads(({"params": []},), torch.ones(()), found, False, 65536) == -1
+    assert _C.unscale_param_grads(["x"], torch.ones(()), found, False, 65536) == -1
+    assert _C.unscale_param_grads([{"params": (torch.ones(1),)}], torch.ones(()), found, False,
+                                  65536) == -1
+    assert _C.unscale_param_grads([{"params": [1.0]}], torch.ones(()), found, False, 65536) == -1

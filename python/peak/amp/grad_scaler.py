@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
+from .. import _C
+
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
 _CHUNK_SIZE = 65536
@@ -39,6 +41,7 @@ _multi_tensor_scale = torch.ops.peak.multi_tensor_scale_.default
 _update_scale = torch.ops.peak.update_scale_.default
 _group_by_device_dtype = torch._C._group_tensors_by_device_and_dtype
 _check_finite = torch.ops.peak.multi_tensor_check_finite_.default
+_unscale_param_grads = _C.unscale_param_grads
 
 
 class _ConfigError(ValueError, AssertionError):
@@ -331,11 +334,18 @@ class GradScaler(torch.amp.GradScaler):
         are unscaled in fp32 math and stored back. ``_check_only``: check without writing (the
         fused-optimizer path; ``inv_scale`` must then be 1)."""
         check_only = _check_only
+        report = self._report_enabled
+        if not report and inv_scale.device == found_inf.device:
+            # The common case in one C++ call (plain dense gradients on the scale's device);
+            # -1: nothing was written, take the general path below.
+            count = _unscale_param_grads(optimizer.param_groups, inv_scale, found_inf,
+                                         check_only, _CHUNK_SIZE)
+            if count >= 0:
+                return {found_inf.device: found_inf} if count else {}
         # The master tensors serve their own device without a copy (fresh tensors, read or
         # written only here).
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale, share_master=True)
         per_device_found_inf = _MultiDeviceReplicator(found_inf, share_master=True)
-        report = self._report_enabled
         if not report:
             self._unscale_fast(optimizer, per_device_inv_scale, per_device_found_inf, check_only)
             _agree_on_overflow(optimizer, per_device_found_inf._per_device_tensors)
