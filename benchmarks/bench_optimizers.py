@@ -9,6 +9,9 @@ Contenders, all in one run, on the same parameter shapes:
             master grads (torch._amp_foreach_non_finite_check_and_unscale_ after a copy),
             torch.optim.AdamW(foreach=True) on the fp32 masters, copy masters back to the model.
 - torch fused: torch.optim.AdamW(fused=True) on an fp32 model (no masters: the fp32 baseline).
+- peak no-master (bf16 only): FusedAdam(master_weights=False, stochastic_rounding=True) stepping
+            the bf16 weights directly (no fp32 master: 6 fewer bytes per parameter; the
+            rounding keeps small updates, see docs/core.md).
 - copy:     a plain copy of a buffer of the peak step's byte count (the memory ceiling).
 Bytes per parameter are counted from the tensors each contender must read and write.
 """
@@ -98,6 +101,17 @@ def main():
     t_torch_fused = timed(fused.step, dev, args.repeats)
     torch_fused_bytes = 4 + 8 * 3
 
+    t_no_master = None
+    if low == torch.bfloat16:
+        model4 = [p.to(low).requires_grad_() for p in fp32]
+        for p, gr in zip(model4, grads32):
+            p.grad = (gr * scale).to(low)
+        opt4 = FusedAdam(model4, lr=1e-4, weight_decay=0.01, adam_w_mode=True,
+                         master_weights=False, stochastic_rounding=True)
+        t_no_master = timed(lambda: opt4.step(grad_scale=scale, found_inf=found), dev,
+                            args.repeats)
+    no_master_bytes = 2 + 2 * 2 + 4 * 4  # grad r, param r+w, m/v r+w
+
     src = torch.empty(n * peak_bytes // 8, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
     t_copy = timed(lambda: dst.copy_(src), dev, args.repeats)
@@ -110,13 +124,18 @@ def main():
               f"{'peak speedup':>14}")
     print(header)
     print("-" * len(header))
-    for name, t, b in (("peak FusedAdam (O2, fused)", t_peak, peak_bytes),
-                       ("(a) unfused Apex-style O2", t_unfused, unfused_bytes),
-                       ("(b) torch AdamW fused fp32", t_torch_fused, torch_fused_bytes)):
+    rows = [("peak FusedAdam (O2, fused)", t_peak, peak_bytes),
+            ("(a) unfused Apex-style O2", t_unfused, unfused_bytes),
+            ("(b) torch AdamW fused fp32", t_torch_fused, torch_fused_bytes)]
+    if t_no_master is not None:
+        rows.append(("peak no-master bf16 + SR", t_no_master, no_master_bytes))
+    for name, t, b in rows:
         gbs = n * b / t / 1e9
         print(f"{name:<28}{t * 1e3:>9.2f}{b:>9d}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}"
               f"{t / t_peak:>13.2f}x")
     print(f"{'plain copy':<28}{t_copy * 1e3:>9.2f}{'':>9}{copy_gbs:>8.1f}{1.0:>9.2f}")
+    if t_no_master is not None:
+        print(f"peak no-master bf16 + SR vs (b): {t_torch_fused / t_no_master:.2f}x")
 
 
 if __name__ == "__main__":

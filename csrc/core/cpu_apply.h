@@ -136,7 +136,7 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
 #pragma GCC unroll 16
         for (int l = 0; l < L; ++l) {
           float v[Depth] = {(((Op::read_mask >> D) & 1u) ? p[D][i + l] : 0.0f)...};
-          op(v, lanes[l]);
+          apply_op(op, v, lanes[l], off + i + l);
           ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i + l] = v[D]) : (void)0), ...);
         }
       }
@@ -144,7 +144,7 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
 #pragma GCC ivdep
     for (; i < n; ++i) {
       float v[Depth] = {(((Op::read_mask >> D) & 1u) ? p[D][i] : 0.0f)...};
-      op(v, lanes[0]);
+      apply_op(op, v, lanes[0], off + i);
       ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i] = v[D]) : (void)0), ...);
     }
     ((((Op::write_mask >> D) & 1u) && kStagedType<T>

@@ -47,9 +47,22 @@ struct StepScalar {
 //                           checked before any element is touched.
 struct OpDefaults {
   static constexpr int tensor_scalars = 0;
+  // An op that needs each element's index within its tensor (the random bits of stochastic
+  // rounding) sets this and takes the index as operator()'s third argument.
+  static constexpr bool indexed = false;
   PEAK_HD void load_tensor_scalars(const float* const*) {}
   PEAK_HD bool skip() const { return false; }
 };
+
+// How the launchers call an op on one element (`index`: its position in its tensor).
+template <typename Op>
+PEAK_HD void apply_op(const Op& op, float* v, typename Op::State& s, int64_t index) {
+  if constexpr (Op::indexed) {
+    op(v, s, index);
+  } else {
+    op(v, s);
+  }
+}
 
 // Reads one element of every list and reports non-finite values; writes nothing.
 struct CheckFiniteOp : OpDefaults {

@@ -144,7 +144,7 @@ PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int
   for (int64_t i = thread; i < n; i += nthreads) {
     float v[Depth];
     load_element<Op, T...>(base, start + i, v, std::make_index_sequence<Depth>{});
-    op(v, state);
+    apply_op(op, v, state, start + i);
     store_element<Op, T...>(base, start + i, v, std::make_index_sequence<Depth>{});
   }
 }

@@ -5,6 +5,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define PEAK_HD __host__ __device__ __forceinline__
@@ -31,6 +32,26 @@ PEAK_HD T from_opmath(float x) {
 // CUDA. It relies on IEEE semantics: never build the core with -ffast-math.
 PEAK_HD bool is_finite(float x) {
   return (x - x) == 0.0f;
+}
+
+PEAK_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+PEAK_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
 }
 
 }  // namespace peak

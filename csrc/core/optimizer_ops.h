@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "elementwise_ops.h"
+#include "stochastic_rounding.h"
 
 namespace peak {
 
@@ -45,6 +46,7 @@ struct AdamOp : OpDefaults {
   static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
   static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
   static constexpr int tensor_scalars = 1;  // the step count
+  static constexpr bool indexed = !HasMaster;  // stochastic rounding's random bits
   using State = NoState;
 
   OptimizerScalars s;
@@ -61,6 +63,8 @@ struct AdamOp : OpDefaults {
   float l2 = 0.0f;            // Adam: weight_decay (added to the gradient)
   // Per tensor, from its step count.
   float step_size = 0.0f, bias_correction2_sqrt = 1.0f;
+  // bf16 weights without masters only (NOTE: [Stochastic rounding to bf16]).
+  StochasticRounding rounding;
 
   PEAK_HD void load_scalars() {
     s.load();
@@ -78,10 +82,11 @@ struct AdamOp : OpDefaults {
     const double bc2 = bias_correction ? 1.0 - pow(beta2, step) : 1.0;
     step_size = static_cast<float>(s.lr.value / bc1);
     bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
+    if constexpr (!HasMaster) rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
-  PEAK_HD void operator()(float* v, State&) const {
+  PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
     float w = v[kWeight];
     const float g = fmaf(l2, w, sign * (v[kGrad] / s.grad_scale.value));
     w = w * decay_factor;
@@ -97,7 +102,12 @@ struct AdamOp : OpDefaults {
     v[kExpAvg] = m;
     v[kExpAvgSq] = vsq;
     v[kWeight] = w;
-    v[kParam] = w;  // the model's copy, rounded once to its dtype on store
+    // The model's copy, rounded once to its dtype on store (or stochastically, then exact).
+    if constexpr (HasMaster) {
+      v[kParam] = w;
+    } else {
+      v[kParam] = rounding.round(w, v[kGrad], index);
+    }
   }
 };
 
@@ -110,6 +120,7 @@ struct SgdOp : OpDefaults {
   static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
   static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
   static constexpr int tensor_scalars = 1;  // the step count: the first step seeds the momentum
+  static constexpr bool indexed = !HasMaster;  // stochastic rounding's random bits
   using State = NoState;
 
   OptimizerScalars s;
@@ -118,15 +129,19 @@ struct SgdOp : OpDefaults {
   bool nesterov = false, maximize = false;
   bool first_step = false;
   float one_minus_dampening = 1.0f;
+  StochasticRounding rounding;  // bf16 weights without masters only
 
   PEAK_HD void load_scalars() {
     s.load();
     one_minus_dampening = static_cast<float>(1.0 - dampening);
   }
-  PEAK_HD void load_tensor_scalars(const float* const* p) { first_step = *p[0] <= 1.0f; }
+  PEAK_HD void load_tensor_scalars(const float* const* p) {
+    first_step = *p[0] <= 1.0f;
+    if constexpr (!HasMaster) rounding.load_step(*p[0]);
+  }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
-  PEAK_HD void operator()(float* v, State&) const {
+  PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
     float w = v[kWeight];
     float g = fmaf(weight_decay, w, (maximize ? -1.0f : 1.0f) * (v[kGrad] / s.grad_scale.value));
     if constexpr (HasMomentum) {
@@ -136,7 +151,11 @@ struct SgdOp : OpDefaults {
     }
     w = fmaf(-s.lr.value, g, w);
     v[kWeight] = w;
-    v[kParam] = w;
+    if constexpr (HasMaster) {
+      v[kParam] = w;
+    } else {
+      v[kParam] = rounding.round(w, v[kGrad], index);
+    }
   }
 };
 

@@ -66,6 +66,23 @@ inline void check_state_list(const OptimizerArgs& a, const NamedList& l) {
               l.second[0].scalar_type());
 }
 
+// The stochastic-rounding option, checked: bf16 weights stepped without master copies only.
+inline StochasticRounding stochastic_rounding_from(const OptimizerArgs& a,
+                                                   const std::optional<int64_t>& seed) {
+  StochasticRounding r;
+  if (!seed) return r;
+  TORCH_CHECK(*seed >= 0 && *seed <= 0xFFFFFFFFLL, a.name,
+              ": stochastic_rounding_seed must be in [0, 2**32), got ", *seed);
+  TORCH_CHECK(a.masters.empty(), a.name,
+              ": stochastic rounding applies to bf16 weights stepped without master weights; "
+              "with master_params the model copy is rounded to nearest from the fp32 master");
+  TORCH_CHECK(a.params.empty() || a.params[0].scalar_type() == at::kBFloat16, a.name,
+              ": stochastic rounding is for bfloat16 params, got ", a.params[0].scalar_type());
+  r.on = true;
+  r.seed = static_cast<uint32_t>(*seed);
+  return r;
+}
+
 inline void fill_optimizer_scalars(OptimizerScalars& s, const OptimizerArgs& a) {
   s.lr.ptr = a.lr.data_ptr<float>();
   s.grad_scale.value = 1.0f;
@@ -146,8 +163,10 @@ template <typename Exec>
 void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, double beta1,
                 double beta2, double eps, double weight_decay, bool amsgrad, bool adam_w_mode,
-                bool maximize, bool bias_correction) {
+                bool maximize, bool bias_correction,
+                const std::optional<int64_t>& stochastic_rounding_seed) {
   check_optimizer_args(a);
+  const StochasticRounding rounding = stochastic_rounding_from(a, stochastic_rounding_seed);
   check_state_list(a, {"exp_avgs", exp_avgs});
   check_state_list(a, {"exp_avg_sqs", exp_avg_sqs});
   if (amsgrad) check_state_list(a, {"max_exp_avg_sqs", max_exp_avg_sqs});
@@ -171,6 +190,7 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
       op.adam_w = adam_w_mode;
       op.maximize = maximize;
       op.bias_correction = bias_correction;
+      op.rounding = rounding;
       launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)},
                        a.chunk_size, op);
     });
@@ -181,8 +201,9 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
 template <typename Exec>
 void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffers,
                double momentum, double dampening, double weight_decay, bool nesterov,
-               bool maximize) {
+               bool maximize, const std::optional<int64_t>& stochastic_rounding_seed) {
   check_optimizer_args(a);
+  const StochasticRounding rounding = stochastic_rounding_from(a, stochastic_rounding_seed);
   TORCH_CHECK(momentum >= 0.0, a.name, ": momentum must be >= 0, got ", momentum);
   TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), a.name,
               ": nesterov momentum requires a momentum and zero dampening");
@@ -202,6 +223,7 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
       op.weight_decay = static_cast<float>(weight_decay);
       op.nesterov = nesterov;
       op.maximize = maximize;
+      op.rounding = rounding;
       launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)},
                        a.chunk_size, op);
     });
@@ -302,14 +324,15 @@ void fused_adam_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                       double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
                       bool adam_w_mode, bool maximize, bool bias_correction,
                       const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size) {
+                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
+                      std::optional<int64_t> stochastic_rounding_seed) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_adam(exec,
              OptimizerArgs{"fused_adam_", params, grads, master_params, steps, lr, grad_scale,
                            found_inf, chunk_size},
              exp_avgs, exp_avg_sqs, max_exp_avg_sqs, beta1, beta2, eps, weight_decay, amsgrad,
-             adam_w_mode, maximize, bias_correction);
+             adam_w_mode, maximize, bias_correction, stochastic_rounding_seed);
 }
 
 template <typename Exec>
@@ -317,13 +340,15 @@ void fused_sgd_entry(at::TensorList params, at::TensorList grads, at::TensorList
                      at::TensorList momentum_buffers, at::TensorList steps, const at::Tensor& lr,
                      double momentum, double dampening, double weight_decay, bool nesterov,
                      bool maximize, const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf, int64_t chunk_size) {
+                     const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
+                     std::optional<int64_t> stochastic_rounding_seed) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_sgd(exec,
             OptimizerArgs{"fused_sgd_", params, grads, master_params, steps, lr, grad_scale,
                           found_inf, chunk_size},
-            momentum_buffers, momentum, dampening, weight_decay, nesterov, maximize);
+            momentum_buffers, momentum, dampening, weight_decay, nesterov, maximize,
+            stochastic_rounding_seed);
 }
 
 template <typename Exec>

@@ -160,14 +160,14 @@ def _(tensors, found_inf, chunk_size, per_tensor_found_inf=None):
 @torch.library.register_fake("peak::fused_adam_")
 def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
       beta2, eps, weight_decay, amsgrad, adam_w_mode, maximize, bias_correction, grad_scale=None,
-      found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE):
+      found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None):
     return None
 
 
 @torch.library.register_fake("peak::fused_sgd_")
 def _(params, grads, master_params, momentum_buffers, steps, lr, momentum, dampening,
       weight_decay, nesterov, maximize, grad_scale=None, found_inf=None,
-      chunk_size=DEFAULT_CHUNK_SIZE):
+      chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None):
     return None
 
 

@@ -43,11 +43,24 @@ class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _state_keys: tuple[str, ...] = ()
 
-    def __init__(self, params, defaults, master_weights: bool | None = None):
+    def __init__(self, params, defaults, master_weights: bool | None = None,
+                 stochastic_rounding: bool = False):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None (auto), True or False, got "
                              f"{master_weights!r}")
+        if stochastic_rounding not in (True, False):
+            raise ValueError(f"stochastic_rounding must be True or False, got "
+                             f"{stochastic_rounding!r}")
+        if stochastic_rounding and master_weights is not False:
+            raise ValueError(
+                "stochastic_rounding=True rounds bf16 weights that are stepped directly, without "
+                "fp32 master copies: pass master_weights=False as well (with master weights the "
+                "model copy is rounded to nearest from the exact fp32 master)")
         self.master_weights = master_weights
+        # The hash key of the rounding (NOTE: [Stochastic rounding to bf16]): from torch's seed,
+        # so torch.manual_seed makes runs repeat; kept in param_groups, so checkpoints carry it.
+        defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
+                        stochastic_rounding_seed=torch.initial_seed() % 2**32)
         super().__init__(params, defaults)
 
     # -- state -----------------------------------------------------------------------------------
@@ -96,6 +109,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_stochastic_rounding()
         for group in self.param_groups:
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in group["params"]:
@@ -128,6 +142,27 @@ class FusedOptimizer(torch.optim.Optimizer):
                              [s["master_param"] for s in states] if has_master else [],
                              states, lr_t, gs, fi)
         return loss
+
+    def _check_stochastic_rounding(self) -> None:
+        """Before any group steps: stochastic rounding is defined for bf16 weights only."""
+        for group in self.param_groups:
+            if not group.get("stochastic_rounding", False):
+                continue
+            for p in group["params"]:
+                if p.grad is not None and p.dtype == torch.float16:
+                    raise TypeError(
+                        f"{type(self).__name__}(stochastic_rounding=True) rounds bfloat16 "
+                        "weights; this group has a float16 parameter. Keep fp32 master weights "
+                        "for fp16 models (master_weights=None), or use bfloat16")
+
+    @staticmethod
+    def _rounding_seed(group: dict, params: list[Tensor]) -> int | None:
+        """The kernel's stochastic_rounding_seed for a bucket: None (round to nearest) unless the
+        group asks for stochastic rounding and the bucket holds bf16 weights without masters
+        (fp32 weights need no rounding)."""
+        if not group.get("stochastic_rounding", False) or params[0].dtype != torch.bfloat16:
+            return None
+        return int(group["stochastic_rounding_seed"])
 
     @staticmethod
     def _grad_like_param(p: Tensor) -> Tensor:

@@ -11,10 +11,13 @@ from ._base import FusedOptimizer, _check_hyper
 class FusedSGD(FusedOptimizer):
     """SGD with momentum, dampening, Nesterov and weight decay, as ``torch.optim.SGD``.
 
-    ``master_weights`` (None: automatic) keeps fp32 masters for fp16/bf16 parameters."""
+    ``master_weights`` (None: automatic) keeps fp32 masters for fp16/bf16 parameters;
+    ``stochastic_rounding=True`` (with ``master_weights=False``) rounds bf16 weights stepped
+    directly up or down at random, in proportion (see "Stochastic rounding" in docs/core.md)."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, *, maximize=False, master_weights=None):
+                 nesterov=False, *, maximize=False, master_weights=None,
+                 stochastic_rounding=False):
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("momentum value", momentum, lo=0.0)
         _check_hyper("weight_decay value", weight_decay, lo=0.0)
@@ -22,7 +25,7 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize)
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, stochastic_rounding)
 
     def _state_keys_for(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
@@ -31,7 +34,8 @@ class FusedSGD(FusedOptimizer):
         buffers = [s["momentum_buffer"] for s in states] if group["momentum"] != 0 else []
         torch.ops.peak.fused_sgd_(params, grads, masters, buffers, [s["step"] for s in states], lr,
                                   group["momentum"], group["dampening"], group["weight_decay"],
-                                  group["nesterov"], group["maximize"], grad_scale, found_inf)
+                                  group["nesterov"], group["maximize"], grad_scale, found_inf,
+                                  stochastic_rounding_seed=self._rounding_seed(group, params))
 
     def _complete_loaded_state(self, p, state):
         had_step = "step" in state
@@ -42,11 +46,12 @@ class FusedSGD(FusedOptimizer):
 
 class FusedAdam(FusedOptimizer):
     """Adam, or AdamW with ``adam_w_mode=True`` (decoupled weight decay), as ``torch.optim.Adam``
-    / ``AdamW``; ``amsgrad`` and ``bias_correction`` as Apex's FusedAdam."""
+    / ``AdamW``; ``amsgrad`` and ``bias_correction`` as Apex's FusedAdam.
+    ``master_weights`` and ``stochastic_rounding`` as for :class:`FusedSGD`."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
-                 master_weights=None):
+                 master_weights=None, stochastic_rounding=False):
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("epsilon value", eps, lo=0.0)
         _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
@@ -55,7 +60,7 @@ class FusedAdam(FusedOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, maximize=maximize)
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, stochastic_rounding)
 
     def _state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -69,7 +74,8 @@ class FusedAdam(FusedOptimizer):
             [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
             [s["step"] for s in states], lr, beta1, beta2, group["eps"], group["weight_decay"],
             amsgrad, group["adam_w_mode"], group["maximize"], group["bias_correction"],
-            grad_scale, found_inf)
+            grad_scale, found_inf,
+            stochastic_rounding_seed=self._rounding_seed(group, params))
 
     def _complete_loaded_state(self, p, state):
         super()._complete_loaded_state(p, state)
