@@ -59,10 +59,11 @@ struct AdamOp : OpDefaults {
   // Branch-free forms of the options, so the element loop vectorises: multiplying by 1 and
   // adding 0 * w are exact (for finite weights).
   float sign = 1.0f;          // -1 with maximize
+  float inv_grad_scale = 1.0f;
   float decay_factor = 1.0f;  // AdamW: 1 - lr * weight_decay
   float l2 = 0.0f;            // Adam: weight_decay (added to the gradient)
   // Per tensor, from its step count.
-  float step_size = 0.0f, bias_correction2_sqrt = 1.0f;
+  float step_size = 0.0f, inv_bias_correction2_sqrt = 1.0f;
   // bf16 weights without masters only (NOTE: [Stochastic rounding to bf16]).
   StochasticRounding rounding;
 
@@ -72,6 +73,7 @@ struct AdamOp : OpDefaults {
     one_minus_beta1 = static_cast<float>(1.0 - beta1);
     one_minus_beta2 = static_cast<float>(1.0 - beta2);
     sign = maximize ? -1.0f : 1.0f;
+    inv_grad_scale = 1.0f / s.grad_scale.value;
     decay_factor = adam_w ? static_cast<float>(1.0 - static_cast<double>(s.lr.value) * weight_decay)
                           : 1.0f;
     l2 = adam_w ? 0.0f : static_cast<float>(weight_decay);
@@ -81,14 +83,14 @@ struct AdamOp : OpDefaults {
     const double bc1 = bias_correction ? 1.0 - pow(beta1, step) : 1.0;
     const double bc2 = bias_correction ? 1.0 - pow(beta2, step) : 1.0;
     step_size = static_cast<float>(s.lr.value / bc1);
-    bias_correction2_sqrt = static_cast<float>(sqrt(bc2));
+    inv_bias_correction2_sqrt = static_cast<float>(1.0 / sqrt(bc2));
     if constexpr (!HasMaster) rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
   PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
     float w = v[kWeight];
-    const float g = fmaf(l2, w, sign * (v[kGrad] / s.grad_scale.value));
+    const float g = fmaf(l2, w, sign * (v[kGrad] * inv_grad_scale));
     w = w * decay_factor;
     const float m = fmaf(one_minus_beta1, g - v[kExpAvg], v[kExpAvg]);  // lerp, as torch
     const float vsq = fmaf(one_minus_beta2, g * g, beta2_f * v[kExpAvgSq]);
@@ -97,7 +99,7 @@ struct AdamOp : OpDefaults {
       second = v[kMaxExpAvgSq] > vsq ? v[kMaxExpAvgSq] : vsq;
       v[kMaxExpAvgSq] = second;
     }
-    const float denom = sqrtf(second) / bias_correction2_sqrt + eps;
+    const float denom = sqrtf(second) * inv_bias_correction2_sqrt + eps;
     w = w - step_size * (m / denom);
     v[kExpAvg] = m;
     v[kExpAvgSq] = vsq;
