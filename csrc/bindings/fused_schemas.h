@@ -1,7 +1,9 @@
 // Schemas of the fused optimizer ops, shared by the peak library and its test-only twin
 // peak_emulated (the same ops run through the emulated CUDA grid, see ops/ops_cpu.cpp).
 // Empty master_params: no master weights. stochastic_rounding_seed (bf16 params without master
-// weights only): round the stored weights stochastically (NOTE: [Stochastic rounding to bf16]). Per-step scalars are device tensors; steps are
+// weights only): round the stored weights stochastically (NOTE: [Stochastic rounding to bf16]).
+// grad_norm + max_grad_norm > 0: clip by the global gradient norm inside the step (NOTE:
+// [Clipping inside the step]). Per-step scalars are device tensors; steps are
 // per-param float32 counts, bumped on device and restored when found_inf is set
 // (see NOTE: [Fused master-weight step] in core/optimizer_ops.h).
 #pragma once
@@ -14,14 +16,14 @@ inline constexpr const char* kFusedAdamSchema =
     "Tensor(f!)[] steps, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
     "bool amsgrad, bool adam_w_mode, bool maximize, bool bias_correction, "
     "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536, "
-    "int? stochastic_rounding_seed=None) -> ()";
+    "int? stochastic_rounding_seed=None, Tensor? grad_norm=None, float max_grad_norm=0.0) -> ()";
 
 inline constexpr const char* kFusedSgdSchema =
     "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
     "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, Tensor lr, float momentum, "
     "float dampening, float weight_decay, bool nesterov, bool maximize, "
     "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536, "
-    "int? stochastic_rounding_seed=None) -> ()";
+    "int? stochastic_rounding_seed=None, Tensor? grad_norm=None, float max_grad_norm=0.0) -> ()";
 
 inline constexpr const char* kFusedLambSchema =
     "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "

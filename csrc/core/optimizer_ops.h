@@ -26,14 +26,32 @@ struct NoState {
 constexpr unsigned all_lists(int depth) { return (1u << depth) - 1u; }
 
 // Shared by every fused optimizer: the step's device scalars.
+//
+// NOTE: [Clipping inside the step]
+// With max_grad_norm > 0 and the global norm of the (still scaled) gradients on the device
+// (grad_norm: computed by the pass that checked them for inf/NaN, or by the optimizer), every
+// gradient is multiplied by torch.nn.utils.clip_grad_norm_'s factor
+// min(1, max_grad_norm / (norm / grad_scale + 1e-6)) as it is read: no pass to unscale, none to
+// clip. Both factors fold into one multiplier; for a power-of-two scale that is bit-for-bit
+// (grad / scale) * clip, as unscale_ then clip_grad_norm_ would compute it.
 struct OptimizerScalars {
   StepScalar lr;
   StepScalar grad_scale;  // ptr null: value 1
   StepScalar found_inf;   // ptr null: value 0
+  StepScalar grad_norm;   // ptr null: no clipping
+  float max_grad_norm = 0.0f;
+  float grad_factor = 1.0f;  // 1 / grad_scale, times the clipping factor
   PEAK_HD void load() {
     lr.load();
     grad_scale.load();
     found_inf.load();
+    grad_norm.load();
+    float clip = 1.0f;
+    if (grad_norm.ptr != nullptr && max_grad_norm > 0.0f) {
+      clip = max_grad_norm / (grad_norm.value / grad_scale.value + 1e-6f);
+      if (clip > 1.0f) clip = 1.0f;
+    }
+    grad_factor = (1.0f / grad_scale.value) * clip;
   }
 };
 
@@ -59,7 +77,6 @@ struct AdamOp : OpDefaults {
   // Branch-free forms of the options, so the element loop vectorises: multiplying by 1 and
   // adding 0 * w are exact (for finite weights).
   float sign = 1.0f;          // -1 with maximize
-  float inv_grad_scale = 1.0f;
   float decay_factor = 1.0f;  // AdamW: 1 - lr * weight_decay
   float l2 = 0.0f;            // Adam: weight_decay (added to the gradient)
   // Per tensor, from its step count.
@@ -73,7 +90,6 @@ struct AdamOp : OpDefaults {
     one_minus_beta1 = static_cast<float>(1.0 - beta1);
     one_minus_beta2 = static_cast<float>(1.0 - beta2);
     sign = maximize ? -1.0f : 1.0f;
-    inv_grad_scale = 1.0f / s.grad_scale.value;
     decay_factor = adam_w ? static_cast<float>(1.0 - static_cast<double>(s.lr.value) * weight_decay)
                           : 1.0f;
     l2 = adam_w ? 0.0f : static_cast<float>(weight_decay);
@@ -90,7 +106,7 @@ struct AdamOp : OpDefaults {
 
   PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
     float w = v[kWeight];
-    const float g = fmaf(l2, w, sign * (v[kGrad] * inv_grad_scale));
+    const float g = fmaf(l2, w, sign * (v[kGrad] * s.grad_factor));
     w = w * decay_factor;
     const float m = fmaf(one_minus_beta1, g - v[kExpAvg], v[kExpAvg]);  // lerp, as torch
     const float vsq = fmaf(one_minus_beta2, g * g, beta2_f * v[kExpAvgSq]);
@@ -145,7 +161,7 @@ struct SgdOp : OpDefaults {
 
   PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
     float w = v[kWeight];
-    float g = fmaf(weight_decay, w, (maximize ? -1.0f : 1.0f) * (v[kGrad] / s.grad_scale.value));
+    float g = fmaf(weight_decay, w, (maximize ? -1.0f : 1.0f) * (v[kGrad] * s.grad_factor));
     if constexpr (HasMomentum) {
       const float buf = first_step ? g : fmaf(one_minus_dampening, g, momentum * v[kMomentum]);
       v[kMomentum] = buf;

@@ -29,6 +29,8 @@ struct OptimizerArgs {
   const std::optional<at::Tensor>& grad_scale;
   const std::optional<at::Tensor>& found_inf;
   int64_t chunk_size;
+  std::optional<at::Tensor> grad_norm = std::nullopt;  // clipping (Adam, SGD)
+  double max_grad_norm = 0.0;
 };
 
 // Checks shared by every optimizer.
@@ -55,6 +57,12 @@ inline void check_optimizer_args(const OptimizerArgs& a) {
   check_scalar_tensor(a.name, "lr", a.lr, at::kFloat, device);
   if (a.grad_scale) check_scalar_tensor(a.name, "grad_scale", *a.grad_scale, at::kFloat, device);
   if (a.found_inf) check_scalar_tensor(a.name, "found_inf", *a.found_inf, at::kFloat, device);
+  if (a.grad_norm) check_scalar_tensor(a.name, "grad_norm", *a.grad_norm, at::kFloat, device);
+  TORCH_CHECK(a.max_grad_norm >= 0.0, a.name, ": max_grad_norm must be >= 0 (0: no clipping), got ",
+              a.max_grad_norm);
+  TORCH_CHECK(a.max_grad_norm == 0.0 || a.grad_norm, a.name,
+              ": max_grad_norm > 0 needs grad_norm, the global norm of the gradients (as they are "
+              "passed, still scaled) as a one-element float32 tensor");
 }
 
 // A per-parameter state list: one fp32 tensor per param, shaped like it.
@@ -89,6 +97,8 @@ inline void fill_optimizer_scalars(OptimizerScalars& s, const OptimizerArgs& a) 
   s.grad_scale.ptr = a.grad_scale ? a.grad_scale->data_ptr<float>() : nullptr;
   s.found_inf.value = 0.0f;
   s.found_inf.ptr = a.found_inf ? a.found_inf->data_ptr<float>() : nullptr;
+  s.grad_norm.ptr = a.grad_norm && a.max_grad_norm > 0.0 ? a.grad_norm->data_ptr<float>() : nullptr;
+  s.max_grad_norm = static_cast<float>(a.max_grad_norm);
 }
 
 // Steps count up before the kernel (it reads the new count for bias correction) and back down
@@ -325,12 +335,13 @@ void fused_adam_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                       bool adam_w_mode, bool maximize, bool bias_correction,
                       const std::optional<at::Tensor>& grad_scale,
                       const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
-                      std::optional<int64_t> stochastic_rounding_seed) {
+                      std::optional<int64_t> stochastic_rounding_seed,
+                      const std::optional<at::Tensor>& grad_norm, double max_grad_norm) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_adam(exec,
              OptimizerArgs{"fused_adam_", params, grads, master_params, steps, lr, grad_scale,
-                           found_inf, chunk_size},
+                           found_inf, chunk_size, grad_norm, max_grad_norm},
              exp_avgs, exp_avg_sqs, max_exp_avg_sqs, beta1, beta2, eps, weight_decay, amsgrad,
              adam_w_mode, maximize, bias_correction, stochastic_rounding_seed);
 }
@@ -341,12 +352,13 @@ void fused_sgd_entry(at::TensorList params, at::TensorList grads, at::TensorList
                      double momentum, double dampening, double weight_decay, bool nesterov,
                      bool maximize, const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
-                     std::optional<int64_t> stochastic_rounding_seed) {
+                     std::optional<int64_t> stochastic_rounding_seed,
+                     const std::optional<at::Tensor>& grad_norm, double max_grad_norm) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_sgd(exec,
             OptimizerArgs{"fused_sgd_", params, grads, master_params, steps, lr, grad_scale,
-                          found_inf, chunk_size},
+                          found_inf, chunk_size, grad_norm, max_grad_norm},
             momentum_buffers, momentum, dampening, weight_decay, nesterov, maximize,
             stochastic_rounding_seed);
 }

@@ -160,14 +160,16 @@ def _(tensors, found_inf, chunk_size, per_tensor_found_inf=None):
 @torch.library.register_fake("peak::fused_adam_")
 def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
       beta2, eps, weight_decay, amsgrad, adam_w_mode, maximize, bias_correction, grad_scale=None,
-      found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None):
+      found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None, grad_norm=None,
+      max_grad_norm=0.0):
     return None
 
 
 @torch.library.register_fake("peak::fused_sgd_")
 def _(params, grads, master_params, momentum_buffers, steps, lr, momentum, dampening,
       weight_decay, nesterov, maximize, grad_scale=None, found_inf=None,
-      chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None):
+      chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None, grad_norm=None,
+      max_grad_norm=0.0):
     return None
 
 

@@ -61,6 +61,8 @@ class AmpOptimizerState:
         self.fused = master_weights and _is_fused(optimizer)
         self.fused_params: list[torch.Tensor] = []
         self.fused_grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
+        # Their global norm, when the optimizer clips (taken by the inf/NaN check's pass).
+        self.fused_grad_norm: torch.Tensor | None = None
         self.o1 = o1
         self.generation = generation
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
@@ -136,11 +138,23 @@ class AmpOptimizerState:
                 ratio = (scaler.scale.to(device) / self.fused_grad_scale.to(device)).reshape(())
                 torch._foreach_mul_(group, ratio)
         self.fused_grad_scale = None
+        self.fused_grad_norm = None
 
     def fused_post_backward(self, scaler) -> None:
+        self.fused_grad_norm = None
         with torch.no_grad():
-            for device, (group,) in group_by_device_dtype(self.fused_grads()):
-                ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
+            if self.optimizer._wants_grad_norm:
+                # The optimizer clips: the global norm's pass is the inf/NaN check as well (a
+                # non-finite gradient makes the norm non-finite): NOTE [Clipping inside the step].
+                norm = self.optimizer._global_grad_norm()
+                if norm is not None:
+                    flag = scaler.found_inf_for(norm.device)
+                    torch.maximum(flag, (~torch.isfinite(norm)).to(flag.dtype).reshape(flag.shape),
+                                  out=flag)
+                    self.fused_grad_norm = norm
+            else:
+                for device, (group,) in group_by_device_dtype(self.fused_grads()):
+                    ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
         self.fused_grad_scale = scaler.scale.clone()  # taken before the scale is updated
 
     def fused_unscale_in_place(self) -> None:
@@ -152,6 +166,7 @@ class AmpOptimizerState:
                 inv = self.fused_grad_scale.to(device).reciprocal()
                 ops.multi_tensor_scale_(group, group, inv, torch.zeros(1, device=device))
         self.fused_grad_scale = torch.ones_like(self.fused_grad_scale)
+        self.fused_grad_norm = None  # the step measures the unscaled (maybe clipped) gradients
 
     # ------------------------------------------------------------------ backward
     def prepare_backward(self) -> None:
@@ -259,7 +274,8 @@ def _step(self, closure=None):
     args = () if closure is None else (closure,)
     if stash.fused:
         grad_scale, stash.fused_grad_scale = stash.fused_grad_scale, None
-        result = stash.orig_step(*args, grad_scale=grad_scale)
+        grad_norm, stash.fused_grad_norm = stash.fused_grad_norm, None
+        result = stash.orig_step(*args, grad_scale=grad_scale, grad_norm=grad_norm)
     elif stash.o1:
         with _caster.disabled():
             result = stash.orig_step(*args)
@@ -284,6 +300,7 @@ def _zero_grad(self, set_to_none: bool = True):
     stash.grad_stash = None
     stash.params_have_scaled_gradients = False
     stash.fused_grad_scale = None
+    stash.fused_grad_norm = None
 
 
 def _add_param_group(self, param_group):

@@ -523,6 +523,19 @@ class GradScaler(torch.amp.GradScaler):
             optimizer, dummy_inv_scale, found_inf, True, _check_only=True)
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
+    def _check_inf_by_norm(self, optimizer) -> torch.Tensor | None:
+        """Fused path of an optimizer that clips (peak's, ``max_grad_norm > 0``): the global norm
+        of the still-scaled gradients, one read pass by the optimizer, is the inf/NaN check too
+        (a non-finite gradient makes it non-finite), and the step clips with it -- one pass
+        where a check and ``clip_grad_norm_`` would make two or three."""
+        self._check_scale_growth_tracker("_check_inf_by_norm")
+        norm = optimizer._global_grad_norm()
+        per_device = {}
+        if norm is not None:
+            per_device[norm.device] = (~torch.isfinite(norm)).to(torch.float32).reshape(())
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
+        return norm
+
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
@@ -557,16 +570,17 @@ class GradScaler(torch.amp.GradScaler):
                 self._skipped_steps_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
             self._skipped_steps_device.add_(skipped != 0)
 
-    def _step_signature(self, optimizer) -> tuple[bool, bool]:
+    def _step_signature(self, optimizer) -> tuple[bool, bool, bool]:
         """(takes ``grad_scaler=`` (torch's legacy contract), takes ``grad_scale=``/``found_inf=``
-        keywords (peak's fused optimizers)), cached per step function."""
+        keywords (peak's fused optimizers), takes ``grad_norm=``), cached per step function."""
         step = optimizer.step
         key = getattr(step, "__func__", step)
         cached = self._step_sig_cache.get(key)
         if cached is None:
             params = inspect.signature(step).parameters
             cached = ("grad_scaler" in params,
-                      "grad_scale" in params and "found_inf" in params)
+                      "grad_scale" in params and "found_inf" in params,
+                      "grad_norm" in params)
             self._step_sig_cache[key] = cached
         return cached
 
@@ -590,7 +604,8 @@ class GradScaler(torch.amp.GradScaler):
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             kwargs_ = kwargs
-            has_grad_scaler_kwarg, takes_scale_kwargs = self._step_signature(optimizer)
+            has_grad_scaler_kwarg, takes_scale_kwargs, takes_norm = self._step_signature(optimizer)
+            grad_norm = None
             if has_grad_scaler_kwarg:
                 warnings.warn(
                     "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -602,7 +617,11 @@ class GradScaler(torch.amp.GradScaler):
                 kwargs_.update({"grad_scaler": self})
             else:
                 if optimizer_state["stage"] is OptState.READY:
-                    self._check_inf_per_device(optimizer)
+                    if (takes_norm and getattr(optimizer, "_wants_grad_norm", False)
+                            and not self._report_enabled):
+                        grad_norm = self._check_inf_by_norm(optimizer)
+                    else:
+                        self._check_inf_per_device(optimizer)
                 if len(optimizer_state["found_inf_per_device"]) == 0:
                     raise AssertionError("No inf checks were recorded for this optimizer.")
                 found_inf = self._combined_found_inf(optimizer_state)
@@ -618,6 +637,8 @@ class GradScaler(torch.amp.GradScaler):
                     kwargs_ = dict(kwargs)
                     kwargs_.setdefault("grad_scale", optimizer.grad_scale)
                     kwargs_.setdefault("found_inf", found_inf)
+                    if grad_norm is not None:
+                        kwargs_.setdefault("grad_norm", grad_norm)
             retval = optimizer.step(*args, **kwargs_)
             optimizer_state["stage"] = OptState.STEPPED
             if not has_grad_scaler_kwarg:

@@ -94,12 +94,44 @@ class FusedOptimizer(torch.optim.Optimizer):
                 yield self.state[p].get("master_param", p) if p in self.state else p
 
     # -- step ------------------------------------------------------------------------------------
+    @property
+    def _wants_grad_norm(self) -> bool:
+        """Some group clips by the global gradient norm (``max_grad_norm > 0``)."""
+        return any(g.get("max_grad_norm", 0.0) > 0 for g in self.param_groups)
+
+    @torch.no_grad()
+    def _global_grad_norm(self) -> Tensor | None:
+        """The L2 norm of every gradient of the optimizer (all groups and dtypes) as they are
+        (scaled, if a scaler scaled them): one read pass per (device, dtype), combined on the
+        first gradient's device, no host sync. inf/NaN in any gradient makes it non-finite."""
+        from .. import ops  # noqa: PLC0415 (ops imports the extension)
+
+        by_kind: dict[tuple, list[Tensor]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not p.grad.is_sparse:
+                    by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        if not by_kind:
+            return None
+        device = next(iter(by_kind))[0]
+        sumsq = torch.zeros(1, dtype=torch.float32, device=device)
+        for grads in by_kind.values():
+            norm, _ = ops.multi_tensor_l2norm([g if _dense(g) else g.contiguous() for g in grads])
+            sumsq += norm.to(device) ** 2
+        return sumsq.sqrt()
+
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Tensor | None = None,
-             found_inf: Tensor | None = None):
+             found_inf: Tensor | None = None, grad_norm: Tensor | None = None):
         """One fused step. ``grad_scale``/``found_inf`` (float32, one element) come from a
         loss scaler: grads are divided by ``grad_scale`` inside the step, and a set
-        ``found_inf`` skips it on the device, leaving every weight and state bit-for-bit."""
+        ``found_inf`` skips it on the device, leaving every weight and state bit-for-bit.
+
+        Groups with ``max_grad_norm > 0`` clip every gradient by the global norm inside the same
+        step, as ``torch.nn.utils.clip_grad_norm_`` over all the optimizer's gradients would.
+        ``grad_norm`` (the norm of the gradients as passed, still scaled) is that norm when a
+        loss scaler already computed it in its inf/NaN check (``peak.amp.GradScaler`` does);
+        otherwise the step computes it (one read pass)."""
         # torch.amp.GradScaler hands these over as attributes of the optimizer instead.
         if grad_scale is None:
             grad_scale = getattr(self, "grad_scale", None)
@@ -110,6 +142,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_stochastic_rounding()
+        if grad_norm is not None:
+            if not isinstance(grad_norm, Tensor) or grad_norm.numel() != 1:
+                raise TypeError("grad_norm must be a one-element tensor (the global norm of the "
+                                "gradients as passed), got "
+                                f"{type(grad_norm).__name__}")
+            self._step_grad_norm = grad_norm
+        else:
+            self._step_grad_norm = self._global_grad_norm() if self._wants_grad_norm else None
         for group in self.param_groups:
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in group["params"]:
@@ -163,6 +203,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not group.get("stochastic_rounding", False) or params[0].dtype != torch.bfloat16:
             return None
         return int(group["stochastic_rounding_seed"])
+
+    def _clip_args(self, group: dict, device) -> dict:
+        """The kernel's clipping arguments for one bucket (NOTE: [Clipping inside the step])."""
+        max_norm = float(group.get("max_grad_norm", 0.0))
+        if max_norm <= 0 or self._step_grad_norm is None:
+            return {}
+        return {"grad_norm": self._on(self._step_grad_norm, device), "max_grad_norm": max_norm}
 
     @staticmethod
     def _grad_like_param(p: Tensor) -> Tensor:
@@ -218,6 +265,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["step"] = state["step"].reshape(())
         if self._wants_master(p) and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True)
+
+
+def _dense(t: Tensor) -> bool:
+    """Covers its memory exactly once (the multi-tensor kernels' requirement)."""
+    if t.is_contiguous():
+        return True
+    order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
+    return t.permute(order).is_contiguous()
 
 
 def export_fp32_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

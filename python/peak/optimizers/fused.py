@@ -13,18 +13,21 @@ class FusedSGD(FusedOptimizer):
 
     ``master_weights`` (None: automatic) keeps fp32 masters for fp16/bf16 parameters;
     ``stochastic_rounding=True`` (with ``master_weights=False``) rounds bf16 weights stepped
-    directly up or down at random, in proportion (see "Stochastic rounding" in docs/core.md)."""
+    directly up or down at random, in proportion (see "Stochastic rounding" in docs/core.md).
+    ``max_grad_norm > 0`` clips by the global norm of all the optimizer's gradients inside the
+    step, as ``torch.nn.utils.clip_grad_norm_`` would (see "Clipping inside the step")."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, master_weights=None,
-                 stochastic_rounding=False):
+                 stochastic_rounding=False, max_grad_norm=0.0):
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("momentum value", momentum, lo=0.0)
         _check_hyper("weight_decay value", weight_decay, lo=0.0)
+        _check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize)
+                        nesterov=nesterov, maximize=maximize, max_grad_norm=float(max_grad_norm))
         super().__init__(params, defaults, master_weights, stochastic_rounding)
 
     def _state_keys_for(self, group):
@@ -35,7 +38,8 @@ class FusedSGD(FusedOptimizer):
         torch.ops.peak.fused_sgd_(params, grads, masters, buffers, [s["step"] for s in states], lr,
                                   group["momentum"], group["dampening"], group["weight_decay"],
                                   group["nesterov"], group["maximize"], grad_scale, found_inf,
-                                  stochastic_rounding_seed=self._rounding_seed(group, params))
+                                  stochastic_rounding_seed=self._rounding_seed(group, params),
+                                  **self._clip_args(group, lr.device))
 
     def _complete_loaded_state(self, p, state):
         had_step = "step" in state
@@ -47,19 +51,21 @@ class FusedSGD(FusedOptimizer):
 class FusedAdam(FusedOptimizer):
     """Adam, or AdamW with ``adam_w_mode=True`` (decoupled weight decay), as ``torch.optim.Adam``
     / ``AdamW``; ``amsgrad`` and ``bias_correction`` as Apex's FusedAdam.
-    ``master_weights`` and ``stochastic_rounding`` as for :class:`FusedSGD`."""
+    ``master_weights``, ``stochastic_rounding`` and ``max_grad_norm`` as for :class:`FusedSGD`."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
-                 master_weights=None, stochastic_rounding=False):
+                 master_weights=None, stochastic_rounding=False, max_grad_norm=0.0):
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("epsilon value", eps, lo=0.0)
         _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
         _check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
         _check_hyper("weight_decay value", weight_decay, lo=0.0)
+        _check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, adam_w_mode=adam_w_mode,
-                        bias_correction=bias_correction, maximize=maximize)
+                        bias_correction=bias_correction, maximize=maximize,
+                        max_grad_norm=float(max_grad_norm))
         super().__init__(params, defaults, master_weights, stochastic_rounding)
 
     def _state_keys_for(self, group):
@@ -75,7 +81,8 @@ class FusedAdam(FusedOptimizer):
             [s["step"] for s in states], lr, beta1, beta2, group["eps"], group["weight_decay"],
             amsgrad, group["adam_w_mode"], group["maximize"], group["bias_correction"],
             grad_scale, found_inf,
-            stochastic_rounding_seed=self._rounding_seed(group, params))
+            stochastic_rounding_seed=self._rounding_seed(group, params),
+            **self._clip_args(group, lr.device))
 
     def _complete_loaded_state(self, p, state):
         super()._complete_loaded_state(p, state)
@@ -108,30 +115,13 @@ class FusedLAMB(FusedOptimizer):
 
     _state_keys = ("exp_avg", "exp_avg_sq")
 
-    @torch.no_grad()
-    def step(self, closure=None, *, grad_scale=None, found_inf=None):
-        # Apex clips by the norm of ALL gradients (every group and dtype): computed here once,
-        # one multi-tensor pass per (device, dtype), combined on the device.
-        self._global_grad_norm = None
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if grads and any(g["max_grad_norm"] > 0 for g in self.param_groups):
-            from .. import ops
-            by_kind = {}
-            for g in grads:
-                by_kind.setdefault((g.device, g.dtype), []).append(g.contiguous())
-            device = grads[0].device
-            sumsq = torch.zeros(1, dtype=torch.float32, device=device)
-            for group_grads in by_kind.values():
-                norm, _ = ops.multi_tensor_l2norm(group_grads)
-                sumsq += norm.to(device) ** 2
-            self._global_grad_norm = sumsq.sqrt()
-        return super().step(closure, grad_scale=grad_scale, found_inf=found_inf)
-
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
-        norm = self._global_grad_norm
+        # Apex clips by the norm of ALL gradients (every group and dtype): the base class's
+        # global norm (or the one a loss scaler computed in its inf/NaN check).
+        norm = self._step_grad_norm
         if norm is not None:
-            norm = norm.to(lr.device)
+            norm = self._on(norm, lr.device)
         torch.ops.peak.fused_lamb_(
             params, grads, masters, [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
