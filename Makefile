@@ -60,7 +60,9 @@ soak: build
 # libstdc++, whose exceptions it intercepts) are preloaded; leak checks are off (CPython's own).
 SAN_VENV   ?= .venv-asan
 SAN_TESTS  := tests/test_multi_tensor_ops.py tests/test_launch_plan.py tests/test_ops_errors.py \
-              tests/test_update_scale.py tests/test_fused_optimizers.py tests/test_opcheck.py
+              tests/test_update_scale.py tests/test_fused_optimizers.py tests/test_opcheck.py \
+              tests/test_stochastic_rounding.py tests/test_fused_clipping.py \
+              tests/caster/test_caster_worker_threads.py
 $(SAN_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(SAN_VENV)
 	$(SAN_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) scikit-build-core ninja cmake numpy pytest hypothesis expecttest
