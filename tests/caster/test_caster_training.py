@@ -336,3 +336,23 @@ def test_local_edits_are_thread_local(o1):
     with pytest.raises(TypeError, match="edits must be a dict"):
         with lists.local([F.gelu]):
             pass
+
+
+def test_checkpoint_with_autograd_grad_and_backward_inputs(o1):
+    """Not only Tensor.backward(): torch.autograd.grad, backward(inputs=...) and
+    torch.autograd.backward also run checkpoint's recomputation cast (under the mode dispatch
+    they run the engine with the mode back on the stack)."""
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    g = torch.autograd.grad(out.float().sum(), [x] + list(model.parameters()))
+    g_ref = torch.autograd.grad(ref(x).float().sum(), [x] + list(ref.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    out.float().sum().backward(inputs=list(model.parameters()))
+    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+    torch.autograd.backward(out.float().sum())
+    for p, a in zip(model.parameters(), g[1:]):
+        torch.testing.assert_close(p.grad, 2 * a, rtol=0, atol=0)

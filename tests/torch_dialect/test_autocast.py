@@ -1,5 +1,6 @@
 """peak.amp.autocast: torch.autocast's semantics (it is torch.autocast underneath), torch's CPU
 op-list tests run through it, and peak's per-region list edits (fp32_ops / lower_ops)."""
+import copy
 import collections
 import pathlib
 import re
@@ -329,3 +330,58 @@ def test_aten_style_names_accepted():
     a = torch.randn(4, 4)
     with amp.autocast("cpu", fp32_ops=["aten::mm.default", "conv2d.padding"]):
         assert torch.mm(a, a).dtype == torch.float32
+
+
+# ---- list edits write where the op writes; checkpoint recomputes with the edits ------------------
+
+def test_list_edits_keep_out_and_in_place_writes():
+    a = torch.randn(3, 3)
+    for edit in (dict(lower_ops=["mm"]), dict(fp32_ops=["mm"])):
+        o = torch.zeros(3, 3, dtype=torch.bfloat16 if "fp32_ops" in edit else torch.float32)
+        with amp.autocast("cpu", **edit):
+            r = torch.mm(a.to(o.dtype), a.to(o.dtype), out=o)
+        assert r is o  # torch returns out
+        with amp.disable_casts():
+            expected = torch.mm(a.to(o.dtype).float(), a.to(o.dtype).float())
+        torch.testing.assert_close(o.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("edit", ["lower_ops", "fp32_ops"])
+def test_list_edits_keep_batch_norm_running_stats(edit):
+    torch.manual_seed(0)
+    bn, ref = torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4)
+    x = torch.randn(8, 4)
+    with amp.autocast("cpu", **{edit: ["batch_norm"]}):
+        y = bn(x)
+    assert y.dtype == (torch.bfloat16 if edit == "lower_ops" else torch.float32)
+    in_dtype = torch.bfloat16 if edit == "lower_ops" else torch.float32
+    ref(x.to(in_dtype))  # the same statistics update, by hand
+    assert torch.equal(bn.running_mean, ref.running_mean)
+    assert torch.equal(bn.running_var, ref.running_var)
+    assert bn.num_batches_tracked.item() == 1
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpoint_recomputes_with_the_list_edits(reentrant):
+    """torch pops the edit mode while its __torch_function__ runs: backward must still run the
+    engine (and so the recomputation) with the edits on, or the recomputed activations would get
+    other dtypes (non-reentrant: CheckpointError; reentrant: other gradients)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    ref = copy.deepcopy(net)
+    x = torch.randn(4, 8, requires_grad=True)
+    with amp.autocast("cpu", fp32_ops=["linear"]):
+        out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=reentrant)
+        assert out.dtype == torch.float32
+        out.float().sum().backward()
+        ref(x).float().sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    if not reentrant:  # torch's reentrant checkpoint takes neither .grad() nor inputs=
+        with amp.autocast("cpu", fp32_ops=["linear"]):
+            out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=False)
+            g = torch.autograd.grad(out.float().sum(), list(net.parameters()))
+            g_ref = torch.autograd.grad(ref(x).float().sum(), list(ref.parameters()))
+            out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=False)
+            out.float().sum().backward(inputs=[net[0].weight])
+        assert all(torch.equal(a, b) for a, b in zip(g, g_ref))

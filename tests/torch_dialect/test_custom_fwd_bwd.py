@@ -155,8 +155,10 @@ def test_bad_arguments():
         amp.custom_fwd(device_type=torch.device("cpu"))
     with pytest.raises(TypeError, match="device_type"):
         amp.custom_fwd(lambda ctx: None)  # device_type is required, as in torch >= 2.4
-    with pytest.raises(TypeError, match="cast_inputs must be a floating-point torch.dtype"):
-        amp.custom_fwd(device_type="cpu", cast_inputs=torch.int32)
+    with pytest.raises(TypeError, match="cast_inputs must be a torch.dtype"):
+        amp.custom_fwd(device_type="cpu", cast_inputs="float16")
+    amp.custom_fwd(device_type="cpu", cast_inputs=torch.int32)  # torch takes any dtype too
+    torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.int32)
     with pytest.raises(ValueError, match="Expected `device_type` of type `str`"):
         amp.custom_bwd(device_type=None)
 
@@ -170,5 +172,6 @@ def test_bad_arguments():
         def backward(ctx, g):
             return g
 
-    with pytest.raises(RuntimeError, match="not decorated with custom_fwd"):
+    with pytest.raises(AttributeError, match="not decorated with custom_fwd"):  # as torch
         NoFwd.apply(torch.randn(2, requires_grad=True)).sum().backward()
+    assert amp.is_autocast_available("cpu") and amp.is_autocast_available is torch.amp.is_autocast_available

@@ -94,13 +94,28 @@ def test_disabled_scaler_is_a_pass_through():
     (dict(min_scale=2.0**20), ValueError, "min_scale=.* must be in"),
     (dict(max_scale=1.0), ValueError, "max_scale=.* must be >= init_scale"),
     (dict(on_min_scale="ignore"), ValueError, "on_min_scale must be one of"),
-    (dict(enabled="yes"), TypeError, "enabled must be a bool"),
     (dict(device="gpu0"), ValueError, "device='gpu0' is not a device type"),
 ])
 def test_bad_constructor_arguments(kwargs, exc, match):
     kwargs.setdefault("device", "cpu")
     with pytest.raises(exc, match=match):
         amp.GradScaler(**kwargs)
+
+
+def test_constructor_takes_what_torch_takes():
+    """numpy scalars, any truthy ``enabled``; a disabled scaler checks nothing (as torch)."""
+    import numpy as np
+    for kw in (dict(enabled=1), dict(enabled=None), dict(init_scale=np.float32(1024.0)),
+               dict(growth_interval=np.int64(10)), dict(init_scale=torch.tensor(8.0)),
+               dict(enabled=False, init_scale="big", growth_interval=2.5)):
+        ours = amp.GradScaler("cpu", **kw)
+        theirs = torch.amp.GradScaler("cpu", **kw)
+        assert bool(ours.is_enabled()) == bool(theirs.is_enabled()), kw
+        if ours.is_enabled():
+            ours.scale(torch.ones(()))
+            theirs.scale(torch.ones(()))
+            assert ours.get_scale() == theirs.get_scale()
+            assert ours.get_growth_interval() == theirs.get_growth_interval()
 
 
 # ---- state machine and errors (torch's messages) --------------------------------------------------
@@ -635,3 +650,63 @@ def test_param_grad_walk_rejects_odd_containers():
     assert _C.unscale_param_grads([{"params": (torch.ones(1),)}], torch.ones(()), found, False,
                                   65536) == -1
     assert _C.unscale_param_grads([{"params": [1.0]}], torch.ones(()), found, False, 65536) == -1
+
+
+# ---- fused hand-off corner cases, side by side with torch ----------------------------------------
+
+def test_fused_optimizer_without_gradients_steps_like_torch():
+    """Two fused optimizers, only one with gradients this iteration: torch's found_inf for the
+    other is sum([]) == 0; no error, same parameters."""
+    results = []
+    for cls in (torch.amp.GradScaler, amp.GradScaler):
+        torch.manual_seed(0)
+        a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        oa = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+        ob = torch.optim.AdamW(b.parameters(), lr=1e-2, fused=True)
+        s = cls("cpu", init_scale=4.0)
+        s.scale(a(torch.randn(2, 3)).sum()).backward()
+        s.step(oa)
+        s.step(ob)
+        s.update()
+        results.append([p.detach().clone() for p in list(a.parameters()) + list(b.parameters())])
+        assert s.get_scale() == 4.0
+    assert all(torch.equal(x, y) for x, y in zip(*results))
+
+
+def test_subclass_overriding_unscale_grads_keeps_torchs_contract():
+    """A subclass overriding _unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16) (as
+    FSDP's ShardedGradScaler does) also serves the fused path."""
+    calls = []
+
+    class Sub(amp.GradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            calls.append(allow_fp16)
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    m = torch.nn.Linear(3, 3)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    s = Sub("cpu", init_scale=4.0)
+    s.scale(m(torch.randn(2, 3)).sum()).backward()
+    s.step(o)
+    s.update()
+    assert calls == [True]
+
+
+def test_fused_hand_off_gives_fresh_tensors():
+    """An optimizer writing to the grad_scale/found_inf it is handed must not change the
+    scaler's own state (torch hands over new tensors too)."""
+    class Rude(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None):
+            self.found_inf.zero_()
+            self.grad_scale.fill_(1.0)
+
+    for cls in (torch.amp.GradScaler, amp.GradScaler):
+        p = torch.nn.Parameter(torch.zeros(2))
+        p.grad = torch.tensor([float("inf"), 1.0])
+        s = cls("cpu", init_scale=1024.0)
+        s.scale(torch.ones(()))
+        s.step(Rude([p], lr=1.0))
+        s.update()
+        assert s.get_scale() == 512.0, cls

@@ -20,6 +20,7 @@ from .lists import (float_function, half_function, promote_function, register_fl
                     register_half_function, register_promote_function)
 # torch.amp dialect (issue 5): see docs/torch_dialect.md
 from .autocast_mode import autocast, custom_bwd, custom_fwd
+from torch.amp import is_autocast_available  # torch.amp's, so `import peak.amp as amp` has it too
 from .grad_scaler import GradScaler, OptState, OverflowReport
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "autocast",
     "custom_fwd",
     "custom_bwd",
+    "is_autocast_available",
 ]

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import _caster
+
 try:
     import numpy as _np
 except ModuleNotFoundError:  # pragma: no cover
@@ -218,6 +220,28 @@ def _eligible(t: torch.Tensor, device_type: str) -> bool:
     return t.is_floating_point() and t.dtype is not torch.float64 and t.device.type == device_type
 
 
+_INPUT_ONLY = frozenset({"batch_norm", "instance_norm"})
+
+
+def _write_back(result, copies):
+    """The op wrote into cast copies (``out=``, an in-place op, batch norm's running stats):
+    copy what it wrote into the caller's tensors, and return those where it returned a copy, so
+    that nothing is written to a temporary and lost."""
+    written = [(orig, cast) for orig, cast, version in copies if cast._version != version]
+    if not written:
+        return result
+    with torch.no_grad():
+        for orig, cast in written:
+            orig.copy_(cast)
+    back = {id(cast): orig for orig, cast in written}
+    if isinstance(result, torch.Tensor):
+        return back.get(id(result), result)
+    if isinstance(result, (list, tuple)):
+        return type(result)(back.get(id(r), r) if isinstance(r, torch.Tensor) else r
+                            for r in result)
+    return result
+
+
 class _ListEditMode(TorchFunctionMode):
     """Runs the functions named in ``policy`` under the "fp32" or "lower" cast policy (torch's
     ``CastPolicy::fp32`` / ``lower_precision_fp``), with torch's autocast off for the device type
@@ -247,29 +271,46 @@ class _ListEditMode(TorchFunctionMode):
         self.cache[id(t)] = (t, t._version, out)
         return out
 
-    def _cast(self, value, dtype):
+    def _cast(self, value, dtype, copies):
+        """``value`` with its eligible tensors cast; (original, cast) pairs go to ``copies``."""
         if isinstance(value, torch.Tensor):
-            return self._cast_tensor(value, dtype)
+            out = self._cast_tensor(value, dtype)
+            if out is not value:
+                copies.append((value, out, out._version))
+            return out
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(self._cast_tensor(v, dtype) if isinstance(v, torch.Tensor) else v
+            return type(value)(self._cast(v, dtype, copies) if isinstance(v, torch.Tensor) else v
                                for v in value)
         return value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if func in _caster.AUTOGRAD_ENTRIES:
+            # backward/grad: the engine (and checkpoint's recomputation) runs with the edits on.
+            return _caster.run_autograd_in_mode(self, func, args, kwargs)
         action = self.policy.get(_op_key(func))
         device_type = self.device_type
         if action is None or not torch.is_autocast_enabled(device_type):
             return func(*args, **kwargs)
         dtype = torch.float32 if action == "fp32" else torch.get_autocast_dtype(device_type)
-        args = tuple(self._cast(a, dtype) for a in args)
-        kwargs = {k: self._cast(v, dtype) for k, v in kwargs.items()}
+        copies: list = []
+        if _op_key(func) in _INPUT_ONLY:
+            # Batch/instance norm update their running statistics in place without bumping a
+            # version counter: only the input is cast (CPU and CUDA take mixed-dtype statistics).
+            if args:
+                args = (self._cast(args[0], dtype, copies),) + tuple(args[1:])
+            elif "input" in kwargs:
+                kwargs = dict(kwargs, input=self._cast(kwargs["input"], dtype, copies))
+        else:
+            args = tuple(self._cast(a, dtype, copies) for a in args)
+            kwargs = {k: self._cast(v, dtype, copies) for k, v in kwargs.items()}
         torch.set_autocast_enabled(device_type, False)
         try:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
         finally:
             torch.set_autocast_enabled(device_type, True)
+        return _write_back(result, copies)
 
 
 class autocast(torch.amp.autocast_mode.autocast):
@@ -370,9 +411,8 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
     region it is a no-op. Records the state for ``custom_bwd`` on ``ctx``.
     """
     _check_device_type(device_type)
-    if cast_inputs is not None and not (isinstance(cast_inputs, torch.dtype)
-                                        and cast_inputs.is_floating_point):
-        raise TypeError(f"custom_fwd: cast_inputs must be a floating-point torch.dtype or None, "
+    if cast_inputs is not None and not isinstance(cast_inputs, torch.dtype):
+        raise TypeError(f"custom_fwd: cast_inputs must be a torch.dtype or None, "
                         f"got {cast_inputs!r}")
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
@@ -422,9 +462,10 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
     def decorate_bwd(*args, **kwargs):
         ctx = args[0]
         if not hasattr(ctx, "_fwd_used_autocast"):
-            raise RuntimeError("custom_bwd: the forward of this Function was not decorated with "
-                               "custom_fwd (peak.amp.custom_fwd or torch.amp.custom_fwd); "
-                               "decorate both forward and backward")
+            # AttributeError, as torch's custom_bwd raises reading the missing attribute.
+            raise AttributeError("custom_bwd: the forward of this Function was not decorated "
+                                 "with custom_fwd (peak.amp.custom_fwd or "
+                                 "torch.amp.custom_fwd); decorate both forward and backward")
         region = autocast(device_type=device_type, enabled=ctx._fwd_used_autocast,
                           dtype=ctx._dtype)
         edits = getattr(ctx, "_peak_edits", [])

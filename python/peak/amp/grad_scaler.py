@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import warnings
 import weakref
 from collections import abc, defaultdict
@@ -139,11 +140,20 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 
 def _check_float(name: str, value, *, allow_none: bool = False) -> float | None:
+    """A real number (Python, numpy or a one-element tensor, as torch takes) as a float."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"GradScaler: {name} must be a float, got {type(value).__name__} ({value!r})")
     return float(value)
+
+
+def _check_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"GradScaler: {name} must be an int, got {type(value).__name__} ({value!r})")
+    return int(value)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -196,8 +206,7 @@ class GradScaler(torch.amp.GradScaler):
         # Only the device type matters ("cuda:1" means "cuda"): the scaler's tensors go to the
         # device of the first tensor passed to scale().
         device = device_type
-        if not isinstance(enabled, bool):
-            raise TypeError(f"GradScaler: enabled must be a bool, got {type(enabled).__name__}")
+        enabled = bool(enabled)  # torch takes any truthy value (1, None, ...)
         self._device = device
         self._enabled = enabled
         if self._device == "cuda":
@@ -208,20 +217,18 @@ class GradScaler(torch.amp.GradScaler):
                 )
                 self._enabled = False
 
-        init_scale = _check_float("init_scale", init_scale)
-        growth_factor = _check_float("growth_factor", growth_factor)
-        backoff_factor = _check_float("backoff_factor", backoff_factor)
-        min_scale = _check_float("min_scale", min_scale, allow_none=True)
-        max_scale = _check_float("max_scale", max_scale, allow_none=True)
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
-            raise TypeError(f"GradScaler: growth_interval must be an int, got "
-                            f"{type(growth_interval).__name__}")
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int):
-            raise TypeError(f"GradScaler: hysteresis must be an int, got {type(hysteresis).__name__}")
-        if on_min_scale not in _ON_MIN_SCALE:
-            raise ValueError(f"GradScaler: on_min_scale must be one of {_ON_MIN_SCALE}, "
-                             f"got {on_min_scale!r}")
         if self._enabled:
+            # A disabled scaler checks nothing (as torch's): it never uses these values.
+            init_scale = _check_float("init_scale", init_scale)
+            growth_factor = _check_float("growth_factor", growth_factor)
+            backoff_factor = _check_float("backoff_factor", backoff_factor)
+            min_scale = _check_float("min_scale", min_scale, allow_none=True)
+            max_scale = _check_float("max_scale", max_scale, allow_none=True)
+            growth_interval = _check_int("growth_interval", growth_interval)
+            hysteresis = _check_int("hysteresis", hysteresis)
+            if on_min_scale not in _ON_MIN_SCALE:
+                raise ValueError(f"GradScaler: on_min_scale must be one of {_ON_MIN_SCALE}, "
+                                 f"got {on_min_scale!r}")
             # torch's two checks (AssertionError there; _ConfigError is also an AssertionError).
             if growth_factor <= 1.0:
                 raise _ConfigError("The growth factor must be > 1.0.")
@@ -519,9 +526,13 @@ class GradScaler(torch.amp.GradScaler):
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         dummy_inv_scale = torch.ones((), dtype=torch.float32, device=_scale.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=_scale.device)
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, dummy_inv_scale, found_inf, True, _check_only=True)
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
+            per_device = self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True,
+                                              _check_only=True)  # a read-only pass
+        else:  # a subclass's override keeps torch's 4-argument contract (ShardedGradScaler-style)
+            per_device = self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
+        return per_device
 
     def _check_inf_by_norm(self, optimizer) -> torch.Tensor | None:
         """Fused path of an optimizer that clips (peak's, ``max_grad_norm > 0``): the global norm
@@ -541,10 +552,13 @@ class GradScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ step
     def _combined_found_inf(self, optimizer_state) -> torch.Tensor:
-        """The optimizer's overflow flags summed on the scale's device (no copy for one device)."""
+        """The optimizer's overflow flags summed on the scale's device, as a new tensor (an
+        optimizer it is handed to may write to it); zero when it recorded none."""
         flags = list(optimizer_state["found_inf_per_device"].values())
         dev = self._scale.device
-        total = flags[0] if flags[0].device == dev else flags[0].to(dev, non_blocking=True)
+        if not flags:
+            return torch.zeros((), dtype=torch.float32, device=dev)
+        total = flags[0].to(dev, non_blocking=True, copy=True)
         for f in flags[1:]:
             total = total + f.to(dev, non_blocking=True)
         return total
@@ -622,14 +636,13 @@ class GradScaler(torch.amp.GradScaler):
                         grad_norm = self._check_inf_by_norm(optimizer)
                     else:
                         self._check_inf_per_device(optimizer)
-                if len(optimizer_state["found_inf_per_device"]) == 0:
-                    raise AssertionError("No inf checks were recorded for this optimizer.")
+                # No gradients at all this iteration: found_inf is zero (torch: sum([])).
                 found_inf = self._combined_found_inf(optimizer_state)
                 if optimizer_state["stage"] is OptState.UNSCALED:
-                    optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
-                else:
+                    optimizer.grad_scale = None
+                else:  # fresh tensors, as torch hands over: the optimizer may write to them
                     user_scale = getattr(optimizer, "grad_scale", None)
-                    optimizer.grad_scale = (self._scale if user_scale is None
+                    optimizer.grad_scale = (self._scale.clone() if user_scale is None
                                             else self._scale * user_scale)
                 optimizer.found_inf = found_inf
                 if takes_scale_kwargs:
@@ -644,7 +657,8 @@ class GradScaler(torch.amp.GradScaler):
             if not has_grad_scaler_kwarg:
                 del optimizer.grad_scale
                 del optimizer.found_inf
-                self._record_skip(found_inf)
+                if optimizer_state["found_inf_per_device"]:
+                    self._record_skip(self._combined_found_inf(optimizer_state))
             elif optimizer_state["found_inf_per_device"]:
                 self._record_skip(self._combined_found_inf(optimizer_state))
             return retval

@@ -62,7 +62,8 @@ def _load_defaults() -> None:
         fn = _unwrap(getattr(_WHERE[where], name, None))
         if fn is not None and callable(fn):
             _c.set_policy(fn, code)
-    _c.set_policy(torch.Tensor.backward, _CODES["hook"])  # see _caster._backward_hook
+    for fn in _caster.AUTOGRAD_ENTRIES:  # see _caster.run_autograd_in_mode
+        _c.set_policy(fn, _CODES["hook"])
 
 
 def _unwrap(fn):
