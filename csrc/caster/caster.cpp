@@ -68,6 +68,9 @@ using FrameStack = std::vector<std::shared_ptr<const Frame>>;  // innermost last
 // the mode itself lives on the thread's torch-function mode stack), the weight-cast cache.
 struct ThreadState {
   int suspended = 0;
+  // Listed ops running now in this thread: calls they make in turn are not cast again (the op
+  // is cast once, at its entry point, as if by hand; torch pops the mode for the same effect).
+  int in_op = 0;
   bool active = false;
   bool published = false;  // this thread's snapshot is in its ThreadLocalPythonObjects
   std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> cache;
@@ -134,6 +137,13 @@ const Published* handed_state() {
   return static_cast<const Published*>(PyCapsule_GetPointer(capsule, kPublishedName));
 }
 
+struct InOp {
+  InOp() { ++tls.in_op; }
+  ~InOp() { --tls.in_op; }
+  InOp(const InOp&) = delete;
+  InOp& operator=(const InOp&) = delete;
+};
+
 // Whether O1 casts in this thread now, and whose state says so.
 struct Gate {
   bool casting = false;
@@ -143,7 +153,7 @@ struct Gate {
 
 // `in_mode`: asked by the mode's handler (the mode on this thread's stack means O1 is on).
 inline Gate gate(bool in_mode) {
-  if (g_low == at::ScalarType::Undefined || tls.suspended > 0) return {};
+  if (g_low == at::ScalarType::Undefined || tls.suspended > 0 || tls.in_op > 0) return {};
   if (tls.active) return {true, true, nullptr};
   const Published* handed = handed_state();
   if (!handed) return {in_mode, false, nullptr};
@@ -325,12 +335,78 @@ PyObject* func_name(PyObject* func) {
   return n;
 }
 
+// The dtype of an `out=` argument (a tensor, or the first of a tuple/list), if eligible.
+bool out_dtype(PyObject* out, at::ScalarType& dtype) {
+  if ((PyTuple_Check(out) || PyList_Check(out)) && PySequence_Size(out) > 0) {
+    out = PyTuple_Check(out) ? PyTuple_GET_ITEM(out, 0) : PyList_GET_ITEM(out, 0);
+  }
+  if (!THPVariable_Check(out)) return false;
+  const at::Tensor& t = THPVariable_Unpack(out);
+  if (!t.defined() || !eligible(t.scalar_type())) return false;
+  dtype = t.scalar_type();
+  return true;
+}
+
+// torch.Tensor.cpu (on Apex's fp32 list for CUDA tensors; a CPU tensor's .cpu() is itself).
+bool is_cpu_of_cpu_tensor(PyObject* func, PyObject* args) {
+  // TensorBase's descriptor: the one the tables hold (torch.Tensor's attribute may be our wrapper).
+  static PyObject* tensor_cpu = [] {
+    PyObject* c = PyImport_ImportModule("torch._C");
+    PyObject* base = c ? PyObject_GetAttrString(c, "TensorBase") : nullptr;
+    PyObject* cpu = base ? PyObject_GetAttrString(base, "cpu") : nullptr;
+    Py_XDECREF(base);
+    Py_XDECREF(c);
+    if (!cpu) PyErr_Clear();
+    return cpu;
+  }();
+  if (func != tensor_cpu || PyTuple_GET_SIZE(args) == 0) return false;
+  PyObject* self = PyTuple_GET_ITEM(args, 0);
+  return THPVariable_Check(self) && THPVariable_Unpack(self).is_cpu();
+}
+
+// Calls func(*args, **kwargs) with every eligible tensor cast to the dtype of `out=` (the caller
+// chose the result's dtype), and `out` itself left alone: casting it would make the op write
+// into a temporary copy, and the caller's buffer would never see the result.
+PyObject* call_into_out(PyObject* func, PyObject* args, PyObject* kwargs, PyObject* out) {
+  at::ScalarType to;
+  if (!out_dtype(out, to)) return PyObject_Call(func, args, kwargs);
+  const Rule rule{to, false};
+  PyObject* new_args = cast_tree(args, rule);
+  if (!new_args) return nullptr;
+  PyObject* new_kwargs = PyDict_New();
+  PyObject *k, *v;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(kwargs, &pos, &k, &v)) {
+    PyObject* c = v == out ? (Py_INCREF(v), v) : cast_tree(v, rule);
+    if (!c || PyDict_SetItem(new_kwargs, k, c) < 0) {
+      Py_XDECREF(c);
+      Py_DECREF(new_kwargs);
+      Py_DECREF(new_args);
+      return nullptr;
+    }
+    Py_DECREF(c);
+  }
+  PyObject* result;
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    result = PyObject_Call(func, new_args, new_kwargs);
+  }
+  Py_DECREF(new_args);
+  Py_DECREF(new_kwargs);
+  return result;
+}
+
 // Cast the arguments as `p` says and call `func` with torch's autocast keys excluded (so
 // torch.autocast, if also on, does not re-cast this op). New reference or nullptr.
 // `own_state`: casting under this thread's own state (the weight-cast cache may serve).
 PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs,
                        bool own_state) {
   const at::ScalarType low = g_low;
+  PyObject* out = kwargs ? PyDict_GetItemString(kwargs, "out") : nullptr;  // borrowed
+  if (out && out != Py_None && p != Policy::kBanned) return call_into_out(func, args, kwargs, out);
+  if (p == Policy::kFp32 && is_cpu_of_cpu_tensor(func, args)) {
+    return PyObject_Call(func, args, kwargs);
+  }
   if (p == Policy::kBanned) {
     if (!g_allow_banned) {
       int bits = 0;
@@ -476,6 +552,7 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
       result = PyObject_CallFunctionObjArgs(g_hook, mode ? mode : Py_None, func, args, kw, nullptr);
     }
   } else {
+    const InOp in_op;
     result = apply_policy(p, func, args, kwargs, g.own);
   }
   Py_XDECREF(empty);
@@ -511,7 +588,11 @@ PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyO
       }
     }
   }
-  PyObject* result = apply_policy(p, orig, args, kwargs, g.own);
+  PyObject* result;
+  {
+    const InOp in_op;
+    result = apply_policy(p, orig, args, kwargs, g.own);
+  }
   Py_DECREF(args);
   Py_XDECREF(kwargs);
   return result;

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from peak import amp
 from peak.amp import _caster, lists
 
 torch.manual_seed(0)
@@ -75,7 +76,6 @@ CASES = [
     ("torch.dist", torch.dist, lambda: (r(3, 4), r(3, 4)), "fp32"),
     ("Tensor.sum", torch.Tensor.sum, lambda: (r(3, 4),), "fp32"),
     ("Tensor.exp", torch.Tensor.exp, lambda: (r(3, 4),), "fp32"),
-    ("Tensor.cpu", torch.Tensor.cpu, lambda: (r(3, 4),), "fp32"),
     # promote (all same-dtype here: a no-op; mixed inputs below)
     ("torch.add", torch.add, lambda: (r(3, 4), r(3, 4)), "promote"),
     ("torch.mul", torch.mul, lambda: (r(3, 4), r(3, 4)), "promote"),
@@ -288,3 +288,50 @@ def test_patch_add_while_active(low):
     assert torch.sigmoid(x).dtype == torch.float32
     lists.remove(torch.sigmoid)  # the wrapper stays but calls through
     assert torch.sigmoid(x).dtype == low
+
+
+def test_tensor_cpu_of_a_cpu_tensor_is_itself(o1):
+    """``cpu`` is on Apex's fp32 list for CUDA tensors (Apex left CPU tensors alone): a CPU
+    tensor's ``.cpu()`` stays the tensor itself, so writes through ``t.cpu().numpy()`` land."""
+    assert lists.policy_of(torch.Tensor.cpu) == "fp32"
+    t = r(3, 4).to(o1)
+    assert t.cpu() is t
+    f = r(3)
+    f.cpu().numpy()[0] = 5.0
+    assert f[0] == 5.0
+
+
+def test_out_argument_receives_the_result(o1):
+    """With out=, the caller chose the result's dtype: the inputs are cast to it and the result
+    lands in out (Apex cast out too, so the result went to a temporary and was lost)."""
+    a, b = r(3, 4), r(4, 5)
+    for out_dtype in (torch.float32, o1):
+        out = torch.zeros(3, 5, dtype=out_dtype)
+        res = torch.mm(a, b, out=out)
+        assert res is out
+        with amp.disable_casts():
+            assert torch.equal(out, torch.mm(a.to(out_dtype), b.to(out_dtype)))
+    out = torch.zeros(3, 4)
+    torch.exp(r(3, 4).to(o1), out=out)  # an fp32 op into an fp32 out
+    assert out.abs().sum() > 0
+
+
+def test_lists_reject_callables_no_call_could_match():
+    x = r(3)
+    with pytest.raises(TypeError, match="bound to one tensor"):
+        lists.add("fp32", x.relu)
+    with pytest.raises(TypeError, match="aten op"):
+        lists.add("fp32", torch.ops.aten.sigmoid.default)
+    with pytest.raises(TypeError, match="aten op"):
+        lists.add("lower", torch.ops.aten.sigmoid)
+
+
+def test_a_listed_op_is_cast_once_at_its_entry(o1):
+    """Calls a listed op makes in turn are not cast again: ``2.0 / h`` (promote, one dtype) runs
+    torch's __rtruediv__, whose reciprocal() (fp32 list) stays in the low dtype, exactly as
+    "cast by hand, then run with casts off" (and as under the mode dispatch)."""
+    h = r(4).to(o1)
+    out = 2.0 / h
+    with amp.disable_casts():
+        ref = 2.0 / h
+    assert out.dtype == o1 and torch.equal(out, ref)

@@ -211,7 +211,16 @@ def test_register_functions(low):
         _caster.disable()
     assert torch.sigmoid is orig_sigmoid and lists.policy_of(torch.sigmoid) is None
     assert _UserModule.fn(torch.randn(3)).dtype == torch.float32
-    _caster.enable(low)  # registrations are one-shot, as Apex
+    # Apex consumed the registrations at the first initialize, but its patches stayed for every
+    # later one: a second initialize (e.g. of another model) keeps them working.
+    _caster.enable(low)
+    try:
+        assert torch.sigmoid(torch.randn(3).to(low)).dtype == torch.float32
+        assert _UserModule.fn(torch.randn(3)).dtype == low
+    finally:
+        _caster.disable()
+    lists.reset()  # drops them
+    _caster.enable(low)
     assert torch.sigmoid is orig_sigmoid
 
 

@@ -83,6 +83,14 @@ def _check_callable(fn, arg: str = "func") -> None:
     if not callable(fn):
         raise TypeError(f"{arg} must be a callable (e.g. torch.nn.functional.gelu, torch.mm, "
                         f"torch.Tensor.add), got {type(fn).__name__}: {fn!r}")
+    if isinstance(getattr(fn, "__self__", None), torch.Tensor):
+        # x.relu is a new bound object at every attribute access: no call could ever match it.
+        raise TypeError(f"{arg} is a method bound to one tensor ({fn!r}); list the unbound "
+                        f"method instead, e.g. torch.Tensor.{getattr(fn, '__name__', 'relu')}")
+    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        raise TypeError(f"{arg} is an aten op ({fn}); the O1 lists take the Python-level torch "
+                        f"functions that code calls (e.g. torch.sigmoid, torch.Tensor.sigmoid, "
+                        f"torch.nn.functional.sigmoid)")
 
 
 def add(policy: str, *funcs) -> None:
@@ -155,8 +163,11 @@ def entries() -> dict:
 
 
 def reset() -> None:
-    """Restore Apex's O1 lists (drops every edit)."""
+    """Restore Apex's O1 lists (drops every edit, and the ``register_*_function``
+    registrations)."""
     global _loaded
+    _undo_registrations()
+    _pending.clear()
     _c.clear_table()
     _loaded = True
     _load_defaults()
@@ -209,7 +220,7 @@ promote_function.__doc__ = ("Decorator: under O1, if the floating arguments mix 
                             "them all to float32.")
 
 _pending: list = []  # (module, name, policy), applied by the next initialize (as Apex)
-_applied: list = []  # (module, name, original, previous table code) to undo on disable
+_applied: list = []  # (module, name, policy, original, previous table code) to undo on disable
 
 
 def _register(module, name, policy: str) -> None:
@@ -237,17 +248,20 @@ def register_promote_function(module, name) -> None:
 
 def _apply_registrations() -> None:
     """Patch each registered ``module.name`` with the policy's wrapper and list the original, so that
-    the registration wins over the built-in lists (Apex: user casts run innermost). One-shot."""
+    the registration wins over the built-in lists (Apex: user casts run innermost)."""
     for module, name, policy in _pending:
         orig = getattr(module, name)
-        _applied.append((module, name, orig, _c.get_policy(orig)))
+        _applied.append((module, name, policy, orig, _c.get_policy(orig)))
         _c.set_policy(orig, _CODES[policy])
         setattr(module, name, _decorator(policy)(orig))
     _pending.clear()
 
 
 def _undo_registrations() -> None:
+    """Restore the registered functions (O1 off: plain behaviour), keeping the registrations for
+    the next O1 initialize: Apex's patches, once made, stayed for every later initialize."""
     while _applied:
-        module, name, orig, code = _applied.pop()
+        module, name, policy, orig, code = _applied.pop()
         setattr(module, name, orig)
         _c.set_policy(orig, code)
+        _pending.insert(0, (module, name, policy))
