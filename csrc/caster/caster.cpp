@@ -6,6 +6,8 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
@@ -16,6 +18,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -44,10 +47,34 @@ struct CacheKeyHash {
     return std::hash<void*>()(k.impl) ^ (static_cast<size_t>(k.dtype) << 1);
   }
 };
+// NOTE: [Weight-cast cache lifetime]
+// An entry serves while the weight it was cast from is unchanged: same version counter (an
+// in-place update through the tensor), same data pointer (`w.data = other`), and no backward
+// through the cast yet. The last rule catches what the first two cannot see: an update through
+// `w.data.add_(...)` (a `.data` view has a version counter of its own), the manual-SGD idiom;
+// a weight is updated after the backward of the forward that used it, so an entry is never
+// reused across that point (without scale_loss, which clears the cache as in Apex, stale copies
+// would otherwise be served). Entries also keep their weight alive (the cast's autograd graph
+// holds it, and the preserved Python object of a dead parameter looks just like a live one), so
+// a store now and then sweeps the entries backward has used, and a cache still above
+// kCacheCapacity entries after that (grad-mode forwards of throwaway models, never backward) is
+// dropped whole: memory stays bounded, and a dropped entry only costs a cast.
 struct CacheEntry {
   c10::weak_intrusive_ptr<c10::TensorImpl> source;  // keeps the address from being reused
   uint32_t version;                                  // the source's version when cast
+  const void* data;                                  // the source's data pointer when cast
+  std::shared_ptr<std::atomic<bool>> used;           // backward went through the cast
   at::Tensor cast;
+};
+
+// Marks a cache entry used when backward reaches its cast (any thread: the flag is atomic).
+struct MarkUsedOnBackward : torch::autograd::FunctionPreHook {
+  explicit MarkUsedOnBackward(std::shared_ptr<std::atomic<bool>> flag) : used(std::move(flag)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    used->store(true, std::memory_order_relaxed);
+    return grads;
+  }
+  std::shared_ptr<std::atomic<bool>> used;
 };
 
 // One peak.amp.lists.local block's edits. Immutable once pushed, so that published snapshots
@@ -74,6 +101,7 @@ struct ThreadState {
   bool active = false;
   bool published = false;  // this thread's snapshot is in its ThreadLocalPythonObjects
   std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> cache;
+  size_t next_sweep = 64;  // cache size at which a store sweeps dead entries first
   int64_t hits = 0, casts = 0, stores = 0;
   FrameStack frames;  // thread-local list edits (peak.amp.lists.local)
 };
@@ -186,6 +214,19 @@ inline bool is_low(at::ScalarType s) {
 // Tensors the caster may cast: f16, bf16, f32 (float64, integers, complex are left alone).
 inline bool eligible(at::ScalarType s) { return is_low(s) || s == at::ScalarType::Float; }
 
+constexpr size_t kCacheCapacity = 4096;
+
+// NOTE: [Weight-cast cache lifetime]: drops what can never serve again; bounds the rest.
+void sweep_cache() {
+  for (auto it = tls.cache.begin(); it != tls.cache.end();) {
+    const bool dead = it->second.source.expired() ||
+                      it->second.used->load(std::memory_order_relaxed);
+    it = dead ? tls.cache.erase(it) : std::next(it);
+  }
+  if (tls.cache.size() >= kCacheCapacity) tls.cache.clear();
+  tls.next_sweep = std::min(kCacheCapacity, std::max<size_t>(64, 2 * tls.cache.size()));
+}
+
 at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache) {
   if (t.scalar_type() == to) return t;
   const bool cacheable = use_cache && t.scalar_type() == at::ScalarType::Float && t.is_leaf() &&
@@ -198,21 +239,26 @@ at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache) {
   const uint32_t version = t.unsafeGetTensorImpl()->version_counter().current_version();
   auto it = tls.cache.find(key);
   if (it != tls.cache.end()) {
-    if (!it->second.source.expired() && it->second.version == version) {
+    const CacheEntry& e = it->second;
+    if (!e.source.expired() && e.version == version && e.data == t.data_ptr() &&
+        !e.used->load(std::memory_order_relaxed)) {
       ++tls.hits;
-      return it->second.cast;
+      return e.cast;
     }
-    tls.cache.erase(it);  // stale: the weight changed in place (or died)
+    tls.cache.erase(it);  // stale (NOTE: [Weight-cast cache lifetime])
   }
   ++tls.casts;
   at::Tensor out = t.to(to);
   // Only a grad-mode cast is stored: one made under no_grad has no autograd history, and reusing
   // it in a later grad-enabled forward would silently cut the weight's gradient (torch #112583).
-  if (c10::GradMode::is_enabled()) {
+  if (c10::GradMode::is_enabled() && out.grad_fn()) {
+    if (tls.cache.size() >= tls.next_sweep) sweep_cache();
     ++tls.stores;
+    auto used = std::make_shared<std::atomic<bool>>(false);
+    out.grad_fn()->add_pre_hook(std::make_unique<MarkUsedOnBackward>(used));
     tls.cache.emplace(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(
                                           t.getIntrusivePtr()),
-                                      version, out});
+                                      version, t.data_ptr(), std::move(used), out});
   }
   return out;
 }

@@ -52,6 +52,45 @@ def test_cache_invalidated_by_inplace_update(o1):
     assert torch.equal(y2, ref) and not torch.equal(y1, y2)
 
 
+def test_cache_sees_updates_through_data(o1):
+    """NOTE: [Weight-cast cache lifetime]: updates through ``.data`` (a view with a version
+    counter of its own) and ``w.data = other`` are seen; the manual-SGD loop without scale_loss
+    trains."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    losses = []
+    for _ in range(30):
+        loss = F.mse_loss(model(x).float(), y)
+        losses.append(loss.item())
+        model.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+        with _caster.disabled():
+            fresh = F.linear(x.to(o1), model.weight.detach().to(o1), model.bias.detach().to(o1))
+        assert torch.equal(model(x), fresh)  # the next forward casts the updated weight
+    assert losses[-1] < 0.9 * losses[0]  # (stale casts: the loss would not move at all)
+    w = model.weight
+    F.linear(x, w)
+    w.data = torch.zeros_like(w)  # a new storage
+    assert model(x).abs().max() == model.bias.detach().to(o1).abs().max()
+
+
+def test_cache_does_not_keep_dead_models_alive(o1):
+    import gc
+    import weakref
+    refs = []
+    for _ in range(3000):  # grad-mode forwards of throwaway models, never a backward
+        m = nn.Linear(4, 4)
+        m(torch.randn(2, 4))  # the casts of m.weight and m.bias are cached
+        refs.append(weakref.ref(m.weight))
+        del m
+    gc.collect()
+    assert _stats()["size"] <= 4096  # bounded (NOTE: [Weight-cast cache lifetime])
+    assert sum(r() is not None for r in refs) < 2100  # the dropped ones were freed
+
+
 def test_no_grad_then_grad_keeps_weight_gradients(o1):
     model = nn.Linear(4, 3)
     x = torch.randn(2, 4)
