@@ -32,9 +32,9 @@ namespace peak::caster {
 namespace {
 
 // ---- state
-// Process-wide, like Apex's handle: the low dtype (Undefined = O1 off) and allow_banned.
-at::ScalarType g_low = at::ScalarType::Undefined;
-bool g_allow_banned = false;
+// Per thread (ThreadState below): O1 on or off, the low dtype, allow_banned. Process-wide: how
+// many threads have O1 on (the patch wrappers' fast path when none has), and the hook.
+std::atomic<int> g_threads_on{0};
 PyObject* g_hook = nullptr;  // strong reference, for Policy::kHook
 
 struct CacheKey {
@@ -94,6 +94,12 @@ using FrameStack = std::vector<std::shared_ptr<const Frame>>;  // innermost last
 // Per thread: disable_casts depth, whether O1 was switched on in this thread (for the decorators;
 // the mode itself lives on the thread's torch-function mode stack), the weight-cast cache.
 struct ThreadState {
+  at::ScalarType low = at::ScalarType::Undefined;  // this thread's low dtype (Undefined: O1 off)
+  bool allow_banned = false;
+  bool counted = false;  // counted in g_threads_on
+  ~ThreadState() {
+    if (counted) g_threads_on.fetch_sub(1, std::memory_order_relaxed);
+  }
   int suspended = 0;
   // Listed ops running now in this thread: calls they make in turn are not cast again (the op
   // is cast once, at its entry point, as if by hand; torch pops the mode for the same effect).
@@ -122,6 +128,8 @@ thread_local ThreadState tls;
 // belongs to the thread whose scale_loss clears it.
 struct Published {
   bool active;
+  at::ScalarType low;
+  bool allow_banned;
   int suspended;
   FrameStack frames;
 };
@@ -136,17 +144,24 @@ void destroy_published(PyObject* capsule) {
   delete static_cast<Published*>(PyCapsule_GetPointer(capsule, kPublishedName));
 }
 
+inline bool thread_on() { return tls.active && tls.low != at::ScalarType::Undefined; }
+
 // Called after every change of this thread's state.
 void publish() {
   using at::impl::ThreadLocalPythonObjects;
-  if (!tls.active) {
+  const bool on = thread_on();
+  if (on != tls.counted) {
+    g_threads_on.fetch_add(on ? 1 : -1, std::memory_order_relaxed);
+    tls.counted = on;
+  }
+  if (!on) {
     if (tls.published && ThreadLocalPythonObjects::contains(published_key())) {
       ThreadLocalPythonObjects::erase(published_key());
     }
     tls.published = false;
     return;
   }
-  auto* snapshot = new Published{tls.active, tls.suspended, tls.frames};
+  auto* snapshot = new Published{tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames};
   PyObject* capsule = PyCapsule_New(snapshot, kPublishedName, destroy_published);
   if (!capsule) {
     delete snapshot;
@@ -177,15 +192,20 @@ struct Gate {
   bool casting = false;
   bool own = false;                   // this thread's own state: the weight-cast cache may serve
   const Published* handed = nullptr;  // else the snapshot handed to this thread, if any
+  at::ScalarType low = at::ScalarType::Undefined;
+  bool allow_banned = false;
 };
 
 // `in_mode`: asked by the mode's handler (the mode on this thread's stack means O1 is on).
 inline Gate gate(bool in_mode) {
-  if (g_low == at::ScalarType::Undefined || tls.suspended > 0 || tls.in_op > 0) return {};
-  if (tls.active) return {true, true, nullptr};
+  if (g_threads_on.load(std::memory_order_relaxed) == 0 || tls.suspended > 0 || tls.in_op > 0) {
+    return {};
+  }
+  if (thread_on()) return {true, true, nullptr, tls.low, tls.allow_banned};
   const Published* handed = handed_state();
-  if (!handed) return {in_mode, false, nullptr};
-  return {(in_mode || handed->active) && handed->suspended == 0, false, handed};
+  if (!handed) return {};
+  return {(in_mode || handed->active) && handed->suspended == 0, false, handed, handed->low,
+          handed->allow_banned};
 }
 
 inline bool find_in(const FrameStack& frames, PyObject* func, Policy& out) {
@@ -444,17 +464,17 @@ PyObject* call_into_out(PyObject* func, PyObject* args, PyObject* kwargs, PyObje
 
 // Cast the arguments as `p` says and call `func` with torch's autocast keys excluded (so
 // torch.autocast, if also on, does not re-cast this op). New reference or nullptr.
-// `own_state`: casting under this thread's own state (the weight-cast cache may serve).
-PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs,
-                       bool own_state) {
-  const at::ScalarType low = g_low;
+// `g`: whose state casts (its low dtype, allow_banned; its own state may use the cache).
+PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs, const Gate& g) {
+  const at::ScalarType low = g.low;
+  const bool own_state = g.own;
   PyObject* out = kwargs ? PyDict_GetItemString(kwargs, "out") : nullptr;  // borrowed
   if (out && out != Py_None && p != Policy::kBanned) return call_into_out(func, args, kwargs, out);
   if (p == Policy::kFp32 && is_cpu_of_cpu_tensor(func, args)) {
     return PyObject_Call(func, args, kwargs);
   }
   if (p == Policy::kBanned) {
-    if (!g_allow_banned) {
+    if (!g.allow_banned) {
       int bits = 0;
       collect_dtypes(args, bits);
       if (kwargs) collect_dtypes(kwargs, bits);
@@ -599,7 +619,7 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
     }
   } else {
     const InOp in_op;
-    result = apply_policy(p, func, args, kwargs, g.own);
+    result = apply_policy(p, func, args, kwargs, g);
   }
   Py_XDECREF(empty);
   return result;
@@ -610,7 +630,9 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
 // Casting off (or not in this thread): one vectorcall through; on: the table's policy.
 PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  if (g_low == at::ScalarType::Undefined) return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  if (g_threads_on.load(std::memory_order_relaxed) == 0) {
+    return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  }
   const Gate g = gate(/*in_mode=*/false);
   if (!g.casting) return PyObject_Vectorcall(orig, a, nargs, kwnames);
   const Policy p = effective_policy(orig, g.handed);
@@ -637,7 +659,7 @@ PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyO
   PyObject* result;
   {
     const InOp in_op;
-    result = apply_policy(p, orig, args, kwargs, g.own);
+    result = apply_policy(p, orig, args, kwargs, g);
   }
   Py_DECREF(args);
   Py_XDECREF(kwargs);
@@ -742,10 +764,15 @@ void register_bindings(py::module_& m) {
     return out;
   }, "Apex's O1 lists as (where, name, policy) with where in torch/functional/Tensor");
 
-  c.def("set_low_dtype", [](py::handle d) { g_low = low_from_obj(d); }, py::arg("low_dtype"));
+  c.def("set_low_dtype", [](py::handle d) {
+    tls.low = low_from_obj(d);
+    publish();
+  }, py::arg("low_dtype"), "This thread's low dtype (None: O1 off here)");
   c.def("low_dtype", []() -> py::object {
-    if (g_low == at::ScalarType::Undefined) return py::none();
-    return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(g_low)));
+    const Published* handed = thread_on() ? nullptr : handed_state();
+    const at::ScalarType low = thread_on() ? tls.low : handed ? handed->low : at::ScalarType::Undefined;
+    if (low == at::ScalarType::Undefined) return py::none();
+    return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(low)));
   });
   c.def(
       "set_hook",
@@ -758,8 +785,13 @@ void register_bindings(py::module_& m) {
         }
       },
       py::arg("hook"), "hook(mode, func, args, kwargs) for functions with the 'hook' policy");
-  c.def("set_allow_banned", [](bool v) { g_allow_banned = v; }, py::arg("allow_banned"));
-  c.def("allow_banned", []() { return g_allow_banned; });
+  c.def("set_allow_banned", [](bool v) {
+    tls.allow_banned = v;
+    publish();
+  }, py::arg("allow_banned"));
+  c.def("allow_banned", []() { return tls.allow_banned; });
+  c.def("threads_on", []() { return g_threads_on.load(); },
+        "How many threads have O1 on (their own state, not handed)");
   c.def("set_thread_active", [](bool v) {
     tls.active = v;
     publish();
@@ -779,7 +811,7 @@ void register_bindings(py::module_& m) {
         "True when O1 casts in this thread now: enabled, switched on here (or handed to this "
         "thread by torch with its thread-local state), not in disable_casts");
   c.def("handed_state", []() -> py::object {
-    if (tls.active) return py::none();
+    if (thread_on()) return py::none();
     const Published* h = handed_state();
     if (!h) return py::none();
     return py::make_tuple(h->active, h->suspended, h->frames.size());
@@ -797,7 +829,7 @@ void register_bindings(py::module_& m) {
         if (pol == Policy::kNone || !g.casting) {
           r = PyObject_Call(func.ptr(), args.ptr(), kw);
         } else {
-          r = apply_policy(pol, func.ptr(), args.ptr(), kw, g.own);
+          r = apply_policy(pol, func.ptr(), args.ptr(), kw, g);
         }
         if (!r) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(r);

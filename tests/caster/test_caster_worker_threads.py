@@ -156,3 +156,80 @@ def test_cuda_checkpoint_recomputation_on_the_device_thread(o1, reentrant):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+# ---- per-thread state: one thread's initialize does not switch another thread's casting ----------
+
+def _in_thread(fn):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller)
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def test_another_threads_initialize_leaves_this_thread_casting(low, dispatch):
+    a = torch.randn(3, 3)
+    _caster.enable(low, dispatch=dispatch)
+
+    def other():
+        m = torch.nn.Linear(3, 3)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        amp.initialize(m, o, opt_level="O0", verbosity=0)  # this thread: no casting
+        return torch.mm(a, a).dtype, _caster.is_enabled()
+
+    assert _in_thread(other) == (torch.float32, False)
+    assert torch.mm(a, a).dtype == low and _caster.is_enabled() and _caster.low_dtype() == low
+
+
+def test_threads_cast_to_their_own_low_dtype(dispatch):
+    a = torch.randn(3, 3)
+    _caster.enable(torch.float16, dispatch=dispatch)
+
+    def other():
+        _caster.enable(torch.bfloat16, dispatch=dispatch)
+        try:
+            return torch.mm(a, a).dtype, _caster._c.threads_on()
+        finally:
+            _caster.disable()
+
+    assert _in_thread(other) == (torch.bfloat16, 2)
+    assert torch.mm(a, a).dtype == torch.float16
+    assert _caster._c.threads_on() == 1
+    _caster.disable()
+    assert _caster._c.threads_on() == 0 and not _caster.patched()
+    assert torch.mm(a, a).dtype == torch.float32
+
+
+def test_wrappers_stay_while_any_thread_casts(low):
+    """The patch wrappers are process-wide: the last thread to turn O1 off removes them."""
+    orig_mm = torch.mm
+    _caster.enable(low, dispatch="patch")
+    started, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        _caster.enable(low, dispatch="patch")
+        started.set()
+        release.wait(10)
+        seen["dtype"] = torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype
+        _caster.disable()
+
+    t = threading.Thread(target=other)
+    t.start()
+    started.wait(10)
+    _caster.disable()  # this thread off; the other still casts
+    assert torch.mm is not orig_mm and torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
+    release.set()
+    t.join()
+    assert seen["dtype"] == low
+    assert torch.mm is orig_mm and not _caster.patched()

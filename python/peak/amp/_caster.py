@@ -134,7 +134,11 @@ AUTOGRAD_ENTRIES = (torch.Tensor.backward, torch.autograd.backward, torch.autogr
 _c.set_hook(_backward_hook)
 
 _lock = threading.Lock()
-_owner: dict = {"mode": None, "thread": None}  # where the mode was pushed
+# Threads with O1 on (their ident -> dispatch) and the CasterMode pushed in each mode thread. The
+# patch wrappers are process-wide: installed by the first thread that turns O1 on with "patch",
+# removed when the last thread with O1 on turns it off (each thread's casting is its own).
+_on: dict = {}
+_modes: dict = {}
 
 
 def _remove_mode(mode) -> None:
@@ -153,7 +157,7 @@ def _remove_mode(mode) -> None:
 #: in torch, torch.nn.functional, torch.Tensor and torch._VF (as Apex patched them, but gated per
 #: thread), so unlisted ops pay nothing; "mode" pushes CasterMode, which sees every call.
 DISPATCHES = ("patch", "mode")
-_state: dict = {"dispatch": None, "default": "patch"}
+_state: dict = {"default": "patch"}
 
 
 def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | None = None) -> None:
@@ -171,39 +175,47 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | N
     disable()
     lists._ensure_defaults()
     _index()  # before anything is patched
-    lists._apply_registrations()
+    ident = threading.get_ident()
+    with _lock:
+        lists._apply_registrations()
+        if dispatch == "mode":
+            mode = _modes[ident] = CasterMode()
+            torch._C._push_on_torch_function_stack(mode)
+        else:
+            for fn, code in _c.table():
+                if code != _c.POLICY_hook:
+                    _patch(fn)
+        _on[ident] = dispatch
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
-    _state["dispatch"] = dispatch
-    if dispatch == "mode":
-        mode = CasterMode()
-        torch._C._push_on_torch_function_stack(mode)
-        with _lock:
-            _owner["mode"], _owner["thread"] = mode, threading.get_ident()
-    else:
-        for fn, code in _c.table():
-            if code != _c.POLICY_hook:
-                _patch(fn)
     _c.set_thread_active(True)
     _c.clear_cache()
 
 
 def disable() -> None:
-    """Turn O1 casting off and restore plain behaviour (``initialize`` calls it before a new setup)."""
+    """Turn O1 casting off in this thread (``initialize`` calls it before a new setup). When no
+    thread has O1 on any more, plain behaviour is restored exactly (wrappers and registrations
+    removed); other threads' casting is not touched."""
     from . import lists  # noqa: PLC0415
 
-    _c.set_low_dtype(None)  # from here on the mode / wrappers (wherever they are) only call through
+    _c.set_thread_active(False)  # from here on this thread's calls go straight through
+    _c.set_low_dtype(None)
     _c.set_allow_banned(False)
-    with _lock:
-        mode, thread = _owner["mode"], _owner["thread"]
-        _owner["mode"] = _owner["thread"] = None
-    if mode is not None and thread == threading.get_ident():
-        _remove_mode(mode)
-    _unpatch_all()
-    _state["dispatch"] = None
-    _c.set_thread_active(False)
     _c.clear_cache()
-    lists._undo_registrations()
+    ident = threading.get_ident()
+    with _lock:
+        mode = _modes.pop(ident, None)
+        _on.pop(ident, None)
+        alive = {t.ident for t in threading.enumerate()}
+        for gone in [t for t in _on if t not in alive]:  # threads that ended with O1 on
+            del _on[gone]
+            _modes.pop(gone, None)
+        last = not _on
+        if last:
+            _unpatch_all()
+            lists._undo_registrations()
+    if mode is not None:
+        _remove_mode(mode)
 
 
 # ---- patch dispatch
@@ -274,8 +286,13 @@ def _unpatch_all() -> None:
 
 
 def dispatch() -> str | None:
-    """The dispatch in use ("patch" or "mode"), or None when O1 is off."""
-    return _state["dispatch"]
+    """The dispatch O1 uses in this thread ("patch" or "mode"), or None when it is off here."""
+    return _on.get(threading.get_ident())
+
+
+def patched() -> bool:
+    """Whether the patch dispatch's wrappers are installed (some thread uses it)."""
+    return bool(_patched)
 
 
 def is_enabled() -> bool:

@@ -105,7 +105,7 @@ def add(policy: str, *funcs) -> None:
     _ensure_defaults()
     for fn in funcs:
         _c.set_policy(fn, code)
-    if _caster.dispatch() == "patch":
+    if _caster.patched():
         for fn in funcs:
             _caster._patch(fn)
 
@@ -171,7 +171,7 @@ def reset() -> None:
     _c.clear_table()
     _loaded = True
     _load_defaults()
-    if _caster.dispatch() == "patch":
+    if _caster.patched():
         for fn, code in _c.table():
             if code != _CODES["hook"]:
                 _caster._patch(fn)
