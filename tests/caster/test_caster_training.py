@@ -241,23 +241,18 @@ def test_register_functions(low):
     orig_sigmoid = torch.sigmoid
     amp.register_float_function(torch, "sigmoid")
     amp.register_half_function(_UserModule, "fn")
-    _caster.enable(low)
-    try:
-        assert torch.sigmoid(torch.randn(3).to(low)).dtype == torch.float32
-        assert _UserModule.fn(torch.randn(3)).dtype == low
-        # user registration wins over the built-in lists
-    finally:
-        _caster.disable()
-    assert torch.sigmoid is orig_sigmoid and lists.policy_of(torch.sigmoid) is None
-    assert _UserModule.fn(torch.randn(3)).dtype == torch.float32
     # Apex consumed the registrations at the first initialize, but its patches stayed for every
     # later one: a second initialize (e.g. of another model) keeps them working.
-    _caster.enable(low)
-    try:
-        assert torch.sigmoid(torch.randn(3).to(low)).dtype == torch.float32
-        assert _UserModule.fn(torch.randn(3)).dtype == low
-    finally:
-        _caster.disable()
+    for _ in range(2):
+        _caster.enable(low)
+        try:
+            # user registration wins over the built-in lists
+            assert torch.sigmoid(torch.randn(3).to(low)).dtype == torch.float32
+            assert _UserModule.fn(torch.randn(3)).dtype == low
+        finally:
+            _caster.disable()
+        assert torch.sigmoid is orig_sigmoid and lists.policy_of(torch.sigmoid) is None
+        assert _UserModule.fn(torch.randn(3)).dtype == torch.float32
     lists.reset()  # drops them
     _caster.enable(low)
     assert torch.sigmoid is orig_sigmoid
