@@ -97,3 +97,136 @@ def test_bad_input():
     model, _, _ = model_and_data(torch.float16)
     with pytest.raises(ValueError, match="unknown keys"):
         make(model, dynamic_loss_scale=True, dynamic_loss_args={"scale": 2.0})
+
+
+def mixed_model(seed=0):
+    """A half model with one fp32 part (as network_to_half keeps batch norm): Linear(fp16) ->
+    Linear(fp32)."""
+    torch.manual_seed(seed)
+    low = torch.nn.Linear(4, 3).half()
+    high = torch.nn.Linear(3, 1)
+    return low, high
+
+
+def mixed_loss(low, high, x):
+    return high(low(x.half()).float()).sum()
+
+
+def test_fp32_parameters_are_unscaled_and_checked_like_apex():
+    """Apex divides every gradient in the optimizer (fp32 parameters too) by the scale and checks
+    fp32 parameters for overflow: a gradient left scaled would move them loss_scale times too far."""
+    low, high = mixed_model()
+    ref = copy.deepcopy(high)
+    opt = make(torch.nn.ModuleList([low, high]), static_loss_scale=128.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(mixed_loss(low, high, x))
+        ref_opt.zero_grad()
+        ref(low(x.half()).float().detach()).sum().backward()
+        for p, r in zip(high.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, r.grad)  # 128 is a power of two: unscaling is exact
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(high.parameters(), ref.parameters()):
+        assert torch.equal(p, r)
+
+
+def test_inf_in_an_fp32_gradient_skips_the_step():
+    low, high = mixed_model()
+    opt = make(torch.nn.ModuleList([low, high]), dynamic_loss_scale=True,
+               dynamic_loss_args={"init_scale": 1024.0}, verbose=False)
+    before = [p.detach().clone() for p in list(low.parameters()) + list(high.parameters())]
+    masters = [m.detach().clone() for m in opt.master_params]
+    opt.zero_grad()
+    opt.backward(mixed_loss(low, high, torch.randn(5, 4)))
+    high.bias.grad.fill_(float("inf"))  # only the fp32 parameter overflows
+    opt.update_master_grads()
+    assert opt.overflow
+    opt.step()
+    assert opt.loss_scale == 512.0
+    for a, b in zip(list(low.parameters()) + list(high.parameters()), before):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.master_params, masters):
+        assert torch.equal(a, b)
+
+
+def test_dynamic_scale_never_drops_below_one():
+    model, _, data = model_and_data(torch.float16)
+    opt = make(model, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0},
+               verbose=False)
+    x, y = data[0]
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.mse_loss(model(x.half()).float(), y) * float("inf"))
+        opt.step()
+    assert opt.loss_scale == 1.0  # Apex: max(scale / factor, 1)
+
+
+def test_loss_scale_param_groups_and_state_are_settable():
+    model, _, data = model_and_data(torch.float16)
+    opt = make(model, static_loss_scale=128.0)
+    opt.loss_scale = 64.0
+    assert opt.loss_scale == 64.0
+    x, y = data[0]
+    opt.zero_grad()
+    opt.backward(torch.nn.functional.mse_loss(model(x.half()).float(), y))
+    for p, m in zip(opt.model_params, opt.master_params):
+        assert torch.equal(m.grad, p.grad.float() / 64.0)
+    with pytest.raises(ValueError, match="finite positive"):
+        opt.loss_scale = 0.0
+    groups = opt.param_groups
+    opt.param_groups = groups
+    assert opt.optimizer.param_groups is groups
+    state = opt.state
+    opt.state = state
+    assert opt.optimizer.state is state
+
+
+def test_closure_with_static_scale_and_error_with_dynamic():
+    """Apex: closures work with a static scale (the closure calls backward on the wrapper);
+    dynamic scaling raises TypeError."""
+    model, _, data = model_and_data(torch.float16)
+    ref_model = copy.deepcopy(model)
+    opt = make(model, static_loss_scale=128.0)
+    ref = make(ref_model, static_loss_scale=128.0)
+    x, y = data[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
+        opt.backward(loss)
+        return loss
+
+    loss = opt.step(closure)
+    ref.zero_grad()
+    ref_loss = torch.nn.functional.mse_loss(ref_model(x.half()).float(), y)
+    ref.backward(ref_loss)
+    ref.step()
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(opt.master_params, ref.master_params):
+        assert torch.equal(a, b)
+    assert opt.first_closure_call_this_step
+    dyn = make(copy.deepcopy(model), dynamic_loss_scale=True)
+    with pytest.raises(TypeError, match="closure is currently not compatible with dynamic"):
+        dyn.step(closure)
+
+
+def test_state_dict_is_per_group_and_inspectable():
+    low, high = mixed_model()
+    params = [{"params": low.parameters()}, {"params": high.parameters(), "lr": 0.01}]
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.SGD(params, lr=0.1), static_loss_scale=4.0)
+    assert [len(g) for g in opt.fp16_groups] == [2, 0]
+    assert [len(g) for g in opt.fp32_from_fp32_groups] == [0, 2]
+    sd = opt.state_dict()
+    assert [len(g) for g in sd["fp32_from_fp16"]] == [2, 0]  # Apex's layout: a list per group
+    opt.zero_grad()
+    opt.backward(mixed_loss(low, high, torch.randn(3, 4)))
+    grads = opt.inspect_master_grad_data()
+    assert [len(g) for g in grads] == [2, 0]
+    for g, p in zip(grads[0], opt.fp16_groups[0]):
+        assert torch.equal(g, p.grad.float() / 4.0)
+    with pytest.raises(RuntimeError, match="serialized using state_dict"):
+        copy.deepcopy(opt)

@@ -474,3 +474,101 @@ def test_torch_grad_scaler_hands_off_by_attributes(make):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_export_fp32_state_dict_tied_weights_get_the_master_under_both_names():
+    emb = torch.nn.Embedding(10, 4)
+    out = torch.nn.Linear(4, 10, bias=False)
+    out.weight = emb.weight  # tied, as language models do
+    model = torch.nn.ModuleDict({"emb": emb, "out": out}).to(torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model["out"](model["emb"](torch.arange(3))).float().sum().backward()
+    opt.step()
+    sd = export_fp32_state_dict(model, opt)
+    master = opt.state[emb.weight]["master_param"]
+    assert torch.equal(sd["emb.weight"], master) and torch.equal(sd["out.weight"], master)
+
+
+def test_export_fp32_state_dict_from_amp_o2_and_fp16_optimizer():
+    from peak import amp
+    from peak.fp16_utils import FP16_Optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0,
+                                low_precision_dtype=torch.bfloat16)
+    with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    sd = export_fp32_state_dict(model, opt)
+    assert torch.equal(sd["weight"], amp.master_params(opt).__next__())
+
+    half = torch.nn.Linear(4, 4).half()
+    with pytest.warns(DeprecationWarning):
+        wrapped = FP16_Optimizer(torch.optim.SGD(half.parameters(), lr=0.1), static_loss_scale=8.)
+    wrapped.backward(half(torch.randn(3, 4).half()).float().sum())
+    wrapped.step()
+    sd = export_fp32_state_dict(half, wrapped)
+    assert torch.equal(sd["weight"], wrapped.master_params[0])
+    assert not torch.equal(sd["weight"], half.weight.float())
+
+
+def test_torch_adamw_checkpoint_keeps_stepping_as_adamw():
+    """torch's AdamW state dict says 'decoupled_weight_decay'; loading it into a FusedAdam built
+    without adam_w_mode must not turn it into L2 Adam (and ours loads into torch's Adam as AdamW)."""
+    ref = make_params(torch.float32, "cpu")
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.5)
+    run(torch_opt, ref, 3)
+    with torch.no_grad():
+        for a, b in zip(ours, ref):
+            a.copy_(b)
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.5)
+    opt.load_state_dict(torch_opt.state_dict())
+    assert opt.param_groups[0]["adam_w_mode"] is True
+    run(opt, ours, 5, seed=7)
+    run(torch_opt, ref, 5, seed=7)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    back = torch.optim.Adam([p.detach().clone().requires_grad_() for p in ours], lr=1e-2)
+    back.load_state_dict(opt.state_dict())
+    assert back.param_groups[0]["decoupled_weight_decay"] is True
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.3])
+def test_momentum_switched_on_mid_run_follows_torch(dampening):
+    """A momentum warm-up from 0 (OneCycleLR/CyclicLR with base_momentum=0 do this): torch seeds
+    the new buffer with the gradient."""
+    ours = make_params(torch.float32, "cpu")
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    opt = FusedSGD(ours, lr=0.05, momentum=0.0, dampening=dampening)
+    torch_opt = torch.optim.SGD(ref, lr=0.05, momentum=0.0, dampening=dampening)
+    for o, params in ((opt, ours), (torch_opt, ref)):
+        run(o, params, 3)
+        o.param_groups[0]["momentum"] = 0.9
+        run(o, params, 4, seed=3)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_apex_constructor_arguments():
+    p = torch.nn.Parameter(torch.randn(3))
+    for cls in (FusedSGD, FusedAdam, FusedLAMB):
+        opt = cls([p], lr=0.1, set_grad_none=False)
+        p.grad = torch.ones(3)
+        opt.zero_grad()
+        assert p.grad is not None and not p.grad.any()  # zeroed, as Apex's set_grad_none=False
+        opt.zero_grad(set_to_none=True)
+        assert p.grad is None
+        assert cls([p], lr=0.1).set_grad_none is True  # torch's default
+    # Apex's positional order for FusedSGD and FusedLAMB
+    FusedSGD([p], 0.1, 0.9, 0.0, 0.0, False, False, True, False)
+    lamb = FusedLAMB([p], 1e-3, True, (0.9, 0.999), 1e-6, 0.01, False, True, True, False, 2.0)
+    assert lamb.param_groups[0]["max_grad_norm"] == 2.0 and lamb.set_grad_none is False
+    with pytest.raises(NotImplementedError, match="wd_after_momentum"):
+        FusedSGD([p], lr=0.1, wd_after_momentum=True)
+    with pytest.raises(NotImplementedError, match="materialize_master_grads"):
+        FusedSGD([p], lr=0.1, materialize_master_grads=False)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        FusedAdam([p], lr=torch.tensor(-1.0))

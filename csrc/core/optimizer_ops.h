@@ -3,7 +3,8 @@
 //
 // NOTE: [Fused master-weight step]
 // One pass per chunk reads the gradient in its own dtype (fp32, fp16 or bf16), unscales it
-// (divides by grad_scale, as torch's fused optimizers do), updates the fp32 weight and the fp32
+// (multiplies by 1 / grad_scale: for the power-of-two scales that loss scalers use this is
+// bit-for-bit torch's division, and one multiply is cheaper), updates the fp32 weight and the fp32
 // optimizer state, and writes the model's weight in its own dtype. With master weights the fp32
 // weight is the master copy (list "master") and the model weight (list "param") is only written;
 // without, "param" is the fp32 (or low-precision) weight itself. A set found_inf skips the

@@ -3,13 +3,15 @@
 FP16_Optimizer with ``dynamic_loss_scale=True``).
 
 It wraps any optimizer over a fp16/bf16 model: fp32 master copies replace the low-precision
-parameters in the optimizer's ``param_groups``; ``backward(loss)`` scales the loss; gradients are
-unscaled into the masters' ``.grad`` by one multi-tensor pass per (device, dtype) that also checks
-for inf/NaN; ``step()`` skips on overflow (backing the scale off) or steps the masters and copies
-them back into the model in one pass.
+parameters in the optimizer's ``param_groups`` (fp32 parameters stay, as their own masters);
+``backward(loss)`` scales the loss; gradients are unscaled -- the low-precision ones into the
+masters' ``.grad``, the fp32 ones in place -- by one multi-tensor pass per (device, dtype) that
+also checks every one of them for inf/NaN; ``step()`` skips on overflow (backing the scale off)
+or steps the masters and copies them back into the model in one pass.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections import defaultdict
 
@@ -25,7 +27,10 @@ class FP16_Optimizer:
     dynamic_loss_args=None, verbose=True)``.
 
     ``dynamic_loss_args`` may set ``init_scale`` (default 2**32), ``scale_factor`` (2.0) and
-    ``scale_window`` (1000), as Apex's DynamicLossScaler.
+    ``scale_window`` (1000), as Apex's DynamicLossScaler, whose scale never drops below 1.
+    As in Apex, per parameter group: ``fp16_groups`` (the model's fp16/bf16 parameters),
+    ``fp32_from_fp16_groups`` (their fp32 masters) and ``fp32_from_fp32_groups`` (fp32
+    parameters, stepped as they are).
     """
 
     def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
@@ -38,24 +43,29 @@ class FP16_Optimizer:
                             f"{type(init_optimizer).__name__}")
         self.optimizer = init_optimizer
         self.verbose = verbose
-        self.model_params: list[torch.Tensor] = []   # low-precision params, in group order
-        self.master_params: list[torch.Tensor] = []  # their fp32 masters
+        self.fp16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp16_groups: list[list[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
         for group in self.optimizer.param_groups:
-            new_params = []
+            low, masters, fp32 = [], [], []
             for p in group["params"]:
-                if p.requires_grad and p.dtype in _LOW:
+                if p.dtype in _LOW:
+                    if not p.requires_grad:
+                        continue  # frozen: nothing to step, no master needed
                     master = torch.nn.Parameter(p.detach().to(torch.float32, copy=True))
                     if p in self.optimizer.state:
                         self.optimizer.state[master] = self.optimizer.state.pop(p)
-                    self.model_params.append(p)
-                    self.master_params.append(master)
-                    new_params.append(master)
-                elif p.dtype == torch.float32 or not p.requires_grad:
-                    new_params.append(p)
+                    low.append(p)
+                    masters.append(master)
+                elif p.dtype == torch.float32:
+                    fp32.append(p)
                 else:
                     raise TypeError(f"FP16_Optimizer wraps float16, bfloat16 and float32 "
                                     f"parameters; got a {p.dtype} parameter")
-            group["params"] = new_params
+            group["params"] = masters + fp32  # Apex's order
+            self.fp16_groups.append(low)
+            self.fp32_from_fp16_groups.append(masters)
+            self.fp32_from_fp32_groups.append(fp32)
         if not self.model_params:
             raise ValueError("FP16_Optimizer found no float16/bfloat16 parameters in the "
                              "optimizer: convert the model with .half() first, or better, use "
@@ -78,10 +88,33 @@ class FP16_Optimizer:
         self.overflow = False
         self.first_closure_call_this_step = True
 
+    # The flat views (group order) peak's own helpers use, e.g. export_fp32_state_dict.
+    @property
+    def model_params(self) -> list[torch.Tensor]:
+        return [p for group in self.fp16_groups for p in group]
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        return [m for group in self.fp32_from_fp16_groups for m in group]
+
+    def __getstate__(self):
+        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
+
+    def __setstate__(self, state):
+        raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
+
     # -- loss scale ------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
         return self._scale.item()
+
+    @loss_scale.setter
+    def loss_scale(self, value) -> None:
+        # Apex sets the scaler's current scale (e.g. to schedule a static scale).
+        value = float(value)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"loss_scale must be a finite positive number, got {value}")
+        self._scale.fill_(value)
 
     def backward(self, loss, update_master_grads=True, retain_graph=False):
         """``(loss.float() * loss_scale).backward()``, then (by default) unscale into the
@@ -93,8 +126,9 @@ class FP16_Optimizer:
             self.update_master_grads()
 
     def update_master_grads(self):
-        """Unscale the model's gradients into the masters' ``.grad`` (fp32), checking inf/NaN
-        in the same pass (one per (device, dtype))."""
+        """Unscale every gradient the optimizer will step: the model's fp16/bf16 gradients into
+        the masters' ``.grad`` (fp32), fp32 parameters' gradients in place; all of them are
+        checked for inf/NaN in the same pass (one per (device, dtype))."""
         self._found_inf.zero_()
         inv_scale = self._scale.reciprocal()
         groups = defaultdict(lambda: ([], []))
@@ -107,24 +141,44 @@ class FP16_Optimizer:
             ins, outs = groups[(p.grad.device, p.grad.dtype)]
             ins.append(p.grad)
             outs.append(m.grad)
+        for p in (p for group in self.fp32_from_fp32_groups for p in group):
+            if p.grad is not None:
+                ins, outs = groups[(p.grad.device, p.grad.dtype)]
+                ins.append(p.grad)
+                outs.append(p.grad)
         for ins, outs in groups.values():
-            ops.multi_tensor_scale_(ins, outs, inv_scale, self._found_inf)
+            ops.multi_tensor_scale_(ins, outs, inv_scale.to(ins[0].device),
+                                    self._found_inf.to(ins[0].device)
+                                    if ins[0].device != self._found_inf.device else self._found_inf)
         self.overflow = self.dynamic_loss_scale and bool(self._found_inf.item())
 
+    def inspect_master_grad_data(self):
+        """The masters' fp32 gradients, one list per parameter group (None while in an overflow
+        state: the gradients are then invalid)."""
+        if self.overflow:
+            warnings.warn("inspect_master_grad_data: the last gradients overflowed; they are "
+                          "invalid (inf, NaN or stale). Returning None.", stacklevel=2)
+            return None
+        return [[None if m.grad is None else m.grad.data for m in group]
+                for group in self.fp32_from_fp16_groups]
+
     def clip_master_grads(self, max_norm, norm_type=2):
-        """Clip the masters' gradients; returns the total norm, or -1 on overflow (Apex)."""
+        """Clip the gradients of every fp32 weight the optimizer steps (masters and fp32
+        parameters) by their total norm; returns that norm, or -1 on overflow (Apex)."""
         if self.overflow:
             return -1
-        grads = [m for m in self.master_params if m.grad is not None]
-        fp32 = [p for g in self.optimizer.param_groups for p in g["params"]
-                if p.dtype == torch.float32 and p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(fp32 or grads, max_norm, norm_type).item()
+        fp32 = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(fp32, max_norm, norm_type).item()
 
     # -- step ------------------------------------------------------------------------------------
     def step(self, closure=None):
-        if closure is not None:
-            raise RuntimeError("FP16_Optimizer does not support closures here; call "
-                               "backward(loss) then step()")
+        """Skip on overflow (backing the scale off), else step the masters and copy them into
+        the model. A closure (static loss scale only, as Apex) must call ``zero_grad()`` and
+        ``backward(loss)`` on this object and return the loss."""
+        if closure is not None and self.dynamic_loss_scale:
+            raise TypeError("Using step with a closure is currently not compatible with dynamic "
+                            "loss scaling: use a static_loss_scale, or call backward(loss) and "
+                            "then step() without a closure.")
         if self.overflow:
             old = self.loss_scale
             self._update_scale()
@@ -132,15 +186,34 @@ class FP16_Optimizer:
                 print(f"OVERFLOW! Skipping step. Attempted loss scale: {old}, reducing to "
                       f"{self.loss_scale}")
             return None
-        result = self.optimizer.step()
+        if closure is not None:
+            result = self._step_with_closure(closure)
+        else:
+            result = self.optimizer.step()
         self._copy_masters_to_model()
         self._update_scale()
         return result
 
+    def _step_with_closure(self, closure):
+        def wrapped_closure():
+            # The optimizer may call the closure more than once (LBFGS): from the second call
+            # on, the masters moved, so the model must see them before the next forward.
+            if self.first_closure_call_this_step:
+                self.first_closure_call_this_step = False
+            else:
+                self._copy_masters_to_model()
+            return closure()
+
+        try:
+            return self.optimizer.step(wrapped_closure)
+        finally:
+            self.first_closure_call_this_step = True
+
     def _update_scale(self):
-        if self.dynamic_loss_scale:
+        if self.dynamic_loss_scale:  # Apex's DynamicLossScaler: the scale stays >= 1
             ops.update_scale_(self._scale, self._growth_tracker, self._found_inf,
-                              self._scale_factor, 1.0 / self._scale_factor, self._scale_window)
+                              self._scale_factor, 1.0 / self._scale_factor, self._scale_window,
+                              min_scale=1.0)
 
     @torch.no_grad()
     def _copy_masters_to_model(self):
@@ -149,9 +222,8 @@ class FP16_Optimizer:
             ins, outs = groups[(p.device, p.dtype)]
             ins.append(m)
             outs.append(p)
-        flag = torch.zeros(1, device=self._scale.device)
-        for ins, outs in groups.values():
-            ops.multi_tensor_scale_(ins, outs, 1.0, flag)
+        for (device, _), (ins, outs) in groups.items():
+            ops.multi_tensor_scale_(ins, outs, 1.0, torch.zeros(1, device=device))
 
     def zero_grad(self, set_grads_to_None=False):
         for p in self.model_params + self.master_params:
@@ -159,13 +231,11 @@ class FP16_Optimizer:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.detach_().zero_()
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.dtype == torch.float32 and p.grad is not None:
-                    if set_grads_to_None:
-                        p.grad = None
-                    else:
-                        p.grad.detach_().zero_()
+        for p in (p for group in self.fp32_from_fp32_groups for p in group):
+            if set_grads_to_None:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_().zero_()
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self):
@@ -176,29 +246,50 @@ class FP16_Optimizer:
             "overflow": self.overflow,
             "first_closure_call_this_step": self.first_closure_call_this_step,
             "optimizer_state_dict": self.optimizer.state_dict(),
-            "fp32_from_fp16": [m.detach().clone() for m in self.master_params],
+            # One list per parameter group, as Apex.
+            "fp32_from_fp16": [[m.detach().clone() for m in group]
+                               for group in self.fp32_from_fp16_groups],
         }
 
     def load_state_dict(self, state_dict):
+        saved = state_dict["fp32_from_fp16"]
+        if saved and isinstance(saved[0], torch.Tensor):  # peak 0.1's flat list
+            flat = list(saved)
+            saved = []
+            for group in self.fp32_from_fp16_groups:
+                saved.append(flat[:len(group)])
+                flat = flat[len(group):]
+            if flat:
+                saved.append(flat)
+        shapes = [len(g) for g in saved]
+        mine = [len(g) for g in self.fp32_from_fp16_groups]
+        if shapes != mine:
+            raise ValueError(f"checkpoint has fp32 master weights for groups of sizes {shapes}, "
+                             f"this optimizer has {mine}: not the same model and optimizer")
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
         self._scale.fill_(state_dict["loss_scaler"]["loss_scale"])
         self._growth_tracker.fill_(state_dict["loss_scaler"].get("growth_tracker", 0))
         self.overflow = state_dict["overflow"]
         self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
-        saved = state_dict["fp32_from_fp16"]
-        if len(saved) != len(self.master_params):
-            raise ValueError(f"checkpoint has {len(saved)} fp32 master weights, this optimizer "
-                             f"has {len(self.master_params)}: not the same model")
         with torch.no_grad():
-            for m, s in zip(self.master_params, saved):
-                m.copy_(s)
+            for group, saved_group in zip(self.fp32_from_fp16_groups, saved):
+                for m, s in zip(group, saved_group):
+                    m.copy_(s)
 
-    # Apex exposes the wrapped optimizer's param_groups and state.
+    # Apex exposes the wrapped optimizer's param_groups and state, both settable.
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
     @property
     def state(self):
         return self.optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value

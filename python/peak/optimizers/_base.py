@@ -24,7 +24,7 @@ def _check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
                              f"{tuple(value.shape)}")
-        return
+        value = value.item()  # checked once, at construction, as torch does
     ok = True
     if lo is not None:
         ok &= value > lo if lo_open else value >= lo
@@ -44,7 +44,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     _state_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults, master_weights: bool | None = None,
-                 stochastic_rounding: bool = False):
+                 stochastic_rounding: bool = False, set_grad_none: bool = True):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None (auto), True or False, got "
                              f"{master_weights!r}")
@@ -56,12 +56,23 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "stochastic_rounding=True rounds bf16 weights that are stepped directly, without "
                 "fp32 master copies: pass master_weights=False as well (with master weights the "
                 "model copy is rounded to nearest from the exact fp32 master)")
+        if set_grad_none not in (True, False):
+            raise ValueError(f"set_grad_none must be True or False, got {set_grad_none!r}")
         self.master_weights = master_weights
+        # Apex's option: what zero_grad() does when not told (torch's default: set to None).
+        self.set_grad_none = set_grad_none
         # The hash key of the rounding (NOTE: [Stochastic rounding to bf16]): from torch's seed,
         # so torch.manual_seed makes runs repeat; kept in param_groups, so checkpoints carry it.
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
                         stochastic_rounding_seed=torch.initial_seed() % 2**32)
         super().__init__(params, defaults)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """As torch's; ``set_to_none=None`` follows the constructor's ``set_grad_none`` (Apex's
+        argument; True, torch's default, unless given)."""
+        if set_to_none is None:  # (an unpickled optimizer has only torch's attributes)
+            set_to_none = getattr(self, "set_grad_none", True)
+        super().zero_grad(set_to_none)
 
     # -- state -----------------------------------------------------------------------------------
     def _wants_master(self, p: Tensor) -> bool:
@@ -76,15 +87,22 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            for key in self._state_keys_for(group):
+        # Per step, not only on the first: a group may switch an option on mid-run (a momentum
+        # warm-up from 0, amsgrad), and its state then starts here, as torch's would.
+        for key in self._state_keys_for(group):
+            if key not in state:
                 state[key] = torch.zeros_like(p, dtype=torch.float32,
                                               memory_format=torch.preserve_format)
+                self._state_started(state, key)
         if self._wants_master(p) and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True)
         return state
 
     def _state_keys_for(self, group: dict) -> tuple[str, ...]:
         return self._state_keys
+
+    def _state_started(self, state: dict, key: str) -> None:
+        """Hook: ``state[key]`` was just created (zeros) for a parameter."""
 
     def master_params(self):
         """The fp32 weights the optimizer steps: the master copy where there is one, else the
@@ -240,6 +258,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                              for pid, st in saved_state.items()}
         super().load_state_dict(stripped)
         for group in self.param_groups:  # a torch.optim checkpoint lacks our own options
+            self._translate_torch_group(group)
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -256,6 +275,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 else:  # a Python number (older torch 'step')
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
             self._complete_loaded_state(p, state)
+
+    def _translate_torch_group(self, group: dict) -> None:
+        """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""
 
     def _complete_loaded_state(self, p: Tensor, state: dict) -> None:
         """Fill what a torch.optim checkpoint lacks (a master copy, a step count)."""
@@ -275,18 +297,36 @@ def _dense(t: Tensor) -> bool:
     return t.permute(order).is_contiguous()
 
 
-def export_fp32_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``model.state_dict()`` in fp32, taking each parameter's value from the optimizer's master
-    copy where it keeps one (exact fp32 weights, not the rounded model copy)."""
-    masters = {}
+def _masters_of(optimizer) -> dict[int, Tensor]:
+    """id(model parameter) -> its fp32 master, wherever the optimizer keeps them: a fused
+    optimizer's state, amp O2's masters (swapped into a torch optimizer's param_groups), or
+    FP16_Optimizer's."""
+    masters: dict[int, Tensor] = {}
+    pairs = []
+    if hasattr(optimizer, "fp32_from_fp16_groups"):  # FP16_Optimizer (it wraps a torch optimizer)
+        pairs += list(zip(optimizer.model_params, optimizer.master_params))
+    stash = getattr(optimizer, "_amp_stash", None)
+    if stash is not None:
+        pairs += list(zip(stash.model_low_params, stash.masters))
+    for p, m in pairs:
+        masters[id(p)] = m
     for group in optimizer.param_groups:
         for p in group["params"]:
             st = optimizer.state.get(p, {})
             if "master_param" in st:
                 masters[id(p)] = st["master_param"]
-    by_name = dict(model.named_parameters())
+    return masters
+
+
+def export_fp32_state_dict(model: torch.nn.Module, optimizer) -> dict:
+    """``model.state_dict()`` in fp32, taking each parameter's value from the optimizer's master
+    copy where it keeps one (exact fp32 weights, not the rounded model copy): a peak fused
+    optimizer, an optimizer that ``amp.initialize`` gave master weights (O2), or
+    ``FP16_Optimizer``. Tied parameters get the master under every name they have."""
+    masters = _masters_of(optimizer)
+    by_name = dict(model.named_parameters(remove_duplicate=False))
     out = {}
-    for name, value in model.state_dict().items():
+    for name, value in model.state_dict(keep_vars=True).items():
         p = by_name.get(name)
         if p is not None and id(p) in masters:
             out[name] = masters[id(p)].detach().clone()

@@ -18,8 +18,21 @@ class FusedSGD(FusedOptimizer):
     step, as ``torch.nn.utils.clip_grad_norm_`` would (see "Clipping inside the step")."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, *, maximize=False, master_weights=None,
+                 nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
+                 set_grad_none=True, *, maximize=False, master_weights=None,
                  stochastic_rounding=False, max_grad_norm=0.0):
+        # Apex's FusedSGD arguments, in Apex's positions; its two variants are not provided.
+        if wd_after_momentum:
+            raise NotImplementedError(
+                "FusedSGD(wd_after_momentum=True) (Apex's variant that adds weight decay after "
+                "the momentum update) is not provided: peak's FusedSGD is torch.optim.SGD's "
+                "algorithm (weight decay added to the gradient before momentum). Leave "
+                "wd_after_momentum=False")
+        if not materialize_master_grads:
+            raise NotImplementedError(
+                "FusedSGD(materialize_master_grads=False) is not needed: peak's fused step reads "
+                "the fp16/bf16 gradients directly and never materializes fp32 master gradients. "
+                "Leave materialize_master_grads=True (the default)")
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("momentum value", momentum, lo=0.0)
         _check_hyper("weight_decay value", weight_decay, lo=0.0)
@@ -28,10 +41,17 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, max_grad_norm=float(max_grad_norm))
-        super().__init__(params, defaults, master_weights, stochastic_rounding)
+        super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none)
 
     def _state_keys_for(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _state_started(self, state, key):
+        # Momentum switched on mid-run (a warm-up from 0): torch.optim.SGD seeds a missing
+        # buffer with the gradient; the kernel seeds on a parameter's first step, so count from
+        # there again (FusedSGD's step count serves only that, and stochastic rounding's bits).
+        if key == "momentum_buffer":
+            state["step"].zero_()
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         buffers = [s["momentum_buffer"] for s in states] if group["momentum"] != 0 else []
@@ -50,12 +70,15 @@ class FusedSGD(FusedOptimizer):
 
 class FusedAdam(FusedOptimizer):
     """Adam, or AdamW with ``adam_w_mode=True`` (decoupled weight decay), as ``torch.optim.Adam``
-    / ``AdamW``; ``amsgrad`` and ``bias_correction`` as Apex's FusedAdam.
+    / ``AdamW``; ``amsgrad``, ``bias_correction`` and ``set_grad_none`` as Apex's FusedAdam.
+    The arguments are in torch.optim.Adam's order and ``adam_w_mode`` defaults to False (torch's
+    Adam); Apex's FusedAdam defaults to AdamW: pass ``adam_w_mode=True`` for Apex's behaviour.
     ``master_weights``, ``stochastic_rounding`` and ``max_grad_norm`` as for :class:`FusedSGD`."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
-                 master_weights=None, stochastic_rounding=False, max_grad_norm=0.0):
+                 master_weights=None, stochastic_rounding=False, max_grad_norm=0.0,
+                 set_grad_none=True):
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("epsilon value", eps, lo=0.0)
         _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
@@ -66,10 +89,24 @@ class FusedAdam(FusedOptimizer):
                         amsgrad=amsgrad, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, maximize=maximize,
                         max_grad_norm=float(max_grad_norm))
-        super().__init__(params, defaults, master_weights, stochastic_rounding)
+        super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none)
 
     def _state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _translate_torch_group(self, group):
+        # torch.optim.Adam/AdamW name decoupled weight decay 'decoupled_weight_decay' (AdamW:
+        # always True): a torch AdamW checkpoint must keep stepping as AdamW here.
+        if "adam_w_mode" not in group and "decoupled_weight_decay" in group:
+            group["adam_w_mode"] = bool(group["decoupled_weight_decay"])
+
+    def state_dict(self):
+        # ...and the other way: torch.optim.Adam reads 'decoupled_weight_decay' (default False),
+        # so our checkpoint says which Adam it is in torch's words too.
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group["decoupled_weight_decay"] = bool(group["adam_w_mode"])
+        return sd
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
@@ -98,7 +135,8 @@ class FusedLAMB(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
-                 max_grad_norm=1.0, use_nvlamb=False, *, master_weights=None):
+                 set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, *,
+                 master_weights=None):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         _check_hyper("learning rate", lr, lo=0.0)
@@ -111,7 +149,7 @@ class FusedLAMB(FusedOptimizer):
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         use_nvlamb=use_nvlamb)
-        super().__init__(params, defaults, master_weights)
+        super().__init__(params, defaults, master_weights, set_grad_none=set_grad_none)
 
     _state_keys = ("exp_avg", "exp_avg_sq")
 
