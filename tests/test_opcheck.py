@@ -81,3 +81,30 @@ def test_compiled_unscale_matches_eager():
     assert torch.equal(n1, n2) and torch.equal(f1, f2)
     for a, b in zip(eager, grads):
         assert torch.equal(a, b)
+
+
+def test_fake_kernels_take_the_schema_defaults():
+    """torch leaves out arguments equal to their schema default when it calls a Python fake
+    kernel; each op must trace under FakeTensorMode when called with its defaults."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        grads = [torch.empty(5), torch.empty(7)]
+        flag = torch.zeros(1)
+        torch.ops.peak.multi_tensor_scale_(grads, grads, torch.ones(1), flag)
+        torch.ops.peak.multi_tensor_axpby_(grads, grads, grads, torch.ones(1), torch.ones(1), flag)
+        torch.ops.peak.multi_tensor_check_finite_(grads, flag)
+        total, per = torch.ops.peak.multi_tensor_l2norm(grads)
+        assert total.shape == (1,) and per.shape == (0,)
+
+
+def test_grad_scaler_unscales_meta_gradients():
+    """A dry run on the meta device (memory planning) goes through the scaler as with torch's."""
+    from peak import amp
+
+    p = torch.nn.Parameter(torch.empty(4, device="meta"))
+    p.grad = torch.empty(4, device="meta")
+    opt = torch.optim.SGD([p], lr=0.1)
+    for scaler in (torch.amp.GradScaler("cpu"), amp.GradScaler("cpu")):
+        scaler.scale(torch.ones((), device="meta"))
+        scaler.unscale_(opt)

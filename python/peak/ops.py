@@ -117,19 +117,21 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, grow
 
 
 # ---- fake kernels (shape/dtype propagation for torch.compile and FakeTensor) -------------------
+# Each takes the schema's defaults: torch leaves out arguments equal to their default when it
+# calls a Python fake kernel.
 
 @torch.library.register_fake("peak::multi_tensor_scale_")
-def _(inputs, outputs, scale, found_inf, chunk_size, per_tensor_found_inf=None):
+def _(inputs, outputs, scale, found_inf, chunk_size=DEFAULT_CHUNK_SIZE, per_tensor_found_inf=None):
     return None
 
 
 @torch.library.register_fake("peak::multi_tensor_axpby_")
-def _(xs, ys, outputs, a, b, found_inf, check, chunk_size):
+def _(xs, ys, outputs, a, b, found_inf, check=3, chunk_size=DEFAULT_CHUNK_SIZE):
     return None
 
 
 @torch.library.register_fake("peak::multi_tensor_l2norm")
-def _(tensors, per_tensor, chunk_size):
+def _(tensors, per_tensor=False, chunk_size=DEFAULT_CHUNK_SIZE):
     first = tensors[0]
     total = first.new_empty((1,), dtype=torch.float32)
     per = first.new_empty((len(tensors) if per_tensor else 0,), dtype=torch.float32)
@@ -153,7 +155,7 @@ def multi_tensor_check_finite_(tensors: Sequence[Tensor], found_inf: Tensor, *,
 
 
 @torch.library.register_fake("peak::multi_tensor_check_finite_")
-def _(tensors, found_inf, chunk_size, per_tensor_found_inf=None):
+def _(tensors, found_inf, chunk_size=DEFAULT_CHUNK_SIZE, per_tensor_found_inf=None):
     return None
 
 

@@ -455,6 +455,14 @@ def test_attribute_hand_off_contract():
     o.grad_scale = torch.tensor(0.5)
     s.step(o)
     assert o.seen[0].item() == s.get_scale() * 0.5
+    s.update()
+    # UNSCALED with a user-set grad_scale: the optimizer sees the user's value, as torch's
+    s.scale(torch.ones(()))
+    s.unscale_(o)
+    mine = torch.tensor(2.0)
+    o.grad_scale = mine
+    s.step(o)
+    assert o.seen[0] is mine
 
 
 def test_legacy_grad_scaler_kwarg_contract():

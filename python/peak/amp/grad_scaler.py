@@ -595,6 +595,8 @@ class GradScaler(torch.amp.GradScaler):
             cached = ("grad_scaler" in params,
                       "grad_scale" in params and "found_inf" in params,
                       "grad_norm" in params)
+            if len(self._step_sig_cache) >= 64:  # code that re-wraps step() every iteration
+                self._step_sig_cache.clear()
             self._step_sig_cache[key] = cached
         return cached
 
@@ -639,7 +641,9 @@ class GradScaler(torch.amp.GradScaler):
                 # No gradients at all this iteration: found_inf is zero (torch: sum([])).
                 found_inf = self._combined_found_inf(optimizer_state)
                 if optimizer_state["stage"] is OptState.UNSCALED:
-                    optimizer.grad_scale = None
+                    # unscale_ already ran: the gradients carry no scale of ours, so the
+                    # optimizer gets only what the user set (torch does the same).
+                    optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
                 else:  # fresh tensors, as torch hands over: the optimizer may write to them
                     user_scale = getattr(optimizer, "grad_scale", None)
                     optimizer.grad_scale = (self._scale.clone() if user_scale is None
