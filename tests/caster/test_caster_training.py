@@ -178,6 +178,36 @@ def test_rnn(o1, cls):
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN], ids=["lstm", "gru", "rnn"])
+def test_rnn_takes_low_precision_input(o1, cls):
+    """An RNN after a cast layer (or a stacked RNN module) gets fp16/bf16 input while its weights
+    are fp32: torch's module-level dtype check must not refuse it (torch skips it under autocast),
+    and the result equals running the module on hand-cast input and weights with the caster off."""
+    torch.manual_seed(0)
+    proj, rnn, rnn2 = nn.Linear(3, 4), cls(4, 6), cls(6, 5, batch_first=False)
+    x = torch.randn(5, 2, 3)
+    out, _ = rnn2(rnn(proj(x))[0])  # Linear -> RNN -> RNN: each RNN sees low-precision input
+    assert out.dtype == o1
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for m in (proj, rnn, rnn2) for p in m.parameters())
+    with _caster.disabled():
+        ref_mods = [copy.deepcopy(m).to(o1) for m in (proj, rnn, rnn2)]
+        h = ref_mods[0](x.to(o1))
+        ref, _ = ref_mods[2](ref_mods[1](h)[0])
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_rnn_dtype_check_is_back_after_o1():
+    rnn = nn.LSTM(4, 3)
+    _caster.enable(torch.bfloat16)
+    _caster.disable()
+    assert "check_input" not in vars(nn.LSTM) and vars(nn.RNNBase)["check_input"].__module__ \
+        == "torch.nn.modules.rnn"
+    with pytest.raises(ValueError, match="dtype"):
+        rnn(torch.randn(2, 1, 4, dtype=torch.bfloat16))
+
+
 def test_rnn_cell(o1):
     cell = nn.LSTMCell(4, 3)
     h, c = cell(torch.randn(2, 4))
@@ -267,11 +297,50 @@ def test_register_overrides_builtin(low):
     assert lists.policy_of(torch.mm) == "lower"
 
 
+class _Projector:
+    @staticmethod
+    def project(x, w):
+        return x @ w
+
+    @classmethod
+    def make(cls):
+        return cls.__name__
+
+
+class _SubProjector(_Projector):
+    pass
+
+
+def test_register_static_and_class_methods_stay_what_they_were(low):
+    """Registered static/class methods keep working through instances and subclasses under O1,
+    and leaving amp puts back the very objects that were in the class."""
+    before = dict(vars(_Projector))
+    amp.register_half_function(_Projector, "project")
+    amp.register_float_function(_Projector, "make")
+    _caster.enable(low)
+    try:
+        x, w = torch.randn(2, 3), torch.randn(3, 3)
+        assert _Projector.project(x, w).dtype == low
+        assert _Projector().project(x, w).dtype == low  # still a staticmethod
+        assert _SubProjector.make() == "_SubProjector"  # still bound to the caller's class
+    finally:
+        _caster.disable()
+    for name in ("project", "make"):
+        assert vars(_Projector)[name] is before[name]
+    assert _Projector().project(torch.randn(1, 3), torch.randn(3, 3)).dtype == torch.float32
+    lists.reset()
+
+
 def test_register_errors():
     with pytest.raises(ValueError, match="No function named nope in module"):
         amp.register_half_function(torch, "nope")
     with pytest.raises(TypeError, match="name must be a str"):
         amp.register_half_function(torch, torch.mm)
+    # not a function: refused at once, so that no later initialize trips over it
+    with pytest.raises(TypeError, match="float16 is a dtype, not a function"):
+        amp.register_half_function(torch, "float16")
+    _caster.enable(torch.bfloat16)  # nothing pending was left behind
+    assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
 
 
 def test_lists_api(o1):
@@ -299,6 +368,23 @@ def test_lists_errors():
         lists.add("fp32")
     with pytest.raises(ValueError, match="on no O1 list"):
         lists.remove(F.relu)
+    with pytest.raises(TypeError, match="at least one function"):
+        lists.remove()
+
+    def mine(x):
+        return x
+
+    # never seen by the caster: refused, pointing to the decorators/registrations
+    for fn in (mine, nn.ReLU, lambda x: x):
+        with pytest.raises(TypeError, match="amp.half_function"):
+            lists.add("lower", fn)
+        with pytest.raises(TypeError, match="amp.half_function"):
+            with lists.local({fn: "lower"}):
+                pass
+    with pytest.raises(TypeError, match="must be a callable"):
+        lists.policy_of(5)
+    with pytest.raises(TypeError, match="True or False"):
+        lists.set_allow_banned("no")
     with pytest.raises(ValueError, match="low_dtype must be"):
         _caster.enable(torch.float32)
 

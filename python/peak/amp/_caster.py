@@ -185,6 +185,7 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | N
             for fn, code in _c.table():
                 if code != _c.POLICY_hook:
                     _patch(fn)
+        _install_rnn_check()
         _on[ident] = dispatch
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
@@ -213,9 +214,39 @@ def disable() -> None:
         last = not _on
         if last:
             _unpatch_all()
+            _remove_rnn_check()
             lists._undo_registrations()
     if mode is not None:
         _remove_mode(mode)
+
+
+# ---- nn.RNN/LSTM/GRU under O1
+
+_rnn_check: dict = {}  # "orig": RNNBase.check_input while some thread has O1 on
+
+
+def _rnn_check_input(self, input, batch_sizes):
+    """RNNBase.check_input, without its input-vs-weight dtype check while O1 casts in this thread:
+    O1 casts the RNN op's input and weights alike (torch._VF.lstm & co. are listed), and torch
+    skips the same check under autocast for the same reason. An fp16/bf16 input (the output of a
+    cast Linear, of a previous LSTM) would otherwise be refused by the fp32 module."""
+    weights = self._flat_weights
+    w = weights[0] if weights else None
+    if (w is not None and input.dtype != w.dtype and input.is_floating_point()
+            and w.is_floating_point() and _c.is_casting()):
+        input = torch.empty(input.shape, dtype=w.dtype, device="meta")  # shape checks only
+    return _rnn_check["orig"](self, input, batch_sizes)
+
+
+def _install_rnn_check() -> None:
+    if not _rnn_check:
+        _rnn_check["orig"] = torch.nn.RNNBase.__dict__["check_input"]
+        torch.nn.RNNBase.check_input = _rnn_check_input
+
+
+def _remove_rnn_check() -> None:
+    if _rnn_check:
+        torch.nn.RNNBase.check_input = _rnn_check.pop("orig")
 
 
 # ---- patch dispatch

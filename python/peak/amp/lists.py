@@ -93,6 +93,21 @@ def _check_callable(fn, arg: str = "func") -> None:
                         f"torch.nn.functional.sigmoid)")
 
 
+def _check_interceptable(fn, arg: str = "func") -> None:
+    """Only torch's own callables are looked up in the lists: a Python function of the user's (or
+    a module class) never reaches the caster, so listing it would silently do nothing."""
+    fn = _unwrap(fn)
+    if id(fn) in _caster._index() or fn in _caster.AUTOGRAD_ENTRIES:
+        return
+    raise TypeError(
+        f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
+        "torch.nn.functional, torch.Tensor, torch.linalg, torch.special or torch.fft, so O1 never "
+        "sees its calls. For your own functions use the decorators amp.half_function / "
+        "amp.float_function / amp.promote_function, or amp.register_half_function(module, name) "
+        "(and register_float/promote_function) before amp.initialize; for a module (e.g. "
+        "nn.GELU) list the function it calls (torch.nn.functional.gelu).")
+
+
 def add(policy: str, *funcs) -> None:
     """Give each of ``funcs`` the ``policy`` (replacing any policy it had)."""
     code = _code(policy)
@@ -101,6 +116,7 @@ def add(policy: str, *funcs) -> None:
                         "e.g. lists.add('fp32', torch.nn.functional.gelu)")
     for fn in funcs:
         _check_callable(fn)
+        _check_interceptable(fn)
     funcs = [_unwrap(fn) for fn in funcs]
     _ensure_defaults()
     for fn in funcs:
@@ -112,6 +128,9 @@ def add(policy: str, *funcs) -> None:
 
 def remove(*funcs) -> None:
     """Take each of ``funcs`` off the lists (it then runs in whatever dtypes it receives)."""
+    if not funcs:
+        raise TypeError("lists.remove(*funcs): pass at least one function, "
+                        "e.g. lists.remove(torch.nn.functional.softmax)")
     _ensure_defaults()
     funcs = [_unwrap(fn) for fn in funcs]
     for fn in funcs:
@@ -124,6 +143,7 @@ def remove(*funcs) -> None:
 
 def policy_of(func) -> str | None:
     """The policy name of ``func`` in this thread (``local`` edits first), or None if unlisted."""
+    _check_callable(func)
     _ensure_defaults()
     code = _c.effective_policy(_unwrap(func))
     return _NAMES.get(code) if code else None
@@ -144,6 +164,7 @@ def local(edits: dict):
     codes = {}
     for fn, policy in edits.items():
         _check_callable(fn, "edits key")
+        _check_interceptable(fn, "edits key")
         codes[_unwrap(fn)] = 0 if policy is None else _code(policy)
     _ensure_defaults()
     _c.push_local(codes)
@@ -188,7 +209,10 @@ def set_dispatch(dispatch: str) -> None:
 
 def set_allow_banned(allow: bool) -> None:
     """Let banned functions (binary_cross_entropy) run in fp32 instead of raising (Apex's
-    ``allow_banned``), until O1 is next enabled."""
+    ``allow_banned``) in this thread, until O1 is next enabled (``amp.initialize`` sets it from
+    its own ``allow_banned`` argument: pass it there to have it from the start)."""
+    if allow not in (True, False):
+        raise TypeError(f"allow must be True or False, got {allow!r}")
     _c.set_allow_banned(bool(allow))
 
 
@@ -228,6 +252,10 @@ def _register(module, name, policy: str) -> None:
         raise TypeError(f"name must be a str (the attribute name), got {type(name).__name__}")
     if not hasattr(module, name):
         raise ValueError(f"No function named {name} in module {module}.")
+    if not callable(getattr(module, name)):
+        raise TypeError(f"{module!r}.{name} is a {type(getattr(module, name)).__name__}, not a "
+                        f"function: register_*_function takes the name of a function to cast the "
+                        f"arguments of")
     _pending.append((module, name, policy))
 
 
@@ -249,19 +277,36 @@ def register_promote_function(module, name) -> None:
 def _apply_registrations() -> None:
     """Patch each registered ``module.name`` with the policy's wrapper and list the original, so that
     the registration wins over the built-in lists (Apex: user casts run innermost)."""
-    for module, name, policy in _pending:
+    while _pending:
+        module, name, policy = _pending.pop(0)
+        own = vars(module)
+        had, raw = name in own, own.get(name)
         orig = getattr(module, name)
-        _applied.append((module, name, policy, orig, _c.get_policy(orig)))
+        if not callable(orig):  # changed since it was registered: drop it, say why
+            raise TypeError(f"register_{policy}_function: {module!r}.{name} is no longer a "
+                            f"function ({type(orig).__name__}); registration dropped")
+        # A class's static/class methods stay what they are (wrapping what getattr returns would
+        # turn a staticmethod into an instance method, and bind a classmethod to this class).
+        if isinstance(raw, staticmethod):
+            new = staticmethod(_decorator(policy)(raw.__func__))
+        elif isinstance(raw, classmethod):
+            new = classmethod(_decorator(policy)(raw.__func__))
+            orig = raw.__func__
+        else:
+            new = _decorator(policy)(orig)
+        _applied.append((module, name, policy, had, raw, orig, _c.get_policy(orig)))
         _c.set_policy(orig, _CODES[policy])
-        setattr(module, name, _decorator(policy)(orig))
-    _pending.clear()
+        setattr(module, name, new)
 
 
 def _undo_registrations() -> None:
     """Restore the registered functions (O1 off: plain behaviour), keeping the registrations for
     the next O1 initialize: Apex's patches, once made, stayed for every later initialize."""
     while _applied:
-        module, name, policy, orig, code = _applied.pop()
-        setattr(module, name, orig)
+        module, name, policy, had, raw, orig, code = _applied.pop()
+        if had:
+            setattr(module, name, raw)  # the very object that was there (descriptor included)
+        else:
+            delattr(module, name)  # it was inherited or found through __getattr__
         _c.set_policy(orig, code)
         _pending.insert(0, (module, name, policy))
