@@ -91,6 +91,15 @@ struct Frame {
 };
 using FrameStack = std::vector<std::shared_ptr<const Frame>>;  // innermost last
 
+// A thread's caster state as push_state saves it (NOTE: [Checkpoint recomputation]).
+struct SavedState {
+  bool active;
+  at::ScalarType low;
+  bool allow_banned;
+  int suspended;
+  FrameStack frames;
+};
+
 // Per thread: disable_casts depth, whether O1 was switched on in this thread (for the decorators;
 // the mode itself lives on the thread's torch-function mode stack), the weight-cast cache.
 struct ThreadState {
@@ -110,6 +119,7 @@ struct ThreadState {
   size_t next_sweep = 64;  // cache size at which a store sweeps dead entries first
   int64_t hits = 0, casts = 0, stores = 0;
   FrameStack frames;  // thread-local list edits (peak.amp.lists.local)
+  std::vector<SavedState> saved;  // push_state's stack
 };
 thread_local ThreadState tls;
 
@@ -817,6 +827,54 @@ void register_bindings(py::module_& m) {
     return py::make_tuple(h->active, h->suspended, h->frames.size());
   }, "(on, disable_casts depth, list-edit frames) of the caster state torch handed this thread, "
      "or None (this thread switched O1 on itself, or was handed nothing)");
+  // NOTE: [Checkpoint recomputation]
+  // torch.utils.checkpoint runs a forward again during backward, possibly outside the
+  // disable_casts/lists.local block (or the O1 on/off state) the forward ran in; torch saves and
+  // restores its autocast state around the recomputation, and peak.amp._caster does the same
+  // with these: snapshot() takes the caster state in effect in this thread (its own, or the one
+  // torch handed it, with its own edits on top), push_state() makes a snapshot this thread's
+  // state until the matching pop_state().
+  c.def("snapshot", []() -> py::object {
+    Published* snap;
+    if (thread_on()) {
+      snap = new Published{tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames};
+    } else if (const Published* h = handed_state()) {
+      FrameStack frames = h->frames;
+      frames.insert(frames.end(), tls.frames.begin(), tls.frames.end());
+      snap = new Published{h->active, h->low, h->allow_banned, h->suspended + tls.suspended,
+                           std::move(frames)};
+    } else {
+      snap = new Published{false, at::ScalarType::Undefined, false, 0, {}};
+    }
+    PyObject* capsule = PyCapsule_New(snap, kPublishedName, destroy_published);
+    if (!capsule) {
+      delete snap;
+      throw py::error_already_set();
+    }
+    return py::reinterpret_steal<py::object>(capsule);
+  }, "The caster state in effect in this thread now (an opaque object for push_state)");
+  c.def("push_state", [](py::handle snapshot) {
+    auto* snap = static_cast<const Published*>(PyCapsule_GetPointer(snapshot.ptr(), kPublishedName));
+    if (!snap) throw py::error_already_set();
+    tls.saved.push_back({tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames});
+    tls.active = snap->active;
+    tls.low = snap->low;
+    tls.allow_banned = snap->allow_banned;
+    tls.suspended = snap->suspended;
+    tls.frames = snap->frames;
+    publish();
+  }, py::arg("snapshot"), "Make a snapshot() this thread's caster state until pop_state()");
+  c.def("pop_state", []() {
+    if (tls.saved.empty()) throw py::value_error("pop_state() without a matching push_state()");
+    SavedState prev = std::move(tls.saved.back());
+    tls.saved.pop_back();
+    tls.active = prev.active;
+    tls.low = prev.low;
+    tls.allow_banned = prev.allow_banned;
+    tls.suspended = prev.suspended;
+    tls.frames = std::move(prev.frames);
+    publish();
+  });
   c.def(
       "call",
       [](int p, py::handle func, py::handle args, py::handle kwargs) -> py::object {

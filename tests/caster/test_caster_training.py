@@ -228,6 +228,44 @@ def test_checkpoint(o1, reentrant):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("region", ["disable_casts", "local"])
+def test_checkpoint_recomputes_under_the_forwards_state(o1, reentrant, region):
+    """A checkpointed forward run inside disable_casts()/lists.local, with backward outside it:
+    the recomputation sees the forward's caster state (as torch's checkpoint does for autocast),
+    so the gradients equal those of the same forward without checkpointing."""
+    torch.manual_seed(0)
+    l1, l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)  # (the reentrant form needs an input that does)
+
+    def block(x):
+        return l2(F.relu(l1(x)))
+
+    def inside():
+        return amp.disable_casts() if region == "disable_casts" else lists.local({F.linear: None})
+
+    with inside():
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+    assert out.dtype == torch.float32
+    out.sum().backward()  # outside the region: O1 would cast F.linear here
+    got = [p.grad.clone() for p in (l1.weight, l2.weight)]
+    l1.zero_grad(), l2.zero_grad()
+    with inside():
+        block(x).sum().backward()
+    for g, p in zip(got, (l1.weight, l2.weight)):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=0)
+
+
+def test_checkpoint_module_is_restored_after_o1():
+    import torch.utils.checkpoint as ckpt
+
+    before = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
+    _caster.enable(torch.float16)
+    assert ckpt.CheckpointFunction is not before[1]
+    _caster.disable()
+    assert (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction) == before
+
+
 # ---- user functions and list edits
 
 def test_decorators(o1):

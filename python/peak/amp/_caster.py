@@ -13,6 +13,7 @@ See docs/caster.md for the design.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -186,6 +187,7 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | N
                 if code != _c.POLICY_hook:
                     _patch(fn)
         _install_rnn_check()
+        _install_checkpoint_state()
         _on[ident] = dispatch
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
@@ -215,6 +217,7 @@ def disable() -> None:
         if last:
             _unpatch_all()
             _remove_rnn_check()
+            _remove_checkpoint_state()
             lists._undo_registrations()
     if mode is not None:
         _remove_mode(mode)
@@ -247,6 +250,61 @@ def _install_rnn_check() -> None:
 def _remove_rnn_check() -> None:
     if _rnn_check:
         torch.nn.RNNBase.check_input = _rnn_check.pop("orig")
+
+
+# ---- torch.utils.checkpoint: recompute under the forward's caster state
+
+_checkpoint: dict = {}  # the originals replaced in torch.utils.checkpoint while O1 is on
+
+
+def _under_current_state(fn):
+    """``fn``, to be run later under the caster state in effect now (NOTE: [Checkpoint
+    recomputation] in csrc/caster/caster.cpp), as torch.utils.checkpoint re-enters the forward's
+    autocast state for the recomputation."""
+    state = _c.snapshot()
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        _c.push_state(state)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _c.pop_state()
+
+    return run
+
+
+def _install_checkpoint_state() -> None:
+    """checkpoint() looks both of these up in its module at each call: the non-reentrant path
+    calls the generator (whose ``fn`` is used only to recompute), the reentrant one
+    CheckpointFunction (whose run_function runs in the forward, under the state it captures
+    itself, and again in backward)."""
+    if _checkpoint:
+        return
+    import torch.utils.checkpoint as ckpt  # noqa: PLC0415
+
+    generator = ckpt._checkpoint_without_reentrant_generator
+    function = ckpt.CheckpointFunction
+
+    def checkpoint_without_reentrant_generator(fn, *args, **kwargs):
+        return generator(_under_current_state(fn), *args, **kwargs)
+
+    class CheckpointFunction(function):
+        @staticmethod
+        def forward(ctx, run_function, preserve_rng_state, *args):
+            return function.forward(ctx, _under_current_state(run_function), preserve_rng_state,
+                                    *args)
+
+    _checkpoint.update(module=ckpt, generator=generator, function=function)
+    ckpt._checkpoint_without_reentrant_generator = checkpoint_without_reentrant_generator
+    ckpt.CheckpointFunction = CheckpointFunction
+
+
+def _remove_checkpoint_state() -> None:
+    if _checkpoint:
+        ckpt = _checkpoint.pop("module")
+        ckpt._checkpoint_without_reentrant_generator = _checkpoint.pop("generator")
+        ckpt.CheckpointFunction = _checkpoint.pop("function")
 
 
 # ---- patch dispatch
