@@ -397,6 +397,14 @@ def test_lists_api(o1):
     assert lists.entries()[lists._unwrap(F.gelu)] == "fp32"  # keys: the original callables
 
 
+def test_local_entered_before_o1(low, dispatch):
+    x = torch.randn(3, 3)
+    with lists.local({F.relu: "lower"}):
+        _caster.enable(low, dispatch=dispatch)
+        assert F.relu(x).dtype == low  # the block's edits hold once O1 is on
+    assert F.relu(x).dtype == torch.float32
+
+
 def test_lists_errors():
     with pytest.raises(ValueError, match="policy must be one of"):
         lists.add("half", F.relu)

@@ -175,3 +175,21 @@ def test_bad_arguments():
     with pytest.raises(AttributeError, match="not decorated with custom_fwd"):  # as torch
         NoFwd.apply(torch.randn(2, requires_grad=True)).sum().backward()
     assert amp.is_autocast_available("cpu") and amp.is_autocast_available is torch.amp.is_autocast_available
+
+
+def test_cast_inputs_takes_python_types_as_torch_does():
+    """torch takes Python's float where it takes a dtype (Tensor.to(float) is float64)."""
+    for mod in (torch.amp, amp):
+        class Double(torch.autograd.Function):
+            @staticmethod
+            @mod.custom_fwd(device_type="cpu", cast_inputs=float)
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            @mod.custom_bwd(device_type="cpu")
+            def backward(ctx, g):
+                return g * 2
+
+        with mod.autocast("cpu"):
+            assert Double.apply(torch.ones(2, requires_grad=True)).dtype == torch.float64

@@ -186,6 +186,8 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | N
             for fn, code in _c.table():
                 if code != _c.POLICY_hook:
                     _patch(fn)
+            for fn in lists._local_functions():  # a lists.local block entered before O1
+                _patch(fn)
         _install_rnn_check()
         _install_checkpoint_state()
         _on[ident] = dispatch

@@ -411,6 +411,10 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
     region it is a no-op. Records the state for ``custom_bwd`` on ``ctx``.
     """
     _check_device_type(device_type)
+    if cast_inputs in (float, int, bool, complex):
+        # torch takes Python's types where it takes dtypes (Tensor.to(float) is float64)
+        cast_inputs = {float: torch.float64, int: torch.int64, bool: torch.bool,
+                       complex: torch.complex128}[cast_inputs]
     if cast_inputs is not None and not isinstance(cast_inputs, torch.dtype):
         raise TypeError(f"custom_fwd: cast_inputs must be a torch.dtype or None, "
                         f"got {cast_inputs!r}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -168,13 +169,24 @@ def local(edits: dict):
         codes[_unwrap(fn)] = 0 if policy is None else _code(policy)
     _ensure_defaults()
     _c.push_local(codes)
+    _local_edits.__dict__.setdefault("stack", []).append(codes)
     try:
         if _caster.dispatch() == "patch":
             for fn in codes:
                 _caster._patch(fn)
         yield
     finally:
+        _local_edits.stack.pop()
         _c.pop_local()
+
+
+# This thread's open local() blocks (their functions), so that an O1 switched on inside one
+# patches them too.
+_local_edits = threading.local()
+
+
+def _local_functions() -> list:
+    return [fn for codes in getattr(_local_edits, "stack", ()) for fn in codes]
 
 
 def entries() -> dict:
