@@ -230,3 +230,38 @@ def test_state_dict_is_per_group_and_inspectable():
         assert torch.equal(g, p.grad.float() / 4.0)
     with pytest.raises(RuntimeError, match="serialized using state_dict"):
         copy.deepcopy(opt)
+
+
+def test_loads_a_peak_0_1_checkpoint():
+    """peak 0.1 kept each group's parameters in their original order (masters in place of the
+    fp16 ones, frozen ones included) and saved a flat 'fp32_from_fp16': such a checkpoint is
+    renumbered to Apex's order (masters, then fp32) on load."""
+    torch.manual_seed(0)
+    frozen = torch.nn.Parameter(torch.randn(3).half(), requires_grad=False)
+    a, b = torch.nn.Parameter(torch.randn(4, 4).half()), torch.nn.Parameter(torch.randn(5))
+    c = torch.nn.Parameter(torch.randn(2).half())
+    params = [a, frozen, b, c]  # original order: low, frozen, fp32, low
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.Adam(params, lr=0.1), static_loss_scale=4.0)
+    loss = (a.float().sum() + b.sum() + c.float().sum()) ** 2
+    opt.backward(loss)
+    opt.step()
+    new = copy.deepcopy(opt.state_dict())
+    # the same checkpoint in peak 0.1's layout: ids 0..3 in the original order
+    masters = new["optimizer_state_dict"]["state"]  # ids: 0 a's master, 1 c's master, 2 b
+    old = copy.deepcopy(new)
+    old["fp32_from_fp16"] = [m for group in new["fp32_from_fp16"] for m in group]
+    old["optimizer_state_dict"]["state"] = {0: masters[0], 2: masters[2], 3: masters[1]}
+    old["optimizer_state_dict"]["param_groups"][0]["params"] = [0, 1, 2, 3]
+    for sd in (new, old):
+        with pytest.warns(DeprecationWarning):
+            fresh = FP16_Optimizer(torch.optim.Adam([torch.nn.Parameter(p.detach().clone(),
+                                                                        requires_grad=p.requires_grad)
+                                                     for p in params], lr=0.1),
+                                   static_loss_scale=4.0)
+        fresh.load_state_dict(sd)
+        for m, ref in zip(fresh.master_params, opt.master_params):
+            assert torch.equal(m, ref)
+        got = fresh.optimizer.state_dict()["state"]
+        for k in masters:
+            assert torch.equal(got[k]["exp_avg"], masters[k]["exp_avg"])

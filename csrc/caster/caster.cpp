@@ -91,13 +91,17 @@ struct Frame {
 };
 using FrameStack = std::vector<std::shared_ptr<const Frame>>;  // innermost last
 
-// A thread's caster state as push_state saves it (NOTE: [Checkpoint recomputation]).
+// A thread's caster state as push_state saves it (NOTE: [Checkpoint recomputation]), with what
+// the thread had in ThreadLocalPythonObjects (its own published snapshot, or the one torch
+// handed it, which push_state's publish() overwrites).
 struct SavedState {
   bool active;
   at::ScalarType low;
   bool allow_banned;
   int suspended;
   FrameStack frames;
+  bool published;
+  std::shared_ptr<c10::SafePyObject> slot;
 };
 
 // Per thread: disable_casts depth, whether O1 was switched on in this thread (for the decorators;
@@ -856,7 +860,13 @@ void register_bindings(py::module_& m) {
   c.def("push_state", [](py::handle snapshot) {
     auto* snap = static_cast<const Published*>(PyCapsule_GetPointer(snapshot.ptr(), kPublishedName));
     if (!snap) throw py::error_already_set();
-    tls.saved.push_back({tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames});
+    using at::impl::ThreadLocalPythonObjects;
+    std::shared_ptr<c10::SafePyObject> slot;
+    if (ThreadLocalPythonObjects::contains(published_key())) {
+      slot = ThreadLocalPythonObjects::get(published_key());
+    }
+    tls.saved.push_back({tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames,
+                         tls.published, std::move(slot)});
     tls.active = snap->active;
     tls.low = snap->low;
     tls.allow_banned = snap->allow_banned;
@@ -874,6 +884,15 @@ void register_bindings(py::module_& m) {
     tls.suspended = prev.suspended;
     tls.frames = std::move(prev.frames);
     publish();
+    if (!prev.published) {  // put back what torch handed this thread (or nothing)
+      using at::impl::ThreadLocalPythonObjects;
+      if (prev.slot) {
+        ThreadLocalPythonObjects::set(published_key(), std::move(prev.slot));
+      } else if (ThreadLocalPythonObjects::contains(published_key())) {
+        ThreadLocalPythonObjects::erase(published_key());
+      }
+      tls.published = false;
+    }
   });
   c.def(
       "call",

@@ -256,6 +256,31 @@ def test_checkpoint_recomputes_under_the_forwards_state(o1, reentrant, region):
         torch.testing.assert_close(g, p.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpoint_recomputes_cast_after_o1_is_left_mode_dispatch(low, reentrant):
+    """Forward under O1 (mode dispatch), O1 switched off, then backward: the recomputation is
+    cast as its forward was. (Under the patch dispatch the wrappers are gone once O1 is off in
+    every thread: docs/caster.md.)"""
+    torch.manual_seed(0)
+    l1, l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def block(x):
+        return l2(F.relu(l1(x)))
+
+    _caster.enable(low, dispatch="mode")
+    out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+    ref = block(x)
+    _caster.disable()
+    assert out.dtype == low
+    out.float().sum().backward()
+    got = [p.grad.clone() for p in (l1.weight, l2.weight)]
+    l1.zero_grad(), l2.zero_grad()
+    ref.float().sum().backward()
+    for g, p in zip(got, (l1.weight, l2.weight)):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=0)
+
+
 def test_checkpoint_module_is_restored_after_o1():
     import torch.utils.checkpoint as ckpt
 
@@ -349,6 +374,27 @@ class _SubProjector(_Projector):
     pass
 
 
+class _SubSubProjector(_SubProjector):
+    pass
+
+
+def test_register_inherited_static_and_class_methods(low):
+    """Registered on a subclass that inherits them: still a staticmethod / a classmethod bound
+    to the caller's class; leaving amp removes the subclass's attribute again."""
+    amp.register_half_function(_SubProjector, "project")
+    amp.register_half_function(_SubProjector, "make")
+    _caster.enable(low)
+    try:
+        x, w = torch.randn(2, 3), torch.randn(3, 3)
+        assert _SubProjector().project(x, w).dtype == low
+        assert _SubSubProjector.make() == "_SubSubProjector"
+        assert _SubProjector().make() == "_SubProjector"
+    finally:
+        _caster.disable()
+    assert "project" not in vars(_SubProjector) and "make" not in vars(_SubProjector)
+    lists.reset()
+
+
 def test_register_static_and_class_methods_stay_what_they_were(low):
     """Registered static/class methods keep working through instances and subclasses under O1,
     and leaving amp puts back the very objects that were in the class."""
@@ -395,6 +441,17 @@ def test_lists_api(o1):
     lists.reset()
     assert lists.policy_of(F.softmax) == "fp32"
     assert lists.entries()[lists._unwrap(F.gelu)] == "fp32"  # keys: the original callables
+
+
+def test_lists_take_torch_internal_nn_builtins(o1, dispatch):
+    """torch._C._nn builtins can be listed: direct calls are cast under either dispatch, and
+    the calls F's Python functions make to them under the patch dispatch (the mode sees only
+    the outer F function)."""
+    x = torch.randn(1, 1, 4, 4)
+    assert F.adaptive_max_pool2d(x, 2).dtype == torch.float32
+    lists.add("lower", torch._C._nn.adaptive_max_pool2d)
+    assert torch._C._nn.adaptive_max_pool2d(x, 2)[0].dtype == o1
+    assert F.adaptive_max_pool2d(x, 2).dtype == (o1 if dispatch == "patch" else torch.float32)
 
 
 def test_local_entered_before_o1(low, dispatch):

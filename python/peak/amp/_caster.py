@@ -228,6 +228,7 @@ def disable() -> None:
 # ---- nn.RNN/LSTM/GRU under O1
 
 _rnn_check: dict = {}  # "orig": RNNBase.check_input while some thread has O1 on
+_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # what O1 casts (not float64)
 
 
 def _rnn_check_input(self, input, batch_sizes):
@@ -237,8 +238,8 @@ def _rnn_check_input(self, input, batch_sizes):
     cast Linear, of a previous LSTM) would otherwise be refused by the fp32 module."""
     weights = self._flat_weights
     w = weights[0] if weights else None
-    if (w is not None and input.dtype != w.dtype and input.is_floating_point()
-            and w.is_floating_point() and _c.is_casting()):
+    if (w is not None and input.dtype != w.dtype and input.dtype in _CASTABLE
+            and w.dtype in _CASTABLE and _c.is_casting()):
         input = torch.empty(input.shape, dtype=w.dtype, device="meta")  # shape checks only
     return _rnn_check["orig"](self, input, batch_sizes)
 
@@ -264,13 +265,23 @@ def _under_current_state(fn):
     recomputation] in csrc/caster/caster.cpp), as torch.utils.checkpoint re-enters the forward's
     autocast state for the recomputation."""
     state = _c.snapshot()
+    # Under the mode dispatch the casts come from a CasterMode on the stack: the recomputation
+    # needs one too if O1 was switched off (in this thread) since the forward.
+    needs_mode = _on.get(threading.get_ident()) == "mode"
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         _c.push_state(state)
+        mode = None
+        if needs_mode and not any(isinstance(m, CasterMode)
+                                  for m in torch.overrides._get_current_function_mode_stack()):
+            mode = CasterMode()
+            torch._C._push_on_torch_function_stack(mode)
         try:
             return fn(*args, **kwargs)
         finally:
+            if mode is not None:
+                _remove_mode(mode)
             _c.pop_state()
 
     return run
@@ -324,7 +335,10 @@ def _index() -> dict:
         return _sites
     import torch.nn.functional as F  # noqa: PLC0415
 
-    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft]
+    # torch._C._nn: F's functions call its builtins by that name (F.interpolate ->
+    # torch._C._nn.upsample_bilinear2d), so listing one intercepts those calls too.
+    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse,
+              torch._C._nn]
     for owner in owners:
         for name in dir(owner):
             try:

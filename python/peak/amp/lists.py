@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 
 import torch
@@ -102,8 +103,8 @@ def _check_interceptable(fn, arg: str = "func") -> None:
         return
     raise TypeError(
         f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
-        "torch.nn.functional, torch.Tensor, torch.linalg, torch.special or torch.fft, so O1 never "
-        "sees its calls. For your own functions use the decorators amp.half_function / "
+        "torch.nn.functional, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse "
+        "or torch._C._nn, so O1 never sees its calls. For your own functions use the decorators amp.half_function / "
         "amp.float_function / amp.promote_function, or amp.register_half_function(module, name) "
         "(and register_float/promote_function) before amp.initialize; for a module (e.g. "
         "nn.GELU) list the function it calls (torch.nn.functional.gelu).")
@@ -286,17 +287,26 @@ def register_promote_function(module, name) -> None:
     _register(module, name, "promote")
 
 
+_REGISTER_NAMES = {"lower": "half", "fp32": "float", "promote": "promote"}
+
+
 def _apply_registrations() -> None:
     """Patch each registered ``module.name`` with the policy's wrapper and list the original, so that
     the registration wins over the built-in lists (Apex: user casts run innermost)."""
+    for module, name, policy in list(_pending):  # all checked before any is applied
+        if not callable(getattr(module, name, None)):  # changed since it was registered
+            _pending.remove((module, name, policy))
+            raise TypeError(f"register_{_REGISTER_NAMES[policy]}_function: {module!r}.{name} is "
+                            f"no longer a function; that registration is dropped")
     while _pending:
         module, name, policy = _pending.pop(0)
-        own = vars(module)
-        had, raw = name in own, own.get(name)
+        had = name in vars(module)
+        # The descriptor itself, also when a class inherits it (getattr would hand back the
+        # function a staticmethod holds, or a classmethod bound to this class).
+        raw = inspect.getattr_static(module, name) if isinstance(module, type) \
+            else vars(module).get(name)
+        own = vars(module).get(name)
         orig = getattr(module, name)
-        if not callable(orig):  # changed since it was registered: drop it, say why
-            raise TypeError(f"register_{policy}_function: {module!r}.{name} is no longer a "
-                            f"function ({type(orig).__name__}); registration dropped")
         # A class's static/class methods stay what they are (wrapping what getattr returns would
         # turn a staticmethod into an instance method, and bind a classmethod to this class).
         if isinstance(raw, staticmethod):
@@ -306,7 +316,7 @@ def _apply_registrations() -> None:
             orig = raw.__func__
         else:
             new = _decorator(policy)(orig)
-        _applied.append((module, name, policy, had, raw, orig, _c.get_policy(orig)))
+        _applied.append((module, name, policy, had, own, orig, _c.get_policy(orig)))
         _c.set_policy(orig, _CODES[policy])
         setattr(module, name, new)
 

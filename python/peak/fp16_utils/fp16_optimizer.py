@@ -46,23 +46,31 @@ class FP16_Optimizer:
         self.fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
+        # Where each parameter went (kind, index within its kind, per group), to read
+        # checkpoints of peak 0.1, whose groups kept the parameters in their original order.
+        self._legacy_layout: list[list[tuple[str, int]]] = []
         for group in self.optimizer.param_groups:
             low, masters, fp32 = [], [], []
+            layout = []
             for p in group["params"]:
+                if not p.requires_grad:  # frozen: nothing to step (Apex leaves them out too)
+                    layout.append(("frozen", -1))
+                    continue
                 if p.dtype in _LOW:
-                    if not p.requires_grad:
-                        continue  # frozen: nothing to step, no master needed
+                    layout.append(("master", len(masters)))
                     master = torch.nn.Parameter(p.detach().to(torch.float32, copy=True))
                     if p in self.optimizer.state:
                         self.optimizer.state[master] = self.optimizer.state.pop(p)
                     low.append(p)
                     masters.append(master)
                 elif p.dtype == torch.float32:
+                    layout.append(("fp32", len(fp32)))
                     fp32.append(p)
                 else:
                     raise TypeError(f"FP16_Optimizer wraps float16, bfloat16 and float32 "
                                     f"parameters; got a {p.dtype} parameter")
             group["params"] = masters + fp32  # Apex's order
+            self._legacy_layout.append(layout)
             self.fp16_groups.append(low)
             self.fp32_from_fp16_groups.append(masters)
             self.fp32_from_fp32_groups.append(fp32)
@@ -129,7 +137,6 @@ class FP16_Optimizer:
         """Unscale every gradient the optimizer will step: the model's fp16/bf16 gradients into
         the masters' ``.grad`` (fp32), fp32 parameters' gradients in place; all of them are
         checked for inf/NaN in the same pass (one per (device, dtype))."""
-        self._found_inf.zero_()
         inv_scale = self._scale.reciprocal()
         groups = defaultdict(lambda: ([], []))
         for p, m in zip(self.model_params, self.master_params):
@@ -146,10 +153,14 @@ class FP16_Optimizer:
                 ins, outs = groups[(p.grad.device, p.grad.dtype)]
                 ins.append(p.grad)
                 outs.append(p.grad)
-        for ins, outs in groups.values():
-            ops.multi_tensor_scale_(ins, outs, inv_scale.to(ins[0].device),
-                                    self._found_inf.to(ins[0].device)
-                                    if ins[0].device != self._found_inf.device else self._found_inf)
+        self._found_inf.zero_()
+        flags = {self._found_inf.device: self._found_inf}  # one per device, combined below
+        for (device, _), (ins, outs) in groups.items():
+            flag = flags.setdefault(device, torch.zeros(1, device=device))
+            ops.multi_tensor_scale_(ins, outs, inv_scale.to(device), flag)
+        for device, flag in flags.items():
+            if device != self._found_inf.device:
+                self._found_inf.add_(flag.to(self._found_inf.device))
         self.overflow = self.dynamic_loss_scale and bool(self._found_inf.item())
 
     def inspect_master_grad_data(self):
@@ -251,16 +262,38 @@ class FP16_Optimizer:
                                for group in self.fp32_from_fp16_groups],
         }
 
+    def _from_legacy(self, state_dict):
+        """A peak 0.1 checkpoint: 'fp32_from_fp16' a flat list, and the wrapped optimizer's
+        state in the original parameter order (frozen parameters included). Returns the masters
+        per group and the optimizer state dict renumbered to Apex's order."""
+        flat = list(state_dict["fp32_from_fp16"])
+        opt_sd = state_dict["optimizer_state_dict"]
+        old_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
+        if old_sizes != [len(layout) for layout in self._legacy_layout]:
+            raise ValueError(f"checkpoint (written by peak 0.1) has parameter groups of sizes "
+                             f"{old_sizes}, this optimizer was built on groups of sizes "
+                             f"{[len(layout) for layout in self._legacy_layout]}: not the same "
+                             f"model and optimizer")
+        saved, renumber, new_groups, start = [], {}, [], 0
+        for layout, old_group, masters in zip(self._legacy_layout, opt_sd["param_groups"],
+                                              self.fp32_from_fp16_groups):
+            saved.append(flat[:len(masters)])
+            flat = flat[len(masters):]
+            n_masters = len(masters)
+            for (kind, index), old_id in zip(layout, old_group["params"]):
+                if kind != "frozen":
+                    renumber[old_id] = start + (index if kind == "master" else n_masters + index)
+            size = sum(kind != "frozen" for kind, _ in layout)
+            new_groups.append(dict(old_group, params=list(range(start, start + size))))
+            start += size
+        state = {renumber[k]: v for k, v in opt_sd["state"].items() if k in renumber}
+        return saved, {"state": state, "param_groups": new_groups}
+
     def load_state_dict(self, state_dict):
         saved = state_dict["fp32_from_fp16"]
-        if saved and isinstance(saved[0], torch.Tensor):  # peak 0.1's flat list
-            flat = list(saved)
-            saved = []
-            for group in self.fp32_from_fp16_groups:
-                saved.append(flat[:len(group)])
-                flat = flat[len(group):]
-            if flat:
-                saved.append(flat)
+        opt_sd = state_dict["optimizer_state_dict"]
+        if saved and isinstance(saved[0], torch.Tensor):  # peak 0.1's layout
+            saved, opt_sd = self._from_legacy(state_dict)
         shapes = [len(g) for g in saved]
         mine = [len(g) for g in self.fp32_from_fp16_groups]
         if shapes != mine:
@@ -271,7 +304,7 @@ class FP16_Optimizer:
         self._growth_tracker.fill_(state_dict["loss_scaler"].get("growth_tracker", 0))
         self.overflow = state_dict["overflow"]
         self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
-        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self.optimizer.load_state_dict(opt_sd)
         with torch.no_grad():
             for group, saved_group in zip(self.fp32_from_fp16_groups, saved):
                 for m, s in zip(group, saved_group):

@@ -48,7 +48,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None (auto), True or False, got "
                              f"{master_weights!r}")
-        if stochastic_rounding not in (True, False):
+        if not isinstance(stochastic_rounding, bool):
             raise ValueError(f"stochastic_rounding must be True or False, got "
                              f"{stochastic_rounding!r}")
         if stochastic_rounding and master_weights is not False:
@@ -56,7 +56,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "stochastic_rounding=True rounds bf16 weights that are stepped directly, without "
                 "fp32 master copies: pass master_weights=False as well (with master weights the "
                 "model copy is rounded to nearest from the exact fp32 master)")
-        if set_grad_none not in (True, False):
+        if not isinstance(set_grad_none, bool):  # (0.0 == False: a shifted positional)
             raise ValueError(f"set_grad_none must be True or False, got {set_grad_none!r}")
         self.master_weights = master_weights
         # Apex's option: what zero_grad() does when not told (torch's default: set to None).
