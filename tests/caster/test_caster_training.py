@@ -284,11 +284,13 @@ def test_checkpoint_recomputes_cast_after_o1_is_left_mode_dispatch(low, reentran
 def test_checkpoint_module_is_restored_after_o1():
     import torch.utils.checkpoint as ckpt
 
-    before = (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction)
+    names = ("_checkpoint_without_reentrant_generator",
+             "_checkpoint_without_reentrant_generator_impl", "CheckpointFunction")
+    before = [getattr(ckpt, n, None) for n in names]
     _caster.enable(torch.float16)
-    assert ckpt.CheckpointFunction is not before[1]
+    assert ckpt.CheckpointFunction is not before[2]
     _caster.disable()
-    assert (ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction) == before
+    assert [getattr(ckpt, n, None) for n in names] == before
 
 
 # ---- user functions and list edits

@@ -296,7 +296,12 @@ def _install_checkpoint_state() -> None:
         return
     import torch.utils.checkpoint as ckpt  # noqa: PLC0415
 
-    generator = ckpt._checkpoint_without_reentrant_generator
+    # torch 2.14 calls _checkpoint_without_reentrant_generator_impl (the old name forwards to
+    # it); 2.13 has only the old one. Both take the function to recompute first.
+    name = ("_checkpoint_without_reentrant_generator_impl"
+            if hasattr(ckpt, "_checkpoint_without_reentrant_generator_impl")
+            else "_checkpoint_without_reentrant_generator")
+    generator = getattr(ckpt, name)
     function = ckpt.CheckpointFunction
 
     def checkpoint_without_reentrant_generator(fn, *args, **kwargs):
@@ -308,15 +313,15 @@ def _install_checkpoint_state() -> None:
             return function.forward(ctx, _under_current_state(run_function), preserve_rng_state,
                                     *args)
 
-    _checkpoint.update(module=ckpt, generator=generator, function=function)
-    ckpt._checkpoint_without_reentrant_generator = checkpoint_without_reentrant_generator
+    _checkpoint.update(module=ckpt, name=name, generator=generator, function=function)
+    setattr(ckpt, name, checkpoint_without_reentrant_generator)
     ckpt.CheckpointFunction = CheckpointFunction
 
 
 def _remove_checkpoint_state() -> None:
     if _checkpoint:
         ckpt = _checkpoint.pop("module")
-        ckpt._checkpoint_without_reentrant_generator = _checkpoint.pop("generator")
+        setattr(ckpt, _checkpoint.pop("name"), _checkpoint.pop("generator"))
         ckpt.CheckpointFunction = _checkpoint.pop("function")
 
 
