@@ -233,3 +233,41 @@ def test_wrappers_stay_while_any_thread_casts(low):
     t.join()
     assert seen["dtype"] == low
     assert torch.mm is orig_mm and not _caster.patched()
+
+
+@torch.jit.ignore
+def _probe_recompute_state(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A checkpoint recomputation on a worker thread: push a snapshot (here one taken inside
+    disable_casts), run, pop; the state torch handed the thread must come back."""
+    _seen["thread"] = threading.get_ident()
+    _seen["before"] = _caster._c.handed_state()
+    with amp.disable_casts():
+        snapshot = _caster._c.snapshot()
+    _caster._c.push_state(snapshot)
+    try:
+        _seen["inside"] = torch.mm(a, b)
+    finally:
+        _caster._c.pop_state()
+    _seen["after_handed"] = _caster._c.handed_state()
+    _seen["after"] = torch.mm(a, b)
+    return a
+
+
+def _forked_recompute_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.jit.wait(torch.jit.fork(_probe_recompute_state, a, b))
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    _forked_recompute = torch.jit.script(_forked_recompute_impl)
+
+
+def test_recompute_state_on_a_worker_thread_gives_the_handed_state_back(o1):
+    a = torch.randn(3, 4)
+    _seen.clear()
+    _forked_recompute(a, a.t())
+    assert _seen["thread"] != threading.get_ident()
+    assert _seen["before"] == (True, 0, 0)
+    assert _seen["inside"].dtype == torch.float32  # the snapshot's disable_casts
+    assert _seen["after_handed"] == (True, 0, 0)
+    assert _seen["after"].dtype == o1
