@@ -52,7 +52,8 @@ def run(device, repeats):
             # Scale by exactly 1.0: values stay finite and unchanged across repeats, and both
             # contenders still do the full multiply (torch skips nothing for a tensor scale).
             inv_scale = torch.ones(1, device=device)
-            src = torch.empty(count * numel, device=device, dtype=dtype)
+            # (written first: never-touched pages would be read as the shared zero page)
+            src = torch.ones(count * numel, device=device, dtype=dtype)
             dst = torch.empty_like(src)
 
             t_peak = median_seconds(

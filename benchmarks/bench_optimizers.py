@@ -1,6 +1,7 @@
 """One optimizer step of a ~50M-parameter model (a transformer's size mix), O2-style.
 
     python benchmarks/bench_optimizers.py [--device cpu|cuda] [--dtype bf16|fp16] [--repeats N]
+                                          [--threads T]
 
 Contenders, all in one run, on the same parameter shapes:
 - peak:     peak.optimizers.FusedAdam(adam_w_mode=True) on fp16/bf16 params and grads with fp32
@@ -12,7 +13,9 @@ Contenders, all in one run, on the same parameter shapes:
 - peak no-master (bf16 only): FusedAdam(master_weights=False, stochastic_rounding=True) stepping
             the bf16 weights directly (no fp32 master: 6 fewer bytes per parameter; the
             rounding keeps small updates, see docs/core.md).
-- copy:     a plain copy of a buffer of the peak step's byte count (the memory ceiling).
+- copy:     a plain copy of a buffer of the peak step's byte count.
+- in-place: ``a += b`` and ``a += b * c`` over the same byte count: the bandwidth of passes that
+            write back where they read, as optimizer steps do (no write-allocate traffic).
 Bytes per parameter are counted from the tensors each contender must read and write.
 """
 import argparse
@@ -55,7 +58,10 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (CPU)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dev = args.device
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     g = torch.Generator().manual_seed(0)
@@ -112,10 +118,24 @@ def main():
                             args.repeats)
     no_master_bytes = 2 + 2 * 2 + 4 * 4  # grad r, param r+w, m/v r+w
 
-    src = torch.empty(n * peak_bytes // 8, dtype=torch.float32, device=dev)
+    # (written first: never-touched pages would be read as the shared zero page)
+    src = torch.ones(n * peak_bytes // 8, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
     t_copy = timed(lambda: dst.copy_(src), dev, args.repeats)
     copy_gbs = 2 * src.numel() * 4 / t_copy / 1e9
+    del src, dst
+    # In-place streams over the same byte count: what a pass that writes back where it read (as
+    # an optimizer step does: no write-allocate traffic, unlike the copy) reaches with two and
+    # with three input streams. A step moving as many bytes cannot beat its stream count's row.
+    inplace = []
+    for label, nstreams in (("in-place a += b", 2), ("in-place a += b * c", 3)):
+        bufs = [torch.ones(n * peak_bytes // (4 * (nstreams + 1)), device=dev)
+                for _ in range(nstreams)]
+        op = ((lambda: bufs[0].add_(bufs[1])) if nstreams == 2
+              else (lambda: bufs[0].addcmul_(bufs[1], bufs[2])))
+        t = timed(op, dev, args.repeats)
+        inplace.append((label, t, (nstreams + 1) * bufs[0].numel() * 4 / t / 1e9))
+        del bufs
 
     print(f"peak {peak.__version__}, torch {torch.__version__}, device {dev}, "
           f"{n / 1e6:.1f}M params in {len(fp32)} tensors, low precision {args.dtype}, "
@@ -134,6 +154,8 @@ def main():
         print(f"{name:<28}{t * 1e3:>9.2f}{b:>9d}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}"
               f"{t / t_peak:>13.2f}x")
     print(f"{'plain copy':<28}{t_copy * 1e3:>9.2f}{'':>9}{copy_gbs:>8.1f}{1.0:>9.2f}")
+    for label, t, gbs in inplace:
+        print(f"{label:<28}{t * 1e3:>9.2f}{'':>9}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}")
     if t_no_master is not None:
         print(f"peak no-master bf16 + SR vs (b): {t_torch_fused / t_no_master:.2f}x")
 
