@@ -445,15 +445,29 @@ def test_lists_api(o1):
     assert lists.entries()[lists._unwrap(F.gelu)] == "fp32"  # keys: the original callables
 
 
-def test_lists_take_torch_internal_nn_builtins(o1, dispatch):
-    """torch._C._nn builtins can be listed: direct calls are cast under either dispatch, and
-    the calls F's Python functions make to them under the patch dispatch (the mode sees only
-    the outer F function)."""
-    x = torch.randn(1, 1, 4, 4)
-    assert F.adaptive_max_pool2d(x, 2).dtype == torch.float32
-    lists.add("lower", torch._C._nn.adaptive_max_pool2d)
-    assert torch._C._nn.adaptive_max_pool2d(x, 2)[0].dtype == o1
-    assert F.adaptive_max_pool2d(x, 2).dtype == (o1 if dispatch == "patch" else torch.float32)
+class _Activation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = F.gelu  # a listed builtin held by a module (transformers' GELUActivation)
+
+    def forward(self, x):
+        return self.act(x)
+
+
+def test_a_model_holding_a_listed_builtin_pickles_under_o1(low, dispatch):
+    """torch.save(model) while O1 is on, the model built before (as amp.initialize is used):
+    pickle finds F.gelu by its __module__, torch._C._nn, which the patch dispatch leaves alone."""
+    import io
+    import pickle
+
+    model = nn.Sequential(nn.Linear(2, 2), _Activation())
+    _caster.enable(low, dispatch=dispatch)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert back[1].act is lists._unwrap(F.gelu)
+    pickle.dumps(torch._C._nn.linear)
 
 
 def test_local_entered_before_o1(low, dispatch):

@@ -340,10 +340,10 @@ def _index() -> dict:
         return _sites
     import torch.nn.functional as F  # noqa: PLC0415
 
-    # torch._C._nn: F's functions call its builtins by that name (F.interpolate ->
-    # torch._C._nn.upsample_bilinear2d), so listing one intercepts those calls too.
-    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse,
-              torch._C._nn]
+    # Not torch._C._nn: F's builtins (F.linear, F.gelu) live there too, and pickle finds a
+    # builtin by its __module__ (torch._C._nn): patching it there would make a model that holds
+    # F.gelu (e.g. an activation module) unpicklable while O1 is on.
+    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse]
     for owner in owners:
         for name in dir(owner):
             try:

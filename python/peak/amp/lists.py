@@ -103,8 +103,8 @@ def _check_interceptable(fn, arg: str = "func") -> None:
         return
     raise TypeError(
         f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
-        "torch.nn.functional, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse "
-        "or torch._C._nn, so O1 never sees its calls. For your own functions use the decorators amp.half_function / "
+        "torch.nn.functional, torch.Tensor, torch.linalg, torch.special, torch.fft or "
+        "torch.sparse, so O1 never sees its calls. For your own functions use the decorators amp.half_function / "
         "amp.float_function / amp.promote_function, or amp.register_half_function(module, name) "
         "(and register_float/promote_function) before amp.initialize; for a module (e.g. "
         "nn.GELU) list the function it calls (torch.nn.functional.gelu).")
