@@ -56,8 +56,12 @@ struct OptimizerScalars {
   }
 };
 
-template <bool HasMaster, bool Amsgrad>
+// `Rounded`: bf16 weights stepped without masters, stochastically rounded. A template
+// parameter, not a flag read per element: as a flag the vectorised loop computed the random
+// bits of every element and then threw them away (most of an fp32 step's time).
+template <bool HasMaster, bool Amsgrad, bool Rounded = false>
 struct AdamOp : OpDefaults {
+  static_assert(!(HasMaster && Rounded), "stochastic rounding is for weights without masters");
   static constexpr int kGrad = 0, kParam = 1;
   static constexpr int kWeight = HasMaster ? 2 : 1;  // the fp32 weight stepped
   static constexpr int kExpAvg = kWeight + 1, kExpAvgSq = kWeight + 2, kMaxExpAvgSq = kWeight + 3;
@@ -65,7 +69,7 @@ struct AdamOp : OpDefaults {
   static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
   static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
   static constexpr int tensor_scalars = 1;  // the step count
-  static constexpr bool indexed = !HasMaster;  // stochastic rounding's random bits
+  static constexpr bool indexed = Rounded;  // stochastic rounding's random bits
   using State = NoState;
 
   OptimizerScalars s;
@@ -101,7 +105,7 @@ struct AdamOp : OpDefaults {
     const double bc2 = bias_correction ? 1.0 - pow(beta2, step) : 1.0;
     step_size = static_cast<float>(s.lr.value / bc1);
     inv_bias_correction2_sqrt = static_cast<float>(1.0 / sqrt(bc2));
-    if constexpr (!HasMaster) rounding.load_step(*p[0]);
+    if constexpr (Rounded) rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
@@ -122,16 +126,17 @@ struct AdamOp : OpDefaults {
     v[kExpAvgSq] = vsq;
     v[kWeight] = w;
     // The model's copy, rounded once to its dtype on store (or stochastically, then exact).
-    if constexpr (HasMaster) {
-      v[kParam] = w;
-    } else {
+    if constexpr (Rounded) {
       v[kParam] = rounding.round(w, v[kGrad], index);
+    } else {
+      v[kParam] = w;
     }
   }
 };
 
-template <bool HasMaster, bool HasMomentum>
+template <bool HasMaster, bool HasMomentum, bool Rounded = false>  // Rounded: as AdamOp
 struct SgdOp : OpDefaults {
+  static_assert(!(HasMaster && Rounded), "stochastic rounding is for weights without masters");
   static constexpr int kGrad = 0, kParam = 1;
   static constexpr int kWeight = HasMaster ? 2 : 1;
   static constexpr int kMomentum = kWeight + 1;
@@ -139,7 +144,7 @@ struct SgdOp : OpDefaults {
   static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
   static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
   static constexpr int tensor_scalars = 1;  // the step count: the first step seeds the momentum
-  static constexpr bool indexed = !HasMaster;  // stochastic rounding's random bits
+  static constexpr bool indexed = Rounded;  // stochastic rounding's random bits
   using State = NoState;
 
   OptimizerScalars s;
@@ -156,7 +161,7 @@ struct SgdOp : OpDefaults {
   }
   PEAK_HD void load_tensor_scalars(const float* const* p) {
     first_step = *p[0] <= 1.0f;
-    if constexpr (!HasMaster) rounding.load_step(*p[0]);
+    if constexpr (Rounded) rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
@@ -170,10 +175,10 @@ struct SgdOp : OpDefaults {
     }
     w = fmaf(-s.lr.value, g, w);
     v[kWeight] = w;
-    if constexpr (HasMaster) {
-      v[kParam] = w;
-    } else {
+    if constexpr (Rounded) {
       v[kParam] = rounding.round(w, v[kGrad], index);
+    } else {
+      v[kParam] = w;
     }
   }
 };

@@ -169,6 +169,19 @@ void launch_optimizer(Exec& exec, at::ScalarType dtype, const std::vector<at::Te
   });
 }
 
+// How the step stores the model weight, as template constants: through fp32 masters, directly,
+// or directly with stochastic rounding (never with masters: stochastic_rounding_from checks).
+template <typename F>
+void with_weight_store(const OptimizerArgs& a, const StochasticRounding& rounding, F&& f) {
+  if (!a.masters.empty()) {
+    f(std::true_type{}, std::false_type{});
+  } else if (rounding.on) {
+    f(std::false_type{}, std::true_type{});
+  } else {
+    f(std::false_type{}, std::false_type{});
+  }
+}
+
 template <typename Exec>
 void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, double beta1,
@@ -189,9 +202,9 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   bump_steps(a.steps);
   const auto lists =
       optimizer_lists(a, {exp_avgs, exp_avg_sqs, amsgrad ? max_exp_avg_sqs : at::TensorList{}});
-  with_bool(!a.masters.empty(), [&](auto has_master) {
+  with_weight_store(a, rounding, [&](auto has_master, auto rounded) {
     with_bool(amsgrad, [&](auto ams) {
-      AdamOp<decltype(has_master)::value, decltype(ams)::value> op;
+      AdamOp<decltype(has_master)::value, decltype(ams)::value, decltype(rounded)::value> op;
       fill_optimizer_scalars(op.s, a);
       op.beta1 = beta1;
       op.beta2 = beta2;
@@ -224,9 +237,10 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
   if (a.params.empty()) return;
   bump_steps(a.steps);
   const auto lists = optimizer_lists(a, {momentum_buffers});
-  with_bool(!a.masters.empty(), [&](auto has_master) {
+  with_weight_store(a, rounding, [&](auto has_master, auto rounded) {
     with_bool(momentum != 0.0, [&](auto has_momentum) {
-      SgdOp<decltype(has_master)::value, decltype(has_momentum)::value> op;
+      SgdOp<decltype(has_master)::value, decltype(has_momentum)::value,
+            decltype(rounded)::value> op;
       fill_optimizer_scalars(op.s, a);
       op.momentum = static_cast<float>(momentum);
       op.dampening = dampening;
