@@ -265,3 +265,18 @@ def test_loads_a_peak_0_1_checkpoint():
         got = fresh.optimizer.state_dict()["state"]
         for k in masters:
             assert torch.equal(got[k]["exp_avg"], masters[k]["exp_avg"])
+
+
+def test_parameter_frozen_after_stepping_leaves_no_state_behind():
+    """Frozen after it was stepped (fine-tuning: state loaded, then layers frozen): left out of
+    the groups with its state, so state_dict() works (torch's would not find it)."""
+    a = torch.nn.Parameter(torch.randn(3).half())
+    b = torch.nn.Parameter(torch.randn(3).half())
+    inner = torch.optim.Adam([a, b], lr=0.1)
+    a.grad, b.grad = torch.ones(3).half(), torch.ones(3).half()
+    inner.step()
+    b.requires_grad_(False)
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(inner, static_loss_scale=2.0)
+    sd = opt.state_dict()
+    assert list(sd["optimizer_state_dict"]["state"]) == [0]

@@ -873,6 +873,11 @@ void register_bindings(py::module_& m) {
     tls.suspended = snap->suspended;
     tls.frames = snap->frames;
     publish();
+    // An "off" snapshot must also hide what torch handed this thread (saved above, put back by
+    // pop_state): publish() only removes what this thread published itself.
+    if (!thread_on() && at::impl::ThreadLocalPythonObjects::contains(published_key())) {
+      at::impl::ThreadLocalPythonObjects::erase(published_key());
+    }
   }, py::arg("snapshot"), "Make a snapshot() this thread's caster state until pop_state()");
   c.def("pop_state", []() {
     if (tls.saved.empty()) throw py::value_error("pop_state() without a matching push_state()");

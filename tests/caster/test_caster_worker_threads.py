@@ -250,7 +250,17 @@ def _probe_recompute_state(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         _caster._c.pop_state()
     _seen["after_handed"] = _caster._c.handed_state()
     _seen["after"] = torch.mm(a, b)
+    # an "off" snapshot (from a thread without O1) hides the handed state too
+    _caster._c.push_state(_off_snapshot[0])
+    try:
+        _seen["inside_off"] = torch.mm(a, b)
+    finally:
+        _caster._c.pop_state()
+    _seen["after_off"] = torch.mm(a, b)
     return a
+
+
+_off_snapshot: list = []
 
 
 def _forked_recompute_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -265,9 +275,15 @@ with warnings.catch_warnings():
 def test_recompute_state_on_a_worker_thread_gives_the_handed_state_back(o1):
     a = torch.randn(3, 4)
     _seen.clear()
+    taker = threading.Thread(target=lambda: _off_snapshot.__setitem__(
+        slice(None), [_caster._c.snapshot()]))  # a plain thread: O1 off there
+    taker.start()
+    taker.join()
     _forked_recompute(a, a.t())
     assert _seen["thread"] != threading.get_ident()
     assert _seen["before"] == (True, 0, 0)
     assert _seen["inside"].dtype == torch.float32  # the snapshot's disable_casts
     assert _seen["after_handed"] == (True, 0, 0)
     assert _seen["after"].dtype == o1
+    assert _seen["inside_off"].dtype == torch.float32
+    assert _seen["after_off"].dtype == o1

@@ -13,7 +13,6 @@ See docs/caster.md for the design.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 
 import torch
@@ -269,8 +268,7 @@ def _under_current_state(fn):
     # needs one too if O1 was switched off (in this thread) since the forward.
     needs_mode = _on.get(threading.get_ident()) == "mode"
 
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
+    def run(*args, **kwargs):  # (not wraps(fn): fn may be a module, and its __dict__ large)
         _c.push_state(state)
         mode = None
         if needs_mode and not any(isinstance(m, CasterMode)

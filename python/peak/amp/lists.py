@@ -303,8 +303,11 @@ def _apply_registrations() -> None:
         had = name in vars(module)
         # The descriptor itself, also when a class inherits it (getattr would hand back the
         # function a staticmethod holds, or a classmethod bound to this class).
-        raw = inspect.getattr_static(module, name) if isinstance(module, type) \
-            else vars(module).get(name)
+        try:
+            raw = inspect.getattr_static(module, name) if isinstance(module, type) \
+                else vars(module).get(name)
+        except AttributeError:  # found only through a metaclass __getattr__
+            raw = None
         own = vars(module).get(name)
         orig = getattr(module, name)
         # A class's static/class methods stay what they are (wrapping what getattr returns would

@@ -55,6 +55,8 @@ class FP16_Optimizer:
             for p in group["params"]:
                 if not p.requires_grad:  # frozen: nothing to step (Apex leaves them out too)
                     layout.append(("frozen", -1))
+                    # with their state: torch's state_dict() would not find them in a group
+                    self.optimizer.state.pop(p, None)
                     continue
                 if p.dtype in _LOW:
                     layout.append(("master", len(masters)))
