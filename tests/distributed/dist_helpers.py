@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,14 @@ def _entry(rank, world_size, port, fn, out_dir, args):
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # Leave without Python's finalization: gloo's worker threads may still be destroying finished
+    # work (broadcasts of Python-owned tensors) and then take the GIL of a finalizing interpreter,
+    # which aborts the rank now and then ("terminate called without an active exception", seen
+    # in a core dump: ProcessGroupGloo::runLoop -> ~AsyncBroadcastWork -> decref -> take_gil ->
+    # pthread_exit). The results are on disk by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, out_dir, *args, world_size: int = WORLD_SIZE) -> list:

@@ -288,9 +288,7 @@ def _under_current_state(fn):
 class _CheckpointFunctionProxy:
     """Stands in for torch.utils.checkpoint.CheckpointFunction while O1 is on: ``apply`` (what
     checkpoint() calls) hands the real Function a run_function that runs under the forward's
-    state; anything else is the real Function's. Not a Function subclass made at run time: with
-    one, spawned processes that had switched O1 on now and then aborted at exit ("terminate
-    called without an active exception", 3 in 22 runs of tests/distributed; 0 in 30 without)."""
+    state; anything else is the real Function's (no Function subclass is made at run time)."""
 
     def __init__(self, function):
         self._function = function
