@@ -91,15 +91,21 @@ struct Frame {
 };
 using FrameStack = std::vector<std::shared_ptr<const Frame>>;  // innermost last
 
-// A thread's caster state as push_state saves it (NOTE: [Checkpoint recomputation]), with what
-// the thread had in ThreadLocalPythonObjects (its own published snapshot, or the one torch
-// handed it, which push_state's publish() overwrites).
-struct SavedState {
+// A thread's caster state, as published (NOTE: [Caster state in torch's worker threads]) and as
+// snapshot() takes it.
+struct Published {
   bool active;
   at::ScalarType low;
   bool allow_banned;
   int suspended;
   FrameStack frames;
+};
+
+// A thread's caster state as push_state saves it (NOTE: [Checkpoint recomputation]), with what
+// the thread had in ThreadLocalPythonObjects (its own published snapshot, or the one torch
+// handed it, which push_state's publish() overwrites).
+struct SavedState {
+  Published state;
   bool published;
   std::shared_ptr<c10::SafePyObject> slot;
 };
@@ -140,13 +146,6 @@ thread_local ThreadState tls;
 // list edits; a thread torch did not start for this one (a plain Python thread) is handed nothing
 // and sees no casting. Casts made under a handed snapshot bypass the weight-cast cache: the cache
 // belongs to the thread whose scale_loss clears it.
-struct Published {
-  bool active;
-  at::ScalarType low;
-  bool allow_banned;
-  int suspended;
-  FrameStack frames;
-};
 constexpr const char kPublishedName[] = "peak.caster.state";
 
 const std::string& published_key() {
@@ -159,6 +158,18 @@ void destroy_published(PyObject* capsule) {
 }
 
 inline bool thread_on() { return tls.active && tls.low != at::ScalarType::Undefined; }
+
+Published own_state() {
+  return {tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames};
+}
+
+void set_own_state(Published s) {
+  tls.active = s.active;
+  tls.low = s.low;
+  tls.allow_banned = s.allow_banned;
+  tls.suspended = s.suspended;
+  tls.frames = std::move(s.frames);
+}
 
 // Called after every change of this thread's state.
 void publish() {
@@ -175,7 +186,7 @@ void publish() {
     tls.published = false;
     return;
   }
-  auto* snapshot = new Published{tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames};
+  auto* snapshot = new Published(own_state());
   PyObject* capsule = PyCapsule_New(snapshot, kPublishedName, destroy_published);
   if (!capsule) {
     delete snapshot;
@@ -841,7 +852,7 @@ void register_bindings(py::module_& m) {
   c.def("snapshot", []() -> py::object {
     Published* snap;
     if (thread_on()) {
-      snap = new Published{tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames};
+      snap = new Published(own_state());
     } else if (const Published* h = handed_state()) {
       FrameStack frames = h->frames;
       frames.insert(frames.end(), tls.frames.begin(), tls.frames.end());
@@ -865,13 +876,8 @@ void register_bindings(py::module_& m) {
     if (ThreadLocalPythonObjects::contains(published_key())) {
       slot = ThreadLocalPythonObjects::get(published_key());
     }
-    tls.saved.push_back({tls.active, tls.low, tls.allow_banned, tls.suspended, tls.frames,
-                         tls.published, std::move(slot)});
-    tls.active = snap->active;
-    tls.low = snap->low;
-    tls.allow_banned = snap->allow_banned;
-    tls.suspended = snap->suspended;
-    tls.frames = snap->frames;
+    tls.saved.push_back({own_state(), tls.published, std::move(slot)});
+    set_own_state(*snap);
     publish();
     // An "off" snapshot must also hide what torch handed this thread (saved above, put back by
     // pop_state): publish() only removes what this thread published itself.
@@ -883,11 +889,7 @@ void register_bindings(py::module_& m) {
     if (tls.saved.empty()) throw py::value_error("pop_state() without a matching push_state()");
     SavedState prev = std::move(tls.saved.back());
     tls.saved.pop_back();
-    tls.active = prev.active;
-    tls.low = prev.low;
-    tls.allow_banned = prev.allow_banned;
-    tls.suspended = prev.suspended;
-    tls.frames = std::move(prev.frames);
+    set_own_state(std::move(prev.state));
     publish();
     if (!prev.published) {  // put back what torch handed this thread (or nothing)
       using at::impl::ThreadLocalPythonObjects;

@@ -104,8 +104,9 @@ def _check_interceptable(fn, arg: str = "func") -> None:
     raise TypeError(
         f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
         "torch.nn.functional, torch.Tensor, torch.linalg, torch.special, torch.fft or "
-        "torch.sparse, so O1 never sees its calls. For your own functions use the decorators amp.half_function / "
-        "amp.float_function / amp.promote_function, or amp.register_half_function(module, name) "
+        "torch.sparse, so O1 never sees its calls. For your own functions use the decorators "
+        "amp.half_function / amp.float_function / amp.promote_function, or "
+        "amp.register_half_function(module, name) "
         "(and register_float/promote_function) before amp.initialize; for a module (e.g. "
         "nn.GELU) list the function it calls (torch.nn.functional.gelu).")
 
@@ -300,15 +301,15 @@ def _apply_registrations() -> None:
                             f"no longer a function; that registration is dropped")
     while _pending:
         module, name, policy = _pending.pop(0)
-        had = name in vars(module)
+        had, own = name in vars(module), vars(module).get(name)
         # The descriptor itself, also when a class inherits it (getattr would hand back the
         # function a staticmethod holds, or a classmethod bound to this class).
-        try:
-            raw = inspect.getattr_static(module, name) if isinstance(module, type) \
-                else vars(module).get(name)
-        except AttributeError:  # found only through a metaclass __getattr__
-            raw = None
-        own = vars(module).get(name)
+        raw = own
+        if isinstance(module, type):
+            try:
+                raw = inspect.getattr_static(module, name)
+            except AttributeError:  # found only through a metaclass __getattr__
+                raw = None
         orig = getattr(module, name)
         # A class's static/class methods stay what they are (wrapping what getattr returns would
         # turn a staticmethod into an instance method, and bind a classmethod to this class).
