@@ -389,22 +389,81 @@ def test_opcheck_fused_ops(device):
                            lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi))
     torch.library.opcheck(torch.ops.peak.multi_tensor_check_finite_.default,
                           (grads, fi, 64, torch.zeros(len(grads), device=device)))
+    # the variants that write the unscaled gradients back (NOTE: [Unscaled gradients after the step])
+    store = {"store_unscaled_grads": True}
+    torch.library.opcheck(torch.ops.peak.fused_adam_.default,
+                          ([p.detach() for p in params], grads, masters, zeros(), zeros(), zeros(),
+                           steps(), lr, 0.9, 0.999, 1e-8, 0.0, True, False, False, True, gs, fi),
+                          kwargs=store)
+    torch.library.opcheck(torch.ops.peak.fused_sgd_.default,
+                          ([p.detach() for p in params], grads, masters, zeros(), steps(), lr,
+                           0.9, 0.0, 0.0, False, False, gs, fi), kwargs=store)
+    torch.library.opcheck(torch.ops.peak.fused_lamb_.default,
+                          ([p.detach() for p in params], grads, masters, zeros(), zeros(), steps(),
+                           lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi),
+                          kwargs=store)
 
 
-def _fused_call(ns, family, params, grads, masters, state, lr, found_inf, chunk):
+def _fused_call(ns, family, params, grads, masters, state, lr, found_inf, chunk, store=False):
     op = getattr(torch.ops, ns)
     steps = state["steps"]
     if family == "adam":
         op.fused_adam_(params, grads, masters, state["m"], state["v"], state["vmax"], steps, lr,
                        0.9, 0.99, 1e-8, 0.01, True, True, False, True, torch.tensor([4.0]),
-                       found_inf, chunk)
+                       found_inf, chunk, store_unscaled_grads=store)
     elif family == "sgd":
         op.fused_sgd_(params, grads, masters, state["m"], steps, lr, 0.9, 0.1, 0.01, False, False,
-                      torch.tensor([4.0]), found_inf, chunk)
+                      torch.tensor([4.0]), found_inf, chunk, store_unscaled_grads=store)
     else:
         op.fused_lamb_(params, grads, masters, state["m"], state["v"], steps, lr, 0.9, 0.99, 1e-6,
                        0.01, True, True, True, 1.0, False, None, torch.tensor([4.0]), found_inf,
-                       chunk)
+                       chunk, store_unscaled_grads=store)
+
+
+@pytest.mark.parametrize("family", ["adam", "sgd", "lamb"])
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=dtype_id)
+@pytest.mark.parametrize("with_master", [True, False], ids=["master", "no_master"])
+@pytest.mark.parametrize("grid", [(3, 4, 5), (0, 0, 0)], ids=["tiny_grid", "cuda_grid"])
+def test_unscaled_grads_written_back_on_every_backend(family, dtype, with_master, grid):
+    """store_unscaled_grads: after a step the gradients hold grad / grad_scale (exact for the
+    power-of-two scale), on the CPU launcher and through the emulated CUDA grid alike; the weights
+    are those of the step without the store; a skipped step leaves the gradients as they were."""
+    peak_C = __import__("peak")._C
+    g = torch.Generator().manual_seed(5)
+    sizes = [((i * 71) % 300) + 1 for i in range(30)]
+    base = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    grads0 = [(torch.randn(n, generator=g) * 8).to(dtype) for n in sizes]
+    results = {}
+    peak_C.emulated.set_grid_shape(*grid)
+    try:
+        for ns in ("peak", "peak_emulated"):
+            for store in (False, True):
+                for skip in (0.0, 1.0):
+                    params = [b.clone() for b in base]
+                    masters = [b.float().clone() for b in base] if with_master else []
+                    state = {"m": [torch.zeros(n) for n in sizes],
+                             "v": [torch.zeros(n) for n in sizes],
+                             "vmax": [torch.zeros(n) for n in sizes],
+                             "steps": [torch.tensor(0.0) for _ in sizes]}
+                    grads = [gr.clone() for gr in grads0]
+                    _fused_call(ns, family, params, grads, masters, state, torch.tensor([1e-2]),
+                                torch.tensor([skip]), 64, store=store)
+                    results[(ns, store, skip)] = (params, grads)
+    finally:
+        peak_C.emulated.set_grid_shape(0, 0, 0)
+    for ns in ("peak", "peak_emulated"):
+        for skip in (0.0, 1.0):
+            p_plain, g_plain = results[(ns, False, skip)]
+            p_store, g_store = results[(ns, True, skip)]
+            for a, b in zip(p_plain, p_store):
+                assert torch.equal(a, b)
+            for before, a, b in zip(grads0, g_plain, g_store):
+                assert torch.equal(a, before)
+                assert torch.equal(b, before if skip else (before.float() / 4).to(dtype))
+    if family != "lamb":  # (LAMB's norms sum in another order on the grid: see below)
+        for key in [(False, 0.0), (True, 0.0)]:
+            for a, b in zip(*(results[(ns,) + key][0] for ns in ("peak", "peak_emulated"))):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("family", ["adam", "sgd", "lamb"])
@@ -568,7 +627,6 @@ def test_apex_constructor_arguments():
     assert lamb.param_groups[0]["max_grad_norm"] == 2.0 and lamb.set_grad_none is False
     with pytest.raises(NotImplementedError, match="wd_after_momentum"):
         FusedSGD([p], lr=0.1, wd_after_momentum=True)
-    with pytest.raises(NotImplementedError, match="materialize_master_grads"):
-        FusedSGD([p], lr=0.1, materialize_master_grads=False)
+    FusedSGD([p], lr=0.1, materialize_master_grads=False)  # a no-op for peak (never materialized)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         FusedAdam([p], lr=torch.tensor(-1.0))

@@ -5,32 +5,35 @@
 // grad_norm + max_grad_norm > 0: clip by the global gradient norm inside the step (NOTE:
 // [Clipping inside the step]). Per-step scalars are device tensors; steps are
 // per-param float32 counts, bumped on device and restored when found_inf is set
-// (see NOTE: [Fused master-weight step] in core/optimizer_ops.h).
+// (see NOTE: [Fused master-weight step] in core/optimizer_ops.h). store_unscaled_grads: grads
+// are written back divided by grad_scale (NOTE: [Unscaled gradients after the step]).
 #pragma once
 
 namespace peak {
 
 inline constexpr const char* kFusedAdamSchema =
-    "fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
+    "fused_adam_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "
     "Tensor(f!)[] steps, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
     "bool amsgrad, bool adam_w_mode, bool maximize, bool bias_correction, "
     "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536, "
-    "int? stochastic_rounding_seed=None, Tensor? grad_norm=None, float max_grad_norm=0.0) -> ()";
+    "int? stochastic_rounding_seed=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
+    "bool store_unscaled_grads=False) -> ()";
 
 inline constexpr const char* kFusedSgdSchema =
-    "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
+    "fused_sgd_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
     "Tensor(c!)[] momentum_buffers, Tensor(d!)[] steps, Tensor lr, float momentum, "
     "float dampening, float weight_decay, bool nesterov, bool maximize, "
     "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536, "
-    "int? stochastic_rounding_seed=None, Tensor? grad_norm=None, float max_grad_norm=0.0) -> ()";
+    "int? stochastic_rounding_seed=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
+    "bool store_unscaled_grads=False) -> ()";
 
 inline constexpr const char* kFusedLambSchema =
-    "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] master_params, "
+    "fused_lamb_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, Tensor lr, "
     "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
     "bool grad_averaging, bool bias_correction, float max_grad_norm, bool use_nvlamb, "
     "Tensor? grad_norm=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
-    "int chunk_size=65536) -> ()";
+    "int chunk_size=65536, bool store_unscaled_grads=False) -> ()";
 
 }  // namespace peak

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <ATen/ThreadLocalPythonObjects.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
@@ -405,6 +406,50 @@ void collect_dtypes(PyObject* o, int& bits) {
 }
 inline bool mixed(int bits) { return bits != 0 && (bits & (bits - 1)) != 0; }
 
+// The device type of the first tensor in o (depth first), if any.
+bool first_device_type(PyObject* o, c10::DeviceType& out) {
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (!t.defined()) return false;
+    out = t.device().type();
+    return true;
+  }
+  if (PyTuple_Check(o)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i) {
+      if (first_device_type(PyTuple_GET_ITEM(o, i), out)) return true;
+    }
+  } else if (PyList_Check(o)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) {
+      if (first_device_type(PyList_GET_ITEM(o, i), out)) return true;
+    }
+  } else if (PyDict_Check(o)) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &k, &v)) {
+      if (first_device_type(v, out)) return true;
+    }
+  }
+  return false;
+}
+
+// NOTE: [Explicit autocast regions win]
+// Code running under O1 may open its own torch.autocast (or peak.amp.autocast) region, e.g. an
+// evaluation, teacher or baseline model in the same process, with its own dtype. Inside it the
+// user asked for torch's rules, so the caster steps aside for ops on that region's device type
+// and lets torch's autocast keys do the casting; everywhere else O1 casts as before.
+bool in_autocast_region(PyObject* args, PyObject* kwargs) {
+  if (!at::autocast::is_autocast_enabled(c10::DeviceType::CPU) &&
+      !at::autocast::is_autocast_enabled(c10::DeviceType::CUDA) &&
+      !at::autocast::is_autocast_enabled(c10::DeviceType::XPU)) {
+    return false;  // the common case: one TLS read per device type
+  }
+  c10::DeviceType type = c10::DeviceType::CPU;
+  if (!first_device_type(args, type) && !(kwargs && first_device_type(kwargs, type))) {
+    return false;
+  }
+  return at::autocast::is_autocast_enabled(type);
+}
+
 const char kBannedMessage[] =
     "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It "
     "requires that the output of the previous function be already a FloatTensor. \n\n"
@@ -633,7 +678,8 @@ PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
   const Gate g = gate(/*in_mode=*/true);
   const Policy p = g.casting ? effective_policy(func, g.handed) : Policy::kNone;
   PyObject* result;
-  if (p == Policy::kNone || !PyTuple_Check(args)) {
+  if (p == Policy::kNone || !PyTuple_Check(args) ||
+      (p != Policy::kHook && in_autocast_region(args, kwargs))) {
     result = PyObject_Call(func, args, kwargs);
   } else if (p == Policy::kHook) {
     if (!g_hook) {
@@ -682,7 +728,9 @@ PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyO
     }
   }
   PyObject* result;
-  {
+  if (in_autocast_region(args, kwargs)) {
+    result = PyObject_Call(orig, args, kwargs);
+  } else {
     const InOp in_op;
     result = apply_policy(p, orig, args, kwargs, g);
   }
@@ -692,10 +740,131 @@ PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyO
   END_HANDLE_TH_ERRORS
 }
 
-PyMethodDef kPatchedDef = {
-    "peak_o1_cast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(patched_call)),
-    METH_FASTCALL | METH_KEYWORDS,
-    "peak O1 caster wrapper: casts as the policy of the wrapped function says (docs/caster.md)"};
+// NOTE: [Patch wrapper objects]
+// What the patch dispatch puts in place of a listed callable: a small object of its own type,
+// not a builtin function. A builtin's __name__/__qualname__/__module__ are fixed by its
+// PyMethodDef, so every wrapper read 'peak_o1_cast', and code that keys callables by name
+// broke (inductor registers torch.mm and torch.addmm as extern kernels by __name__: "duplicate
+// extern kernel"). This type has an instance __dict__, so peak.amp._caster gives each wrapper
+// the wrapped function's metadata (functools.update_wrapper: __name__, __qualname__, __module__,
+// __doc__, __wrapped__), and it is called through vectorcall, as fast as the builtin was.
+// Pickling one pickles a reference to the wrapped function (cast_wrapper_reduce).
+struct CastWrapper {
+  PyObject_HEAD
+  PyObject* orig;
+  PyObject* dict;
+  PyObject* weakrefs;
+  vectorcallfunc vectorcall;
+};
+
+PyObject* cast_wrapper_call(PyObject* self, PyObject* const* a, size_t nargsf, PyObject* kwnames) {
+  return patched_call(reinterpret_cast<CastWrapper*>(self)->orig, a, PyVectorcall_NARGS(nargsf),
+                      kwnames);
+}
+
+int cast_wrapper_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* w = reinterpret_cast<CastWrapper*>(self);
+  Py_VISIT(w->orig);
+  Py_VISIT(w->dict);
+  return 0;
+}
+
+int cast_wrapper_clear(PyObject* self) {
+  auto* w = reinterpret_cast<CastWrapper*>(self);
+  Py_CLEAR(w->orig);
+  Py_CLEAR(w->dict);
+  return 0;
+}
+
+void cast_wrapper_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  auto* w = reinterpret_cast<CastWrapper*>(self);
+  if (w->weakrefs) PyObject_ClearWeakRefs(self);
+  cast_wrapper_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* cast_wrapper_repr(PyObject* self) {
+  return PyUnicode_FromFormat("<peak O1 cast of %R>", reinterpret_cast<CastWrapper*>(self)->orig);
+}
+
+// Pickled by name, as pickle saves functions: pydoc.locate("module.name") finds whatever is
+// there when loaded (the function itself once O1 is off). A callable without a module-level
+// name pickles as itself (copy.copy of a function is the function).
+PyObject* cast_wrapper_reduce(PyObject* self, PyObject*) {
+  PyObject* orig = reinterpret_cast<CastWrapper*>(self)->orig;
+  PyObject* module = PyObject_GetAttrString(orig, "__module__");
+  PyObject* name = module ? PyObject_GetAttrString(orig, "__name__") : nullptr;
+  PyErr_Clear();
+  if (module && name && PyUnicode_Check(module) && PyUnicode_Check(name)) {
+    PyObject* locate = nullptr;
+    if (PyObject* pydoc = PyImport_ImportModule("pydoc")) {
+      locate = PyObject_GetAttrString(pydoc, "locate");
+      Py_DECREF(pydoc);
+    }
+    PyObject* path = PyUnicode_FromFormat("%U.%U", module, name);
+    Py_DECREF(module);
+    Py_DECREF(name);
+    if (!locate || !path) {
+      Py_XDECREF(locate);
+      Py_XDECREF(path);
+      return nullptr;
+    }
+    return Py_BuildValue("(N(N))", locate, path);
+  }
+  Py_XDECREF(module);
+  Py_XDECREF(name);
+  PyObject* copy_module = PyImport_ImportModule("copy");
+  if (!copy_module) return nullptr;
+  PyObject* copy_fn = PyObject_GetAttrString(copy_module, "copy");
+  Py_DECREF(copy_module);
+  if (!copy_fn) return nullptr;
+  return Py_BuildValue("(N(O))", copy_fn, orig);
+}
+
+PyMethodDef kCastWrapperMethods[] = {
+    {"__reduce__", cast_wrapper_reduce, METH_NOARGS, "pickles the wrapped function"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef kCastWrapperGetSet[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject* cast_wrapper_type() {
+  static PyTypeObject* type = [] {
+    static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "peak._C.caster.CastWrapper";
+    t.tp_basicsize = sizeof(CastWrapper);
+    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
+    t.tp_doc = "peak O1 caster wrapper: casts as the policy of the wrapped function says "
+               "(docs/caster.md)";
+    t.tp_vectorcall_offset = offsetof(CastWrapper, vectorcall);
+    t.tp_call = PyVectorcall_Call;
+    t.tp_dictoffset = offsetof(CastWrapper, dict);
+    t.tp_weaklistoffset = offsetof(CastWrapper, weakrefs);
+    t.tp_traverse = cast_wrapper_traverse;
+    t.tp_clear = cast_wrapper_clear;
+    t.tp_dealloc = cast_wrapper_dealloc;
+    t.tp_repr = cast_wrapper_repr;
+    t.tp_methods = kCastWrapperMethods;
+    t.tp_getset = kCastWrapperGetSet;
+    if (PyType_Ready(&t) < 0) throw py::error_already_set();
+    return &t;
+  }();
+  return type;
+}
+
+PyObject* new_cast_wrapper(PyObject* orig) {
+  auto* w = PyObject_GC_New(CastWrapper, cast_wrapper_type());
+  if (!w) return nullptr;
+  Py_INCREF(orig);
+  w->orig = orig;
+  w->dict = nullptr;
+  w->weakrefs = nullptr;
+  w->vectorcall = cast_wrapper_call;
+  PyObject_GC_Track(reinterpret_cast<PyObject*>(w));
+  return reinterpret_cast<PyObject*>(w);
+}
 
 PyMethodDef kTorchFunctionDef = {
     "caster_torch_function", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)),
@@ -744,11 +913,22 @@ void register_bindings(py::module_& m) {
       "wrap",
       [](py::handle orig) {
         if (!PyCallable_Check(orig.ptr())) throw py::type_error("wrap: orig must be callable");
-        PyObject* f = PyCFunction_NewEx(&kPatchedDef, orig.ptr(), nullptr);
+        PyObject* f = new_cast_wrapper(orig.ptr());
         if (!f) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(f);
       },
-      py::arg("orig"), "A C++ builtin that calls orig with the caster's casts (patch dispatch)");
+      py::arg("orig"),
+      "A CastWrapper that calls orig with the caster's casts (patch dispatch; NOTE: [Patch "
+      "wrapper objects])");
+  c.def(
+      "unwrap",
+      [](py::handle obj) -> py::object {
+        if (Py_TYPE(obj.ptr()) == cast_wrapper_type()) {
+          return py::reinterpret_borrow<py::object>(reinterpret_cast<CastWrapper*>(obj.ptr())->orig);
+        }
+        return py::reinterpret_borrow<py::object>(obj);
+      },
+      py::arg("obj"), "The callable behind a CastWrapper; anything else as it is");
   c.def(
       "instancemethod",
       [](py::handle f) {

@@ -42,6 +42,7 @@ struct OptimizerScalars {
   StepScalar grad_norm;   // ptr null: no clipping
   float max_grad_norm = 0.0f;
   float grad_factor = 1.0f;  // 1 / grad_scale, times the clipping factor
+  float inv_grad_scale = 1.0f;
   PEAK_HD void load() {
     lr.load();
     grad_scale.load();
@@ -52,14 +53,25 @@ struct OptimizerScalars {
       clip = max_grad_norm / (grad_norm.value / grad_scale.value + 1e-6f);
       if (clip > 1.0f) clip = 1.0f;
     }
-    grad_factor = (1.0f / grad_scale.value) * clip;
+    inv_grad_scale = 1.0f / grad_scale.value;
+    grad_factor = inv_grad_scale * clip;
   }
 };
+
+// NOTE: [Unscaled gradients after the step]
+// torch's fused optimizers leave p.grad unscaled after a step that was handed grad_scale (a
+// skipped step leaves it as it was), and code after the step (logging, gradient noise
+// statistics, a second optimizer over the same grads) reads it. `StoreGrad` ops write
+// grad * (1 / grad_scale) back in the same pass: one more store of the gradient's bytes, no
+// extra read. It is the unscaled gradient, not the clipped one (torch's clip_grad_norm_ would
+// have clipped it in place; peak's in-step clipping is an optimization of the step only). A
+// template constant, so the variant without it stores nothing.
+constexpr unsigned grad_list_if(bool store_grad) { return store_grad ? 1u : 0u; }
 
 // `Rounded`: bf16 weights stepped without masters, stochastically rounded. A template
 // parameter, not a flag read per element: as a flag the vectorised loop computed the random
 // bits of every element and then threw them away (most of an fp32 step's time).
-template <bool HasMaster, bool Amsgrad, bool Rounded = false>
+template <bool HasMaster, bool Amsgrad, bool Rounded = false, bool StoreGrad = false>
 struct AdamOp : OpDefaults {
   static_assert(!(HasMaster && Rounded), "stochastic rounding is for weights without masters");
   static constexpr int kGrad = 0, kParam = 1;
@@ -67,7 +79,8 @@ struct AdamOp : OpDefaults {
   static constexpr int kExpAvg = kWeight + 1, kExpAvgSq = kWeight + 2, kMaxExpAvgSq = kWeight + 3;
   static constexpr int depth = kExpAvgSq + 1 + (Amsgrad ? 1 : 0);
   static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
-  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
+  static constexpr unsigned write_mask =
+      (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
   static constexpr int tensor_scalars = 1;  // the step count
   static constexpr bool indexed = Rounded;  // stochastic rounding's random bits
   using State = NoState;
@@ -131,10 +144,12 @@ struct AdamOp : OpDefaults {
     } else {
       v[kParam] = w;
     }
+    if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;  // after the rounding's bits
   }
 };
 
-template <bool HasMaster, bool HasMomentum, bool Rounded = false>  // Rounded: as AdamOp
+// Rounded, StoreGrad: as AdamOp.
+template <bool HasMaster, bool HasMomentum, bool Rounded = false, bool StoreGrad = false>
 struct SgdOp : OpDefaults {
   static_assert(!(HasMaster && Rounded), "stochastic rounding is for weights without masters");
   static constexpr int kGrad = 0, kParam = 1;
@@ -142,7 +157,8 @@ struct SgdOp : OpDefaults {
   static constexpr int kMomentum = kWeight + 1;
   static constexpr int depth = kWeight + 1 + (HasMomentum ? 1 : 0);
   static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
-  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
+  static constexpr unsigned write_mask =
+      (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
   static constexpr int tensor_scalars = 1;  // the step count: the first step seeds the momentum
   static constexpr bool indexed = Rounded;  // stochastic rounding's random bits
   using State = NoState;
@@ -180,16 +196,18 @@ struct SgdOp : OpDefaults {
     } else {
       v[kParam] = w;
     }
+    if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;  // after the rounding's bits
   }
 };
 
 // LAMB, as Apex's FusedLAMB (stage 1: moments and the raw update; stage 2: the per-tensor trust
 // ratio from the norms of the weights and of the update, computed between the stages).
+template <bool StoreGrad = false>  // as AdamOp
 struct LambStage1Op : OpDefaults {
   static constexpr int kGrad = 0, kWeight = 1, kExpAvg = 2, kExpAvgSq = 3, kUpdate = 4;
   static constexpr int depth = 5;
   static constexpr unsigned read_mask = 0b01111;
-  static constexpr unsigned write_mask = 0b11100;
+  static constexpr unsigned write_mask = 0b11100 | grad_list_if(StoreGrad);
   static constexpr int tensor_scalars = 1;  // the step count
   using State = NoState;
 
@@ -234,6 +252,7 @@ struct LambStage1Op : OpDefaults {
     v[kExpAvg] = m;
     v[kExpAvgSq] = vsq;
     v[kUpdate] = update;
+    if constexpr (StoreGrad) v[kGrad] = v[kGrad] / grad_scale.value;
   }
 };
 

@@ -31,6 +31,8 @@ struct OptimizerArgs {
   int64_t chunk_size;
   std::optional<at::Tensor> grad_norm = std::nullopt;  // clipping (Adam, SGD)
   double max_grad_norm = 0.0;
+  // NOTE: [Unscaled gradients after the step]: write grad / grad_scale back (with grad_scale).
+  bool store_unscaled_grads = false;
 };
 
 // Checks shared by every optimizer.
@@ -204,7 +206,9 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
       optimizer_lists(a, {exp_avgs, exp_avg_sqs, amsgrad ? max_exp_avg_sqs : at::TensorList{}});
   with_weight_store(a, rounding, [&](auto has_master, auto rounded) {
     with_bool(amsgrad, [&](auto ams) {
-      AdamOp<decltype(has_master)::value, decltype(ams)::value, decltype(rounded)::value> op;
+     with_bool(a.store_unscaled_grads, [&](auto store_grad) {
+      AdamOp<decltype(has_master)::value, decltype(ams)::value, decltype(rounded)::value,
+             decltype(store_grad)::value> op;
       fill_optimizer_scalars(op.s, a);
       op.beta1 = beta1;
       op.beta2 = beta2;
@@ -216,6 +220,7 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
       op.rounding = rounding;
       launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)},
                        a.chunk_size, op);
+     });
     });
   });
   undo_skipped_steps(a.steps, a.found_inf);
@@ -239,8 +244,9 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
   const auto lists = optimizer_lists(a, {momentum_buffers});
   with_weight_store(a, rounding, [&](auto has_master, auto rounded) {
     with_bool(momentum != 0.0, [&](auto has_momentum) {
+     with_bool(a.store_unscaled_grads, [&](auto store_grad) {
       SgdOp<decltype(has_master)::value, decltype(has_momentum)::value,
-            decltype(rounded)::value> op;
+            decltype(rounded)::value, decltype(store_grad)::value> op;
       fill_optimizer_scalars(op.s, a);
       op.momentum = static_cast<float>(momentum);
       op.dampening = dampening;
@@ -250,6 +256,7 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
       op.rounding = rounding;
       launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)},
                        a.chunk_size, op);
+     });
     });
   });
   undo_skipped_steps(a.steps, a.found_inf);
@@ -279,8 +286,9 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   std::vector<at::Tensor> updates;
   updates.reserve(a.params.size());
   for (const at::Tensor& p : a.params) updates.push_back(at::empty_like(p, p.options().dtype(at::kFloat)));
-  {
-    LambStage1Op op;
+  with_bool(a.store_unscaled_grads, [&](auto store_grad) {
+    using Op = LambStage1Op<decltype(store_grad)::value>;
+    Op op;
     op.grad_scale.value = 1.0f;
     op.grad_scale.ptr = a.grad_scale ? a.grad_scale->data_ptr<float>() : nullptr;
     op.found_inf.ptr = a.found_inf ? a.found_inf->data_ptr<float>() : nullptr;
@@ -298,14 +306,13 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
     with_storage_type(a.params[0].scalar_type(), [&](auto t) {
       using T = decltype(t);
       if (a.masters.empty()) {
-        exec.template apply<LambStage1Op, T, T, float, float, float>(host, a.chunk_size, op,
-                                                                    BlockSink{});
+        exec.template apply<Op, T, T, float, float, float>(host, a.chunk_size, op, BlockSink{});
       } else {
-        exec.template apply<LambStage1Op, T, float, float, float, float>(host, a.chunk_size, op,
-                                                                        BlockSink{});
+        exec.template apply<Op, T, float, float, float, float>(host, a.chunk_size, op,
+                                                              BlockSink{});
       }
     });
-  }
+  });
   // Per-tensor norms of the weights and of the update (the trust ratio's inputs).
   const at::Tensor weight_norms = std::get<1>(multi_tensor_l2norm(exec, weights, true, a.chunk_size));
   const at::Tensor update_norms = std::get<1>(multi_tensor_l2norm(exec, updates, true, a.chunk_size));
@@ -350,12 +357,14 @@ void fused_adam_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                       const std::optional<at::Tensor>& grad_scale,
                       const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
                       std::optional<int64_t> stochastic_rounding_seed,
-                      const std::optional<at::Tensor>& grad_norm, double max_grad_norm) {
+                      const std::optional<at::Tensor>& grad_norm, double max_grad_norm,
+                      bool store_unscaled_grads) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_adam(exec,
              OptimizerArgs{"fused_adam_", params, grads, master_params, steps, lr, grad_scale,
-                           found_inf, chunk_size, grad_norm, max_grad_norm},
+                           found_inf, chunk_size, grad_norm, max_grad_norm,
+                           store_unscaled_grads},
              exp_avgs, exp_avg_sqs, max_exp_avg_sqs, beta1, beta2, eps, weight_decay, amsgrad,
              adam_w_mode, maximize, bias_correction, stochastic_rounding_seed);
 }
@@ -367,12 +376,14 @@ void fused_sgd_entry(at::TensorList params, at::TensorList grads, at::TensorList
                      bool maximize, const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
                      std::optional<int64_t> stochastic_rounding_seed,
-                     const std::optional<at::Tensor>& grad_norm, double max_grad_norm) {
+                     const std::optional<at::Tensor>& grad_norm, double max_grad_norm,
+                     bool store_unscaled_grads) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_sgd(exec,
             OptimizerArgs{"fused_sgd_", params, grads, master_params, steps, lr, grad_scale,
-                          found_inf, chunk_size, grad_norm, max_grad_norm},
+                          found_inf, chunk_size, grad_norm, max_grad_norm,
+                          store_unscaled_grads},
             momentum_buffers, momentum, dampening, weight_decay, nesterov, maximize,
             stochastic_rounding_seed);
 }
@@ -385,12 +396,13 @@ void fused_lamb_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                       bool bias_correction, double max_grad_norm, bool use_nvlamb,
                       const std::optional<at::Tensor>& grad_norm,
                       const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size) {
+                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
+                      bool store_unscaled_grads) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_lamb(exec,
              OptimizerArgs{"fused_lamb_", params, grads, master_params, steps, lr, grad_scale,
-                           found_inf, chunk_size},
+                           found_inf, chunk_size, std::nullopt, 0.0, store_unscaled_grads},
              exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, adam_w_mode, grad_averaging,
              bias_correction, max_grad_norm, use_nvlamb, grad_norm);
 }

@@ -149,10 +149,31 @@ def loss_id_out_of_range():
         s.backward()
 
 
-def closure_with_master_weights():
+def lbfgs_with_master_weights():
     model = _model()
-    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    model, opt = amp.initialize(model, torch.optim.LBFGS(model.parameters()), opt_level="O2", verbosity=0)
     opt.step(lambda: _loss(model))
+
+
+def optimizer_without_optimizer_init():
+    class Broken(torch.optim.Optimizer):
+        def __init__(self, params):  # noqa: D107 (skips Optimizer.__init__, wraps nothing)
+            self.param_groups = [{"params": list(params)}]
+
+    model = _model()
+    amp.initialize(model, Broken(model.parameters()), opt_level="O2", verbosity=0)
+
+
+def master_params_between_micro_batches():
+    from peak.optimizers import FusedAdam
+
+    model = _model()
+    model, opt = amp.initialize(model, FusedAdam(model.parameters()), opt_level="O2", verbosity=0)
+    with amp.scale_loss(_loss(model), opt) as s:
+        s.backward()
+    list(amp.master_params(opt))
+    with amp.scale_loss(_loss(model), opt) as s:
+        s.backward()
 
 
 def state_dict_before_initialize():

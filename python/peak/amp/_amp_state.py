@@ -86,9 +86,10 @@ def master_params(optimizer):
     """
     stash = getattr(optimizer, "_amp_stash", None)
     if stash is not None and stash.fused:
-        # A fused optimizer reads the model's gradients, still scaled: unscale them now so that
-        # clipping sees true values (the step then divides by 1).
-        stash.fused_unscale_in_place()
+        # A peak fused optimizer keeps its masters in its state and reads the model's (scaled)
+        # gradients: the masters get fp32 gradients for clipping, which the step then reads.
+        yield from stash.fused_master_params()
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             yield p

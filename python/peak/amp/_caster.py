@@ -13,6 +13,7 @@ See docs/caster.md for the design.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -22,7 +23,7 @@ from .. import _C
 
 _c = _C.caster
 
-__all__ = ["enable", "disable", "dispatch", "is_enabled", "low_dtype", "region", "disabled", "clear_cache",
+__all__ = ["enable", "disable", "dispatch", "is_enabled", "low_dtype", "disabled", "clear_cache",
            "cache_stats"]
 
 
@@ -369,13 +370,14 @@ def _index() -> dict:
 def _patch(fn) -> bool:
     """Put a C++ wrapper of ``fn`` at each place torch code looks it up. False if none is known."""
     # The index is keyed by id(): keep only the sites that still hold this very object.
-    sites = [(o, n) for o, n in _index().get(id(fn), []) if _plain(getattr(o, n, None)) is fn]
+    sites = [(o, n) for o, n in _index().get(id(fn), []) if unwrap(getattr(o, n, None)) is fn]
     if not sites:
         return False
     if id(fn) in _patched_ids:
         return True
     _patched_ids.add(id(fn))
-    wrapper = _c.wrap(fn)
+    wrapper = _c.wrap(fn)  # NOTE: [Patch wrapper objects] in csrc/caster/caster.cpp
+    functools.update_wrapper(wrapper, fn)
     for owner, name in sites:
         own = owner.__dict__ if isinstance(owner, type) else vars(owner)
         had = name in own
@@ -385,11 +387,10 @@ def _patch(fn) -> bool:
     return True
 
 
-def _plain(obj):
-    """``obj`` itself, or the original behind one of our wrappers."""
-    if getattr(obj, "__name__", None) == "peak_o1_cast" and getattr(obj, "__self__", None) is not None:
-        return obj.__self__
-    return obj
+def unwrap(obj):
+    """``obj`` itself, or the torch callable behind one of the patch dispatch's wrappers (what
+    ``torch.mm`` is while O1 is on)."""
+    return _c.unwrap(obj)
 
 
 def _unpatch_all() -> None:
@@ -419,12 +420,6 @@ def is_enabled() -> bool:
 
 def low_dtype() -> torch.dtype | None:
     return _c.low_dtype()
-
-
-@contextlib.contextmanager
-def region(device_type: str):
-    """Kept for the amp models' forward: casting is thread-wide now, so this adds nothing."""
-    yield
 
 
 @contextlib.contextmanager

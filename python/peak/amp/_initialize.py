@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -19,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _caster
 from ._amp_state import _amp_state, warn_or_err
-from ._process_optimizer import master_of, process_optimizer
+from ._process_optimizer import inner_optimizer, master_of, process_optimizer
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -39,12 +40,14 @@ def check_inputs(models, optimizers):
 
     if optimizers is None:
         optimizers_list = []
-    elif isinstance(optimizers, torch.optim.Optimizer):
+    elif _is_optimizer(optimizers):
         optimizers_list = [optimizers]
-    elif isinstance(optimizers, list) and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+    elif isinstance(optimizers, list) and all(_is_optimizer(o) for o in optimizers):
         optimizers_list = list(optimizers)
     else:
-        hint = " (got a tuple; pass a list)" if isinstance(optimizers, tuple) else ""
+        hint = (" (got a tuple; pass a list)" if isinstance(optimizers, tuple) else
+                " (torch.optim.Optimizer objects, or wrappers that keep one in .optimizer or .optim and "
+                "share its param_groups)")
         raise TypeError("optimizers must be either a single optimizer or a list of optimizers." + hint)
 
     for i, model in enumerate(models_list):
@@ -69,9 +72,16 @@ def check_inputs(models, optimizers):
 
     for i, opt in enumerate(optimizers_list):
         for j in range(i):
-            if optimizers_list[j] is opt:
+            if inner_optimizer(optimizers_list[j]) is inner_optimizer(opt):
                 raise ValueError(f"optimizers[{i}] is the same object as optimizers[{j}]; pass each optimizer once.")
-        if hasattr(opt, "_amp_stash"):
+        inner = inner_optimizer(opt)
+        if not hasattr(inner, "_optimizer_state_dict_post_hooks"):
+            raise TypeError(
+                f"optimizers[{i}] ({type(opt).__name__}) is a torch.optim.Optimizer subclass that did not run "
+                "torch.optim.Optimizer.__init__, and amp finds no inner optimizer in it (a wrapper keeps the "
+                "torch optimizer in .optimizer or .optim and returns its param_groups). Pass the inner "
+                "optimizer to amp.initialize, then wrap the one amp returns.")
+        if hasattr(opt, "_amp_stash") or hasattr(inner, "_amp_stash"):
             raise RuntimeError(
                 "A given optimizer should only be passed through amp.initialize once. "
                 f"optimizers[{i}] ({type(opt).__name__}) already was: build a fresh optimizer over the new "
@@ -162,14 +172,46 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
         _initialized_models.add(model)
 
     for optimizer in optimizers:
-        process_optimizer(optimizer, properties, fp32_originals)
+        inner = inner_optimizer(optimizer)
+        process_optimizer(inner, properties, fp32_originals)
+        if inner is not optimizer:
+            optimizer._amp_stash = inner._amp_stash  # scale_loss and master_params accept the wrapper
     fp32_originals.clear()
+    if properties.master_weights and not optimizers:
+        _warn_on_training_without_masters(models, properties.opt_level)
 
     if o1:
         from .handle import AmpHandle  # noqa: PLC0415 (cycle)
 
         _caster.enable(properties.low_precision_dtype)
         _amp_state.handle = AmpHandle()
+
+
+def _is_optimizer(obj) -> bool:
+    return isinstance(inner_optimizer(obj), torch.optim.Optimizer)
+
+
+def _warn_on_training_without_masters(models, opt_level) -> None:
+    """O2 without an optimizer: no fp32 master weights exist. Inference needs none, but a backward
+    reaching the cast parameters means training on them: warn then, once."""
+    params = [p for model in models for p in model.parameters() if p.requires_grad and p.dtype in _LOW]
+    handles = []
+
+    def warn(param) -> None:
+        if not handles:
+            return
+        for h in handles:
+            h.remove()
+        handles.clear()
+        warnings.warn(
+            f"amp.initialize(opt_level={opt_level!r}) was given no optimizer, so no "
+            f"fp32 master weights exist, and a gradient just reached the model's {param.dtype} parameters: "
+            "an optimizer built over them now steps low-precision weights directly (small updates round "
+            "away). Pass the optimizer to amp.initialize: "
+            "model, optimizer = amp.initialize(model, optimizer, opt_level=...).", UserWarning, stacklevel=2)
+
+    for p in params:
+        handles.append(p.register_post_accumulate_grad_hook(warn))
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> dict:
@@ -245,11 +287,9 @@ def _amp_forward(self, *args, **kwargs):
         args = cast_tree(args, cfg.input_dtype)
         kwargs = cast_tree(kwargs, cfg.input_dtype)
     inner = cfg.inner_forward
-    if cfg.device_type is not None:
-        with _caster.region(cfg.device_type):
-            output = inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
-    else:
-        output = inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
+    # (O1 casts thread-wide, so the forward needs no region of its own: a context manager here
+    # would also keep torch.compile from splitting the forward at a graph break.)
+    output = inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
     if cfg.output_dtype is not None:
         output = cast_tree(output, cfg.output_dtype)
     return output

@@ -24,12 +24,22 @@ read-only pass checks the gradients for inf/NaN, the scale used is kept on the d
 ``step()`` hands it to the optimizer (``grad_scale``), which unscales inside its single pass and
 writes the model weights itself. Gradient accumulation over several ``scale_loss`` passes keeps the
 gradients scaled by the latest scale (earlier gradients are rescaled by the ratio of two powers of
-two, exact short of overflow); ``amp.master_params`` unscales them in place first, for clipping.
+two, exact short of overflow). When an earlier loss overflowed (a step skip is pending), the
+gradients it left are set aside during the next pass, so that only the new gradients are charged to
+that pass's scaler, and added back after it. ``amp.master_params`` gives the fused optimizer's fp32
+masters fp32 gradients (the unscaled model gradients), which the step then reads instead: clipping
+them clips what is stepped, and leaving them alone changes nothing (the step's arithmetic is the same).
+
+Closures.  ``optimizer.step(closure)`` runs the closure first (with grad enabled and O1 casts on, as
+the forward would run) and then steps on the gradients it produced, as ``torch.optim`` optimizers
+call it at the start of ``step``; so a closure that runs ``amp.scale_loss`` works at every opt_level.
+``torch.optim.LBFGS`` re-evaluates its closure inside the step: it keeps it, without master weights.
 """
 
 from __future__ import annotations
 
 import types
+import warnings
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -48,6 +58,25 @@ master_of = WeakIdKeyDictionary()
 MASTERS_KEY = "amp_master_params"
 
 
+def inner_optimizer(optimizer):
+    """The torch optimizer behind an optimizer wrapper, or ``optimizer`` itself.
+
+    Wrappers that trainers and libraries put around a torch optimizer (Accelerate's
+    ``AcceleratedOptimizer`` keeps it in ``.optimizer``, Apex's and peak's ``LARC`` in ``.optim``)
+    share its ``param_groups`` and forward ``step``/``zero_grad``/``state_dict`` to it: amp sets up
+    the inner optimizer, and the wrapper keeps working around it."""
+    for _ in range(8):  # wrappers of wrappers, not a cycle
+        for attr in ("optimizer", "optim"):
+            inner = getattr(optimizer, attr, None) if not isinstance(optimizer, type) else None
+            if (isinstance(inner, torch.optim.Optimizer) and inner is not optimizer
+                    and getattr(optimizer, "param_groups", None) is inner.param_groups):
+                optimizer = inner
+                break
+        else:
+            return optimizer
+    return optimizer
+
+
 def _is_fused(optimizer) -> bool:
     from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (peak.optimizers imports nothing of amp)
     return isinstance(optimizer, FusedOptimizer)
@@ -63,7 +92,12 @@ class AmpOptimizerState:
         self.fused_grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
         # Their global norm, when the optimizer clips (taken by the inf/NaN check's pass).
         self.fused_grad_norm: torch.Tensor | None = None
+        # Gradients set aside while a pass runs after an overflow: (params, grads, their scale).
+        self.fused_set_aside: tuple | None = None
+        # amp.master_params gave the masters fp32 gradients, which the step reads instead.
+        self.fused_master_grads = False
         self.o1 = o1
+        self.warned_no_master_grads = False
         self.generation = generation
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
         self.params_have_scaled_gradients = False
@@ -129,21 +163,48 @@ class AmpOptimizerState:
 
     def fused_prepare_backward(self, scaler) -> None:
         """Gradients still pending from an earlier pass carry that pass's scale: bring them to the
-        scale of the pass about to run, so that the backward accumulates like with like."""
-        grads = self.fused_grads()
-        if self.fused_grad_scale is None or not grads:
+        scale of the pass about to run, so that the backward accumulates like with like. After an
+        overflow (a skip is pending) set them aside instead: they may hold the inf/NaN that was
+        already charged to the earlier pass's scaler, and must not be charged to this one."""
+        if self.fused_master_grads:
+            raise RuntimeError(
+                "amp.scale_loss: amp.master_params(optimizer) already gave this fused optimizer's "
+                "fp32 master weights their gradients (for clipping) and no step() or zero_grad() "
+                "has used them since. Read amp.master_params once per step, after the last "
+                "scale_loss block of the step (gradient accumulation: after the last micro-batch).")
+        params = [p for p in self.fused_params if p.grad is not None]
+        if self.fused_grad_scale is None or not params:
             return
-        with torch.no_grad():
-            for device, (group,) in group_by_device_dtype(grads):
-                ratio = (scaler.scale.to(device) / self.fused_grad_scale.to(device)).reshape(())
-                torch._foreach_mul_(group, ratio)
+        if self.pending_skip is not None:
+            self.fused_set_aside = (params, [p.grad for p in params], self.fused_grad_scale)
+            for p in params:
+                p.grad = None
+        else:
+            with torch.no_grad():
+                for device, (group,) in group_by_device_dtype([p.grad for p in params]):
+                    ratio = (scaler.scale.to(device) / self.fused_grad_scale.to(device)).reshape(())
+                    torch._foreach_mul_(group, ratio)
         self.fused_grad_scale = None
         self.fused_grad_norm = None
+
+    def fused_abort_backward(self) -> None:
+        """The backward pass raised: put set-aside gradients back as they were."""
+        if self.fused_set_aside is not None:
+            params, grads, scale = self.fused_set_aside
+            for p, g in zip(params, grads):
+                p.grad = g
+            self.fused_grad_scale = scale
+            self.fused_set_aside = None
 
     def fused_post_backward(self, scaler) -> None:
         self.fused_grad_norm = None
         with torch.no_grad():
-            if self.optimizer._wants_grad_norm:
+            if self.fused_set_aside is not None:
+                # Check the new gradients alone, then add the earlier ones back (at this scale).
+                for device, (group,) in group_by_device_dtype(self.fused_grads()):
+                    ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
+                self._add_back_set_aside(scaler)
+            elif self.optimizer._wants_grad_norm:
                 # The optimizer clips: the global norm's pass is the inf/NaN check as well (a
                 # non-finite gradient makes the norm non-finite): NOTE [Clipping inside the step].
                 norm = self.optimizer._global_grad_norm()
@@ -157,16 +218,71 @@ class AmpOptimizerState:
                     ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
         self.fused_grad_scale = scaler.scale.clone()  # taken before the scale is updated
 
-    def fused_unscale_in_place(self) -> None:
-        """Unscale the pending gradients in place (for clipping); the step then divides by 1."""
-        if self.fused_grad_scale is None:
-            return
-        with torch.no_grad():
-            for device, (group,) in group_by_device_dtype(self.fused_grads()):
-                inv = self.fused_grad_scale.to(device).reciprocal()
-                ops.multi_tensor_scale_(group, group, inv, torch.zeros(1, device=device))
-        self.fused_grad_scale = torch.ones_like(self.fused_grad_scale)
-        self.fused_grad_norm = None  # the step measures the unscaled (maybe clipped) gradients
+    def _add_back_set_aside(self, scaler) -> None:
+        params, olds, old_scale = self.fused_set_aside
+        self.fused_set_aside = None
+        both_new, both_old, only_old = [], [], []
+        for p, old in zip(params, olds):
+            if p.grad is None:
+                p.grad = old
+                only_old.append(old)
+            else:
+                both_new.append(p.grad)
+                both_old.append(old)
+        for device, (news, olds_) in group_by_device_dtype(both_new, both_old):
+            ratio = (scaler.scale.to(device) / old_scale.to(device)).reshape(1)
+            ops.multi_tensor_axpby_(news, olds_, news, 1.0, ratio, ops.new_found_inf(device),
+                                    check="none")
+        for device, (group,) in group_by_device_dtype(only_old):
+            torch._foreach_mul_(group, (scaler.scale.to(device) / old_scale.to(device)).reshape(()))
+
+    def fused_master_params(self):
+        """The fp32 weights the fused optimizer steps, with fp32 gradients to clip (see the module
+        docstring): masters get the unscaled model gradients in fp32 (exact for the power-of-two
+        scales loss scalers use), fp32 parameters their own gradients unscaled in place."""
+        opt = self.optimizer
+        if not self.fused_master_grads:
+            with torch.no_grad():
+                scale = self.fused_grad_scale
+                lows, masters, own = [], [], []
+                for p in self.fused_params:
+                    if p.grad is None:
+                        continue
+                    if opt._wants_master(p):
+                        state = opt.state[p]
+                        if "master_param" not in state:
+                            state["master_param"] = p.detach().to(torch.float32, copy=True)
+                        master = state["master_param"]
+                        master.grad = torch.empty_like(master)
+                        lows.append(p.grad)
+                        masters.append(master.grad)
+                    else:
+                        own.append(p.grad)
+                for device, (ins, outs) in group_by_device_dtype(lows, masters):
+                    inv = 1.0 if scale is None else scale.to(device).reciprocal()
+                    ops.multi_tensor_scale_(ins, outs, inv, ops.new_found_inf(device))
+                for device, (group,) in group_by_device_dtype(own):
+                    if scale is not None:
+                        ops.multi_tensor_scale_(group, group, scale.to(device).reciprocal(),
+                                                ops.new_found_inf(device))
+            opt._masters_have_grads = True  # zero_grad() drops them
+            if scale is not None:
+                self.fused_grad_scale = torch.ones_like(scale)
+            self.fused_grad_norm = None  # the step measures what it reads (maybe clipped)
+            self.fused_master_grads = True
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state.get(p)
+                master = state.get("master_param") if state else None
+                yield master if master is not None else p
+
+    def drop_master_grads(self) -> None:
+        for p in self.fused_params:
+            state = self.optimizer.state.get(p)
+            master = state.get("master_param") if state else None
+            if master is not None:
+                master.grad = None
+        self.fused_master_grads = False
 
     # ------------------------------------------------------------------ backward
     def prepare_backward(self) -> None:
@@ -248,34 +364,51 @@ def process_optimizer(optimizer, properties, fp32_originals=None) -> None:
         optimizer.register_load_state_dict_post_hook(_restore_masters_hook)
 
 
-_CLOSURE_MSG = ("Currently, Amp does not support closure use with optimizers{}: compute the loss, run "
-                "`with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`, then call "
-                "optimizer.step() without a closure.")
+def _reevaluates_closure(optimizer) -> bool:
+    """An optimizer that calls its closure inside ``step`` more than once (line searches)."""
+    return isinstance(optimizer, torch.optim.LBFGS)
 
 
 def _step(self, closure=None):
     stash = self._amp_stash
+    loss = None
+    args = ()
+    if closure is not None:
+        if _reevaluates_closure(self):
+            if stash.master_weights or stash.pending_skip is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__} evaluates its closure several times inside step(); amp "
+                    "supports that only without master weights (opt_level O0, O1 or O3) and when no "
+                    "step is pending a skip after a gradient overflow. Use opt_level='O1'.")
+            args = (closure,)
+        else:
+            # As torch.optim's step does first thing: the gradients and the overflow state the
+            # step reads are the closure's (run with O1 casts on, as the forward would be).
+            with torch.enable_grad():
+                loss = closure()
     step_index = stash.step_count
     stash.step_count += 1
     if stash.pending_skip is not None:
         loss_id, scaler = stash.pending_skip
         stash.pending_skip = None
-        if closure is not None:
-            raise RuntimeError(_CLOSURE_MSG.format(" on a step skipped after a gradient overflow"))
         new_scale = scaler.loss_scale()
         maybe_print("Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}".format(
             loss_id, new_scale))
         log_skip_step(step_index, loss_id, new_scale, type(self).__name__)
         for m in stash.masters:
             m.grad = None
-        return None
-    if closure is not None and stash.master_weights and not stash.fused:
-        raise RuntimeError(_CLOSURE_MSG.format(" and master weights"))
-    args = () if closure is None else (closure,)
+        if stash.fused:
+            stash.drop_master_grads()
+            stash.fused_grad_scale = None
+            stash.fused_grad_norm = None
+        return loss
+    if stash.masters and not stash.warned_no_master_grads:
+        _warn_if_backward_bypassed_amp(stash)
     if stash.fused:
         grad_scale, stash.fused_grad_scale = stash.fused_grad_scale, None
         grad_norm, stash.fused_grad_norm = stash.fused_grad_norm, None
         result = stash.orig_step(*args, grad_scale=grad_scale, grad_norm=grad_norm)
+        stash.fused_master_grads = False  # the step used and dropped them
     elif stash.o1:
         with _caster.disabled():
             result = stash.orig_step(*args)
@@ -285,7 +418,23 @@ def _step(self, closure=None):
         stash.copy_masters_to_model()
         for m in stash.masters:
             m.grad = None
-    return result
+    return loss if closure is not None and not args else result
+
+
+def _warn_if_backward_bypassed_amp(stash) -> None:
+    """O2 steps the fp32 masters, whose gradients only ``scale_loss`` fills: a plain
+    ``loss.backward()`` leaves them empty and the step changes nothing (in Apex too)."""
+    if any(m.grad is not None for m in stash.masters):
+        return
+    if not any(p.grad is not None for p in stash.model_low_params):
+        return
+    stash.warned_no_master_grads = True
+    warnings.warn(
+        f"{type(stash.optimizer).__name__}.step(): the model's fp16/bf16 parameters have gradients but "
+        "their fp32 master weights, which this optimizer steps under master_weights=True (O2), have "
+        "none, so this step leaves those weights unchanged. The backward pass ran outside amp: run it "
+        "as `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`.",
+        UserWarning, stacklevel=3)
 
 
 def _zero_grad(self, set_to_none: bool = True):
@@ -301,6 +450,9 @@ def _zero_grad(self, set_to_none: bool = True):
     stash.params_have_scaled_gradients = False
     stash.fused_grad_scale = None
     stash.fused_grad_norm = None
+    stash.fused_set_aside = None
+    if stash.fused:
+        stash.drop_master_grads()
 
 
 def _add_param_group(self, param_group):

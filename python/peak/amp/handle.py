@@ -9,6 +9,7 @@ import torch
 
 from . import _caster
 from ._amp_state import _amp_state
+from ._process_optimizer import inner_optimizer
 
 _NOT_INITIALIZED = (
     "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
@@ -16,10 +17,11 @@ _NOT_INITIALIZED = (
 
 
 def _check_optimizers(optimizers) -> list:
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = [optimizers]
-    elif isinstance(optimizers, (list, tuple)):
+    if isinstance(optimizers, (list, tuple)):
+        optimizers = [inner_optimizer(o) for o in optimizers]
         optimizers = list({id(o): o for o in optimizers}.values())  # each once, in order
+    elif isinstance(inner_optimizer(optimizers), torch.optim.Optimizer):
+        optimizers = [inner_optimizer(optimizers)]
     else:
         raise TypeError(
             "amp.scale_loss: optimizers must be an optimizer or a list of optimizers (those returned by "
@@ -95,8 +97,11 @@ def _scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_
     stashes = [opt._amp_stash for opt in optimizers]
 
     if not _amp_state.opt_properties.master_weights and scaler.is_static_one():
-        # Nothing to scale or unscale and no master gradients to fill: the fp32 path.
+        # Nothing to scale or unscale and no master gradients to fill: the fp32 path. The update
+        # is still counted (``unskipped`` in amp.state_dict()), as at every other opt_level.
         yield loss.float()
+        if not delay_unscale and not delay_overflow_check:
+            scaler.update()
         return
 
     prepared = []
@@ -114,6 +119,9 @@ def _scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_
     except BaseException:
         for stash in prepared:  # e.g. a failed backward: put the earlier gradients back
             stash.abort_backward()
+        for stash in stashes:
+            if stash.fused:
+                stash.fused_abort_backward()
         raise
 
     if delay_unscale:

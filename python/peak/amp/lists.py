@@ -68,11 +68,7 @@ def _load_defaults() -> None:
         _c.set_policy(fn, _CODES["hook"])
 
 
-def _unwrap(fn):
-    """The torch callable behind a patch-dispatch wrapper (what ``torch.mm`` is while O1 is on)."""
-    if getattr(fn, "__name__", None) == "peak_o1_cast" and getattr(fn, "__self__", None) is not None:
-        return fn.__self__
-    return fn
+_unwrap = _caster.unwrap
 
 
 def _code(policy) -> int:

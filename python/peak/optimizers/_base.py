@@ -44,7 +44,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     _state_keys: tuple[str, ...] = ()
 
     def __init__(self, params, defaults, master_weights: bool | None = None,
-                 stochastic_rounding: bool = False, set_grad_none: bool = True):
+                 stochastic_rounding: bool = False, set_grad_none: bool = True,
+                 store_unscaled_grads: bool = True, capturable: bool = False):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None (auto), True or False, got "
                              f"{master_weights!r}")
@@ -58,14 +59,29 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "model copy is rounded to nearest from the exact fp32 master)")
         if not isinstance(set_grad_none, bool):  # (0.0 == False: a shifted positional)
             raise ValueError(f"set_grad_none must be True or False, got {set_grad_none!r}")
+        if not isinstance(store_unscaled_grads, bool):
+            raise ValueError(f"store_unscaled_grads must be True or False, got {store_unscaled_grads!r}")
+        if not isinstance(capturable, bool):
+            raise ValueError(f"capturable must be True or False, got {capturable!r}")
         self.master_weights = master_weights
         # Apex's option: what zero_grad() does when not told (torch's default: set to None).
         self.set_grad_none = set_grad_none
+        # After a step handed grad_scale, p.grad holds the unscaled gradient, as torch's fused
+        # optimizers leave it (NOTE: [Unscaled gradients after the step]); False skips that store.
+        self.store_unscaled_grads = store_unscaled_grads
+        self._step_store_grads = False  # this step's choice (set by step())
         # The hash key of the rounding (NOTE: [Stochastic rounding to bf16]): from torch's seed,
         # so torch.manual_seed makes runs repeat; kept in param_groups, so checkpoints carry it.
+        # capturable (torch's and Apex's name): peak's step always keeps its counts and scalars
+        # on the device and never syncs with the host, which is what capturable=True asks for;
+        # False is accepted for the same step. Kept in the groups, as torch keeps it.
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
-                        stochastic_rounding_seed=torch.initial_seed() % 2**32)
+                        stochastic_rounding_seed=torch.initial_seed() % 2**32,
+                        capturable=capturable)
         super().__init__(params, defaults)
+        # What a param group of ours holds (torch's __setstate__ adds 'differentiable' and others
+        # to self.defaults later; they are not copied into loaded groups).
+        self._group_keys = tuple(self.defaults)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """As torch's; ``set_to_none=None`` follows the constructor's ``set_grad_none`` (Apex's
@@ -73,6 +89,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         if set_to_none is None:  # (an unpickled optimizer has only torch's attributes)
             set_to_none = getattr(self, "set_grad_none", True)
         super().zero_grad(set_to_none)
+        if getattr(self, "_masters_have_grads", False):  # amp.master_params gave them fp32 grads
+            for state in self.state.values():
+                master = state.get("master_param")
+                if master is not None:
+                    master.grad = None
+            self._masters_have_grads = False
 
     # -- state -----------------------------------------------------------------------------------
     def _wants_master(self, p: Tensor) -> bool:
@@ -117,6 +139,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Some group clips by the global gradient norm (``max_grad_norm > 0``)."""
         return any(g.get("max_grad_norm", 0.0) > 0 for g in self.param_groups)
 
+    def _grad_read(self, p: Tensor) -> Tensor:
+        """The gradient the step reads for ``p``: its master's fp32 gradient when amp gave it one
+        (see ``_step_masters``), else ``p.grad``."""
+        state = self.state.get(p)
+        master = state.get("master_param") if state else None
+        return master.grad if master is not None and master.grad is not None else p.grad
+
     @torch.no_grad()
     def _global_grad_norm(self) -> Tensor | None:
         """The L2 norm of every gradient of the optimizer (all groups and dtypes) as they are
@@ -128,7 +157,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and not p.grad.is_sparse:
-                    by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+                    g = self._grad_read(p)
+                    by_kind.setdefault((g.device, g.dtype), []).append(g)
         if not by_kind:
             return None
         device = next(iter(by_kind))[0]
@@ -150,16 +180,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         ``grad_norm`` (the norm of the gradients as passed, still scaled) is that norm when a
         loss scaler already computed it in its inf/NaN check (``peak.amp.GradScaler`` does);
         otherwise the step computes it (one read pass)."""
+        loss = None
+        if closure is not None:  # first: what the step reads below is the closure's doing
+            with torch.enable_grad():
+                loss = closure()
         # torch.amp.GradScaler hands these over as attributes of the optimizer instead.
         if grad_scale is None:
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         self._check_stochastic_rounding()
+        self._step_store_grads = grad_scale is not None and getattr(self, "store_unscaled_grads", True)
         if grad_norm is not None:
             if not isinstance(grad_norm, Tensor) or grad_norm.numel() != 1:
                 raise TypeError("grad_norm must be a one-element tensor (the global norm of the "
@@ -185,10 +216,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise TypeError(f"a gradient has dtype {p.grad.dtype} but its parameter has "
                                     f"{p.dtype}; {type(self).__name__} reads gradients in the "
                                     f"parameter's dtype")
-                self._init_state(p, group)
-                has_master = "master_param" in self.state[p]
-                buckets[(p.device, p.dtype, has_master)].append(p)
-            for (device, _dtype, has_master), params in buckets.items():
+                state = self._init_state(p, group)
+                master = state.get("master_param")
+                if master is not None and master.grad is not None:
+                    buckets[(p.device, p.dtype, _MASTER_GRADS)].append(p)
+                else:
+                    buckets[(p.device, p.dtype, master is not None)].append(p)
+            for (device, _dtype, kind), params in buckets.items():
                 lr = group["lr"]
                 lr_t = (lr.to(device=device, dtype=torch.float32).reshape(1)
                         if isinstance(lr, Tensor)
@@ -196,10 +230,40 @@ class FusedOptimizer(torch.optim.Optimizer):
                 gs = self._on(grad_scale, device)
                 fi = self._on(found_inf, device)
                 states = [self.state[p] for p in params]
-                self._launch(group, params, [self._grad_like_param(p) for p in params],
-                             [s["master_param"] for s in states] if has_master else [],
+                if kind is _MASTER_GRADS:
+                    self._step_masters(group, params, states, lr_t, gs, fi)
+                    continue
+                grads = [self._grad_like_param(p) for p in params]
+                self._launch(group, params, grads,
+                             [s["master_param"] for s in states] if kind else [],
                              states, lr_t, gs, fi)
+                if self._step_store_grads:
+                    for p, g in zip(params, grads):
+                        if g is not p.grad:  # a re-laid-out copy was stepped
+                            p.grad.copy_(g)
         return loss
+
+    def _step_masters(self, group, params, states, lr, grad_scale, found_inf) -> None:
+        """Step parameters whose fp32 masters were given fp32 gradients (``amp.master_params``,
+        maybe clipped since): the masters are the weights stepped, with those gradients, then
+        rounded into the model (as the kernel's own store would round them); the model's gradient
+        becomes the one stepped. NOTE: [Fused master-weight step]."""
+        from .. import ops  # noqa: PLC0415
+
+        masters = [s["master_param"] for s in states]
+        grads = [m.grad for m in masters]
+        store, self._step_store_grads = self._step_store_grads, False
+        try:
+            self._launch(group, masters, grads, [], states, lr, grad_scale, found_inf)
+        finally:
+            self._step_store_grads = store
+        # (A step skipped on the device left the masters, so their rounding is the model as is.)
+        flag = ops.new_found_inf(masters[0].device)
+        ops.multi_tensor_scale_(masters, params, 1.0, flag)
+        if store and found_inf is None:
+            ops.multi_tensor_scale_(grads, [p.grad for p in params], 1.0, flag)
+        for m in masters:
+            m.grad = None
 
     def _check_stochastic_rounding(self) -> None:
         """Before any group steps: stochastic rounding is defined for bf16 weights only."""
@@ -257,10 +321,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         stripped["state"] = {pid: {k: v for k, v in st.items() if k not in FP32_STATE_KEYS}
                              for pid, st in saved_state.items()}
         super().load_state_dict(stripped)
+        own_keys = getattr(self, "_group_keys", tuple(self.defaults))
         for group in self.param_groups:  # a torch.optim checkpoint lacks our own options
             self._translate_torch_group(group)
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
+            for key in own_keys:
+                if key in self.defaults:
+                    group.setdefault(key, self.defaults[key])
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         id_to_param = dict(zip(saved_ids, params))
@@ -287,6 +353,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["step"] = state["step"].reshape(())
         if self._wants_master(p) and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True)
+
+
+_MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with
 
 
 def _dense(t: Tensor) -> bool:

@@ -8,6 +8,15 @@ import torch
 from ._base import FusedOptimizer, _check_hyper
 
 
+def _check_materialize(materialize_master_grads) -> None:
+    """Apex's option (its FusedSGD/FusedAdam build fp32 master gradients unless it is False).
+    peak's step reads the fp16/bf16 gradients directly and never builds them, so both values
+    step alike."""
+    if not isinstance(materialize_master_grads, bool):
+        raise ValueError(f"materialize_master_grads must be True or False, got "
+                         f"{materialize_master_grads!r}")
+
+
 class FusedSGD(FusedOptimizer):
     """SGD with momentum, dampening, Nesterov and weight decay, as ``torch.optim.SGD``.
 
@@ -20,7 +29,8 @@ class FusedSGD(FusedOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
                  set_grad_none=True, *, maximize=False, master_weights=None,
-                 stochastic_rounding=False, max_grad_norm=0.0):
+                 stochastic_rounding=False, max_grad_norm=0.0, capturable=False,
+                 store_unscaled_grads=True):
         # Apex's FusedSGD arguments, in Apex's positions; its two variants are not provided.
         if wd_after_momentum:
             raise NotImplementedError(
@@ -28,11 +38,7 @@ class FusedSGD(FusedOptimizer):
                 "the momentum update) is not provided: peak's FusedSGD is torch.optim.SGD's "
                 "algorithm (weight decay added to the gradient before momentum). Leave "
                 "wd_after_momentum=False")
-        if not materialize_master_grads:
-            raise NotImplementedError(
-                "FusedSGD(materialize_master_grads=False) is not needed: peak's fused step reads "
-                "the fp16/bf16 gradients directly and never materializes fp32 master gradients. "
-                "Leave materialize_master_grads=True (the default)")
+        _check_materialize(materialize_master_grads)
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("momentum value", momentum, lo=0.0)
         _check_hyper("weight_decay value", weight_decay, lo=0.0)
@@ -41,7 +47,8 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, max_grad_norm=float(max_grad_norm))
-        super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none)
+        super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
+                         store_unscaled_grads, capturable)
 
     def _state_keys_for(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
@@ -59,6 +66,7 @@ class FusedSGD(FusedOptimizer):
                                   group["momentum"], group["dampening"], group["weight_decay"],
                                   group["nesterov"], group["maximize"], grad_scale, found_inf,
                                   stochastic_rounding_seed=self._rounding_seed(group, params),
+                                  store_unscaled_grads=self._step_store_grads,
                                   **self._clip_args(group, lr.device))
 
     def _complete_loaded_state(self, p, state):
@@ -78,7 +86,8 @@ class FusedAdam(FusedOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
                  master_weights=None, stochastic_rounding=False, max_grad_norm=0.0,
-                 set_grad_none=True):
+                 set_grad_none=True, capturable=False, materialize_master_grads=True,
+                 store_unscaled_grads=True):
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("epsilon value", eps, lo=0.0)
         _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
@@ -89,7 +98,9 @@ class FusedAdam(FusedOptimizer):
                         amsgrad=amsgrad, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, maximize=maximize,
                         max_grad_norm=float(max_grad_norm))
-        super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none)
+        _check_materialize(materialize_master_grads)
+        super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
+                         store_unscaled_grads, capturable)
 
     def _state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -119,6 +130,7 @@ class FusedAdam(FusedOptimizer):
             amsgrad, group["adam_w_mode"], group["maximize"], group["bias_correction"],
             grad_scale, found_inf,
             stochastic_rounding_seed=self._rounding_seed(group, params),
+            store_unscaled_grads=self._step_store_grads,
             **self._clip_args(group, lr.device))
 
     def _complete_loaded_state(self, p, state):
@@ -136,7 +148,8 @@ class FusedLAMB(FusedOptimizer):
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
                  set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, *,
-                 master_weights=None):
+                 master_weights=None, capturable=False, materialize_master_grads=True,
+                 store_unscaled_grads=True):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         _check_hyper("learning rate", lr, lo=0.0)
@@ -149,7 +162,9 @@ class FusedLAMB(FusedOptimizer):
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         use_nvlamb=use_nvlamb)
-        super().__init__(params, defaults, master_weights, set_grad_none=set_grad_none)
+        _check_materialize(materialize_master_grads)
+        super().__init__(params, defaults, master_weights, set_grad_none=set_grad_none,
+                         store_unscaled_grads=store_unscaled_grads, capturable=capturable)
 
     _state_keys = ("exp_avg", "exp_avg_sq")
 
@@ -165,4 +180,4 @@ class FusedLAMB(FusedOptimizer):
             [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
             group["eps"], group["weight_decay"], group["adam_w_mode"], group["grad_averaging"],
             group["bias_correction"], group["max_grad_norm"], group["use_nvlamb"], norm,
-            grad_scale, found_inf)
+            grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)

@@ -1,0 +1,574 @@
+"""The paths trainers and users really take (issue 14): closure steps, several losses with fused
+optimizers, optimizer wrappers, gradients after a fused step, amp.master_params under fused O2,
+training that bypasses amp, Apex's keywords, unskipped counts, exact state_dict round trips.
+Every test compares against an independent run (the documented path, or torch's own) and fails
+on the behaviour the issue describes."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amp_helpers import DTYPES, make_mlp
+from peak import amp
+from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD
+
+FUSED = {"FusedSGD": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
+         "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2),
+         "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2)}
+TORCH = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+         "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2)}
+
+
+def data(step, n=16):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n, 6, generator=g)
+    return x, x[:, :3].argmax(dim=1)
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_bitwise(a, b):
+    """Same dtype and values, bit for bit (NaN where the other has NaN: O3 Adam on fp16 weights)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+# ---- 1. closures ----------------------------------------------------------------------------
+def _train(level, dtype, make_opt, use_closure, steps=4):
+    model = make_mlp()
+    opt = make_opt(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=dtype, verbosity=0)
+    losses = []
+    for i in range(steps):
+        x, y = data(i)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x).float(), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            return loss
+
+        if use_closure:
+            losses.append(opt.step(closure))
+        else:
+            losses.append(closure())
+            opt.step()
+    return _weights(model), torch.stack([loss.detach() for loss in losses])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("name", list(FUSED) + list(TORCH))
+def test_closure_step_equals_closure_then_step(name, level, dtype):
+    """Lightning's `optimizer.step(closure)` with scale_loss inside the closure: the step must use
+    the closure's gradients, unscaled (FusedSGD moved the weights by the scaled gradient)."""
+    make = {**FUSED, **TORCH}[name]
+    w_closure, l_closure = _train(level, dtype, make, use_closure=True)
+    amp._amp_state.reset()
+    w_plain, l_plain = _train(level, dtype, make, use_closure=False)
+    _assert_bitwise(w_closure, w_plain)
+    torch.testing.assert_close(l_closure, l_plain, rtol=0, atol=0, equal_nan=True)
+
+
+def test_closure_issue_reproducer_weight_change_is_small():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    m = nn.Linear(8, 4)
+    o = FusedSGD(m.parameters(), lr=.1)
+    m, o = amp.initialize(m, o, opt_level="O2", verbosity=0)
+    w0 = m.weight.detach().float().clone()
+
+    def closure():
+        o.zero_grad()
+        loss = F.cross_entropy(m(x), y)
+        with amp.scale_loss(loss, o) as s:
+            s.backward()
+        return loss
+
+    o.step(closure)
+    # the true step: lr * ||grad|| of a cross-entropy over 4 classes (< 1 per element)
+    assert (m.weight.float() - w0).norm().item() < 1.0
+
+
+def test_lbfgs_closure_without_master_weights_still_runs():
+    model = make_mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    model, opt = amp.initialize(model, opt, opt_level="O1", low_precision_dtype=torch.bfloat16,
+                                verbosity=0)
+    x, y = data(0)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).float(), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss
+
+    before = _weights(model)
+    opt.step(closure)
+    assert len(calls) > 1  # LBFGS evaluated it itself
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(model)))
+
+
+def test_lbfgs_with_master_weights_is_refused():
+    model = make_mlp()
+    opt = torch.optim.LBFGS(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with pytest.raises(RuntimeError, match="opt_level='O1'"):
+        opt.step(lambda: torch.zeros(()))
+
+
+# ---- 2. several losses, fused ---------------------------------------------------------------
+@pytest.mark.parametrize("name", ["FusedSGD", "FusedAdam", "SGD"])
+def test_overflow_charged_to_its_own_loss_only(name):
+    make = {**FUSED, **TORCH}[name]
+    a, b = make_mlp(1), make_mlp(2)
+    oa, ob = make(a.parameters()), make(b.parameters())
+    [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level="O2", num_losses=2,
+                                      max_loss_scale=4.0, verbosity=0)
+    x, y = data(0)
+    loss_a = F.cross_entropy(a(x).float(), y)
+    with amp.scale_loss(loss_a, oa, loss_id=0) as s:
+        s.backward()
+        a[0].weight.grad = torch.full_like(a[0].weight, float("inf"))  # inside loss 0's block
+    loss_b = F.cross_entropy(b(x).float(), y)
+    with amp.scale_loss(loss_b, [oa, ob], loss_id=1) as s:
+        s.backward()
+    scales = [amp._amp_state.loss_scalers[i].loss_scale() for i in range(2)]
+    assert scales == [2.0, 4.0]
+    wa, wb = _weights(a), _weights(b)
+    oa.step()
+    ob.step()
+    _assert_bitwise(_weights(a), wa)  # skipped
+    assert any(not torch.equal(p, q) for p, q in zip(_weights(b), wb))  # stepped
+
+
+def test_fused_overflow_in_second_loss_is_still_caught():
+    """Setting earlier gradients aside must not hide an overflow of the new pass."""
+    a = make_mlp(1)
+    oa = FusedAdam(a.parameters(), lr=1e-2)
+    a, oa = amp.initialize(a, oa, opt_level="O2", num_losses=2, max_loss_scale=4.0, verbosity=0)
+    x, y = data(0)
+    with amp.scale_loss(F.cross_entropy(a(x).float(), y), oa, loss_id=0) as s:
+        s.backward()
+        a[0].weight.grad = torch.full_like(a[0].weight, float("nan"))
+    with amp.scale_loss(F.cross_entropy(a(x).float(), y), oa, loss_id=1) as s:
+        s.backward()
+        a[2].bias.grad = torch.full_like(a[2].bias, float("inf"))
+    assert [amp._amp_state.loss_scalers[i].loss_scale() for i in range(2)] == [2.0, 2.0]
+
+
+def test_fused_accumulation_over_two_losses_matches_one_pass():
+    """Two clean losses accumulate like one backward of their sum (scales equal, same bits)."""
+    def run(split):
+        model = make_mlp()
+        opt = FusedSGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=2, verbosity=0)
+        x, y = data(0)
+        if split:
+            for i, (lo, hi) in enumerate([(0, 8), (8, 16)]):
+                loss = F.cross_entropy(model(x[lo:hi]).float(), y[lo:hi], reduction="sum")
+                with amp.scale_loss(loss, opt, loss_id=i) as s:
+                    s.backward()
+        else:
+            out = model(x).float()
+            loss0 = F.cross_entropy(out[:8], y[:8], reduction="sum")
+            loss1 = F.cross_entropy(out[8:], y[8:], reduction="sum")
+            with amp.scale_loss(loss0, opt, loss_id=0) as s:
+                s.backward(retain_graph=True)
+            with amp.scale_loss(loss1, opt, loss_id=1) as s:
+                s.backward()
+        opt.step()
+        return [p.grad.clone() for p in model.parameters()], _weights(model)
+
+    g1, w1 = run(True)
+    amp._amp_state.reset()
+    g2, w2 = run(False)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-3, atol=1e-3)
+
+
+# ---- 5. optimizer wrappers ------------------------------------------------------------------
+class AcceleratedLikeOptimizer(torch.optim.Optimizer):
+    """Like accelerate.optimizer.AcceleratedOptimizer: an Optimizer subclass that does not run
+    Optimizer.__init__, keeps the optimizer in .optimizer and forwards to it."""
+
+    def __init__(self, optimizer):  # noqa: D107 (no super().__init__, as Accelerate)
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none=None):
+        self.optimizer.zero_grad(set_to_none) if set_to_none is not None else self.optimizer.zero_grad()
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd):
+        self.optimizer.load_state_dict(sd)
+
+
+class LarcLike:
+    """Like Apex's LARC: a plain object with .optim that rewrites gradients before stepping."""
+
+    def __init__(self, optimizer):
+        self.optim = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def zero_grad(self):
+        self.optim.zero_grad()
+
+    def step(self, closure=None):
+        return self.optim.step(closure)
+
+    def state_dict(self):
+        return self.optim.state_dict()
+
+
+@pytest.mark.parametrize("wrap", [AcceleratedLikeOptimizer, LarcLike], ids=["accelerate", "larc"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("name", ["SGD", "FusedAdam"])
+def test_wrapped_optimizer_trains_like_the_inner_one(wrap, level, name):
+    make = {**FUSED, **TORCH}[name]
+
+    def run(wrapped, use_closure):
+        model = make_mlp()
+        opt = make(model.parameters())
+        if wrapped:
+            opt = wrap(opt)
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+        for i in range(3):
+            x, y = data(i)
+
+            def closure():
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x).float(), y)
+                with amp.scale_loss(loss, opt) as s:
+                    s.backward()
+                return loss
+
+            if use_closure:
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
+        clip = list(amp.master_params(opt))
+        return _weights(model), opt.state_dict(), [p.dtype for p in clip]
+
+    w_ref, sd_ref, dt_ref = run(False, False)
+    for use_closure in (False, True):
+        amp._amp_state.reset()
+        w, sd, dt = run(True, use_closure)
+        _assert_bitwise(w, w_ref)
+        assert dt == dt_ref
+        assert sd.keys() == sd_ref.keys()
+
+
+def test_broken_optimizer_subclass_is_refused_before_anything_changes():
+    class Broken(torch.optim.Optimizer):
+        def __init__(self, params):  # noqa: D107 (forgets Optimizer.__init__; no inner optimizer)
+            self.param_groups = [{"params": list(params)}]
+
+    model = make_mlp()
+    weights, forward = _weights(model), model.forward
+    with pytest.raises(TypeError, match="did not run torch.optim.Optimizer.__init__"):
+        amp.initialize(model, Broken(model.parameters()), opt_level="O2", verbosity=0)
+    _assert_bitwise(_weights(model), weights)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.forward == forward and "forward" not in model.__dict__
+
+
+# ---- 6. gradients after a fused step --------------------------------------------------------
+def _grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("name", list(FUSED))
+def test_grads_unscaled_after_grad_scaler_step(name, dtype):
+    """peak's and torch's GradScaler with a fused optimizer: p.grad holds grad / scale after the
+    step, as torch's fused optimizers leave it (compare: unscale by hand)."""
+    for scaler_cls in (amp.GradScaler, torch.amp.GradScaler):
+        model = make_mlp().to(dtype)
+        opt = FUSED[name](model.parameters())
+        scaler = scaler_cls("cpu", init_scale=2.0**11)
+        x, y = data(0)
+        loss = F.cross_entropy(model(x.to(dtype)).float(), y)
+        scaler.scale(loss).backward()
+        expected = [g / 2.0**11 for g in _grads(model)]
+        scaler.step(opt)
+        scaler.update()
+        _assert_bitwise(_grads(model), expected)
+
+
+def test_grads_stay_scaled_after_a_skipped_fused_step():
+    model = make_mlp().to(torch.float16)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    scaler = amp.GradScaler("cpu", init_scale=2.0**11)
+    x, y = data(0)
+    scaler.scale(F.cross_entropy(model(x.half()).float(), y)).backward()
+    model[0].bias.grad[0] = float("inf")
+    before = _grads(model)
+    scaler.step(opt)
+    _assert_bitwise(_grads(model), before)
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_grads_unscaled_after_amp_o2_fused_step(name):
+    model = make_mlp()
+    opt = FUSED[name](model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = data(0)
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+        s.backward()
+    scale = opt._amp_stash.fused_grad_scale.item()
+    assert scale > 1
+    expected = [g / scale for g in _grads(model)]
+    opt.step()
+    _assert_bitwise(_grads(model), expected)
+
+
+def test_store_unscaled_grads_opt_out_leaves_grads_as_they_were():
+    model = make_mlp().to(torch.float16)
+    opt = FusedSGD(model.parameters(), lr=0.1, store_unscaled_grads=False)
+    scaler = amp.GradScaler("cpu", init_scale=2.0**11)
+    x, y = data(0)
+    scaler.scale(F.cross_entropy(model(x.half()).float(), y)).backward()
+    before = _grads(model)
+    scaler.step(opt)
+    _assert_bitwise(_grads(model), before)
+
+
+def test_bias_gradient_reads_its_true_value_after_step():
+    """The issue's example: a bias whose true gradient is 2.0 read 2048.0."""
+    model = nn.Linear(3, 1).half()
+    opt = FusedSGD(model.parameters(), lr=0.0)
+    scaler = amp.GradScaler("cpu", init_scale=1024.0)
+    out = model(torch.zeros(2, 3, dtype=torch.float16)).float().sum()
+    scaler.scale(out).backward()
+    scaler.step(opt)
+    assert model.bias.grad.item() == 2.0
+
+
+# ---- 7. amp.master_params under fused O2 ----------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_master_params_fused_o2_yield_fp32_masters_and_clip_like_non_fused(dtype):
+    def run(opt_cls):
+        model = make_mlp()
+        opt = opt_cls(model.parameters(), lr=0.5)
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=dtype,
+                                    verbosity=0)
+        norms = []
+        for i in range(3):
+            x, y = data(i)
+            with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+                s.backward()
+            params = list(amp.master_params(opt))
+            assert all(p.dtype == torch.float32 for p in params)
+            norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm=0.05))
+            opt.step()
+            opt.zero_grad()
+        return torch.stack(norms), _weights(model)
+
+    n_fused, w_fused = run(FusedSGD)
+    amp._amp_state.reset()
+    n_torch, w_torch = run(torch.optim.SGD)
+    assert torch.equal(n_fused, n_torch)
+    assert (n_fused > 0.05).all()  # clipping happened
+    for a, b in zip(w_fused, w_torch):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("loss_factor", [1.0, 1e-4], ids=["plain", "tiny-grads"])
+@pytest.mark.parametrize("name", list(FUSED))
+def test_reading_master_params_does_not_change_the_step(name, loss_factor):
+    """Tiny gradients: unscaled in fp16 they would be subnormal (bits lost); the masters' fp32
+    gradients keep them, and the step is the one without reading."""
+    def run(read):
+        model = make_mlp()
+        opt = FUSED[name](model.parameters())
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        for i in range(3):
+            x, y = data(i)
+            with amp.scale_loss(F.cross_entropy(model(x).float(), y) * loss_factor, opt) as s:
+                s.backward()
+            if read:
+                list(amp.master_params(opt))
+                list(amp.master_params(opt))  # twice: still one set of gradients
+            opt.step()
+            opt.zero_grad()
+        return _weights(model), [m.clone() for m in amp.master_params(opt)]
+
+    w_read, m_read = run(True)
+    amp._amp_state.reset()
+    w_plain, m_plain = run(False)
+    _assert_bitwise(w_read, w_plain)
+    _assert_bitwise(m_read, m_plain)
+
+
+def test_master_params_between_micro_batches_is_refused():
+    model = make_mlp()
+    opt = FusedAdam(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = data(0)
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+        s.backward()
+    list(amp.master_params(opt))
+    with pytest.raises(RuntimeError, match="once per step"):
+        with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+            s.backward()
+
+
+def test_master_params_skipped_step_leaves_everything_bitwise():
+    model = make_mlp()
+    opt = FusedAdam(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = data(0)
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+        s.backward()
+        model[0].weight.grad[0, 0] = float("inf")
+    masters = list(amp.master_params(opt))
+    weights, saved = _weights(model), [m.clone() for m in masters]
+    opt.step()
+    _assert_bitwise(_weights(model), weights)
+    _assert_bitwise([m.clone() for m in amp.master_params(opt)], saved)
+
+
+# ---- 8. training that silently does nothing -------------------------------------------------
+def test_o2_backward_outside_scale_loss_warns_once():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = data(0)
+    with pytest.warns(UserWarning, match="amp.scale_loss"):
+        F.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.zero_grad()
+        F.cross_entropy(model(x).float(), y).backward()
+        opt.step()
+
+
+def test_o2_scale_loss_path_does_not_warn():
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = data(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+            s.backward()
+        opt.step()
+
+
+def test_o2_initialize_without_optimizer_warns_when_training_starts():
+    model = make_mlp()
+    model = amp.initialize(model, opt_level="O2", verbosity=0)
+    x, y = data(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(x)  # inference: nothing to say
+    with pytest.warns(UserWarning, match="no optimizer"):
+        F.cross_entropy(model(x).float(), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.cross_entropy(model(x).float(), y).backward()  # once
+
+
+# ---- 9. Apex's keywords ---------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam, FusedLAMB])
+def test_apex_keywords_accepted_and_checked(cls):
+    model = make_mlp()
+    for kwargs in ({"materialize_master_grads": False}, {"capturable": True},
+                   {"capturable": False}):
+        opt = cls(model.parameters(), lr=0.1, **kwargs)
+        assert opt.param_groups[0]["capturable"] == kwargs.get("capturable", False)
+    with pytest.raises(ValueError, match="capturable must be True or False"):
+        cls(model.parameters(), lr=0.1, capturable="yes")
+    with pytest.raises(ValueError, match="materialize_master_grads must be True or False"):
+        cls(model.parameters(), lr=0.1, materialize_master_grads=None)
+
+
+@pytest.mark.parametrize("kwargs", [{"materialize_master_grads": False}, {"capturable": True}])
+def test_apex_keywords_step_alike(kwargs):
+    def run(kw):
+        model = make_mlp().half()
+        opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, **kw)
+        scaler = amp.GradScaler("cpu")
+        for i in range(3):
+            x, y = data(i)
+            opt.zero_grad()
+            scaler.scale(F.cross_entropy(model(x.half()).float(), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        return _weights(model)
+
+    _assert_bitwise(run(kwargs), run({}))
+
+
+# ---- 10. unskipped at every opt_level -------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_unskipped_counts_clean_updates_at_every_level(level, dtype):
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=dtype,
+                                verbosity=0)
+    for i in range(3):
+        x, y = data(i)
+        with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+            s.backward()
+        opt.step()
+        opt.zero_grad()
+    assert amp.state_dict()["loss_scaler0"]["unskipped"] == 3
+
+
+# ---- 11. exact state_dict round trip --------------------------------------------------------
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_state_dict_round_trip_is_identical(name):
+    model = make_mlp()
+    opt = FUSED[name](model.parameters())
+    x, y = data(0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    sd = opt.state_dict()
+    fresh = FUSED[name](make_mlp().parameters())
+    fresh.load_state_dict(copy.deepcopy(sd))
+    again = fresh.state_dict()
+    assert again["param_groups"] == sd["param_groups"]
+    assert again["state"].keys() == sd["state"].keys()
+    for k in sd["state"]:
+        for key, value in sd["state"][k].items():
+            assert torch.equal(again["state"][k][key], value)
