@@ -199,7 +199,36 @@ def test_fused_accumulation_over_two_losses_matches_one_pass():
 
 
 # ---- 5. optimizer wrappers ------------------------------------------------------------------
-class AcceleratedLikeOptimizer(torch.optim.Optimizer):
+class _Forwarding:
+    """What both stand-ins share: everything goes to the inner optimizer, kept under ``_INNER``."""
+    _INNER = "optimizer"
+
+    @property
+    def _inner(self):
+        return getattr(self, self._INNER)
+
+    @property
+    def param_groups(self):
+        return self._inner.param_groups
+
+    @property
+    def state(self):
+        return self._inner.state
+
+    def zero_grad(self, set_to_none=True):
+        self._inner.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        return self._inner.step(closure)
+
+    def state_dict(self):
+        return self._inner.state_dict()
+
+    def load_state_dict(self, sd):
+        self._inner.load_state_dict(sd)
+
+
+class AcceleratedLikeOptimizer(_Forwarding, torch.optim.Optimizer):
     """Like accelerate.optimizer.AcceleratedOptimizer: an Optimizer subclass that does not run
     Optimizer.__init__, keeps the optimizer in .optimizer and forwards to it."""
 
@@ -207,52 +236,16 @@ class AcceleratedLikeOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
 
     @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
     def defaults(self):
         return self.optimizer.defaults
 
-    def zero_grad(self, set_to_none=None):
-        self.optimizer.zero_grad(set_to_none) if set_to_none is not None else self.optimizer.zero_grad()
 
-    def step(self, closure=None):
-        return self.optimizer.step(closure)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, sd):
-        self.optimizer.load_state_dict(sd)
-
-
-class LarcLike:
-    """Like Apex's LARC: a plain object with .optim that rewrites gradients before stepping."""
+class LarcLike(_Forwarding):
+    """Like Apex's LARC: a plain object keeping the optimizer in .optim."""
+    _INNER = "optim"
 
     def __init__(self, optimizer):
         self.optim = optimizer
-
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    def zero_grad(self):
-        self.optim.zero_grad()
-
-    def step(self, closure=None):
-        return self.optim.step(closure)
-
-    def state_dict(self):
-        return self.optim.state_dict()
 
 
 @pytest.mark.parametrize("wrap", [AcceleratedLikeOptimizer, LarcLike], ids=["accelerate", "larc"])
