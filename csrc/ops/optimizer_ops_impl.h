@@ -387,11 +387,11 @@ void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   }
   bump_steps(a.steps);
 
-  // This step's per-tensor gradient norms, unscaled (a norm scales with its tensor).
-  at::Tensor norms = norm_type == 2
-                         ? std::get<1>(multi_tensor_l2norm(exec, a.grads, true, a.chunk_size))
-                         : at::stack(at::_foreach_norm(a.grads, INFINITY, at::kFloat));
-  norms = norms.reshape({-1});
+  // This step's per-tensor gradient norms (accumulated in fp32), unscaled: a norm scales with
+  // its tensor. ATen's foreach norm on every backend, so that the emulated grid and the CPU
+  // see the same norms and the element pass is compared bit for bit.
+  const double ord = norm_type == 2 ? 2.0 : INFINITY;
+  at::Tensor norms = at::stack(at::_foreach_norm(a.grads, ord, at::kFloat)).reshape({-1});
   if (a.grad_scale) norms = norms / *a.grad_scale;
   std::vector<at::Tensor> old_list;
   old_list.reserve(exp_avg_sqs.size());
