@@ -763,3 +763,30 @@ def test_amp_initialize_accepts_larc(opt_level):
     if opt_level == "O2":  # masters in the groups, saved with the checkpoint
         sd = opt.state_dict()
         assert "amp_master_params" in sd
+
+
+@pytest.mark.parametrize("scaler_kind", ["peak", "torch"])
+def test_larc_with_grad_scaler_sees_unscaled_gradients(scaler_kind):
+    """A scaler unscales before LARC's step (LARC does not take grad_scale: its norms need the
+    true gradients); an overflow skips the whole step, inner optimizer included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    ref = copy.deepcopy(model)
+    opt = LARC(FusedSGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3))
+    ref_opt = LARC(FusedSGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3))
+    scaler = (amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_kind == "peak"
+              else torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+    x = torch.randn(4, 5)
+    for poison in (False, True, False):
+        opt.zero_grad()
+        loss = model(x).square().mean() * (float("inf") if poison else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if not poison:
+            ref_opt.zero_grad()
+            ref(x).square().mean().backward()
+            ref_opt.step()
+    assert opt.param_groups[0]["weight_decay"] == 1e-3
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
