@@ -558,6 +558,15 @@ def test_adagrad_loads_a_torch_adagrad_checkpoint():
     run(ours, b, 6, seed=5)
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, **FP32_TOL)
+    maximizing = torch.optim.Adagrad(a, lr=0.1, maximize=True)
+    run(maximizing, a, 1)
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(ValueError, match=r"param_groups\[0\] comes from .*maximize=True"):
+        ours.load_state_dict(maximizing.state_dict())
+    after = ours.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert all(torch.equal(after["state"][i]["sum"], before["state"][i]["sum"])
+               for i in before["state"])
 
 
 # ---------------------------------------------------------------------------- kernels
@@ -790,3 +799,30 @@ def test_larc_with_grad_scaler_sees_unscaled_gradients(scaler_kind):
     assert opt.param_groups[0]["weight_decay"] == 1e-3
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def test_larc_inside_fp16_optimizer_as_apex_documents():
+    """Apex's LARC docstring: LARC can be wrapped by FP16_Optimizer (LARC then sees the fp32
+    masters and their unscaled gradients): it trains, and the scale is static here, so no step
+    is skipped."""
+    import warnings
+
+    from peak.fp16_utils import FP16_Optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 2)).half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opt = FP16_Optimizer(LARC(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                  trust_coefficient=0.5), static_loss_scale=128.0)
+    x, y = torch.randn(32, 8).half(), torch.randn(32, 2)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert torch.equal(model[0].weight.detach(), opt.fp32_from_fp16_groups[0][0].half())

@@ -216,6 +216,16 @@ class FusedAdagrad(FusedOptimizer):
             state["sum"].fill_(float(group["initial_accumulator_value"]))
         return state
 
+    def load_state_dict(self, state_dict):
+        # Checked before anything loads: a torch Adagrad that maximized would silently minimize.
+        for i, group in enumerate(state_dict["param_groups"]):
+            if group.get("maximize", False):
+                raise ValueError(
+                    f"this checkpoint's param_groups[{i}] comes from "
+                    "torch.optim.Adagrad(maximize=True), which FusedAdagrad does not provide; "
+                    "keep stepping it with torch.optim.Adagrad (or negate the loss)")
+        super().load_state_dict(state_dict)
+
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         torch.ops.peak.fused_adagrad_(
             params, grads, masters, [s["sum"] for s in states], [s["step"] for s in states], lr,
