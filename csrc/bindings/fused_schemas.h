@@ -36,4 +36,21 @@ inline constexpr const char* kFusedLambSchema =
     "Tensor? grad_norm=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
     "int chunk_size=65536, bool store_unscaled_grads=False) -> ()";
 
+// state_sums: Adagrad's fp32 sums of squared gradients; lr_decay as torch.optim.Adagrad's.
+inline constexpr const char* kFusedAdagradSchema =
+    "fused_adagrad_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
+    "Tensor(c!)[] state_sums, Tensor(d!)[] steps, Tensor lr, float eps, float weight_decay, "
+    "bool adagrad_w_mode, float lr_decay=0.0, Tensor? grad_scale=None, Tensor? found_inf=None, "
+    "int chunk_size=65536, bool store_unscaled_grads=False) -> ()";
+
+// exp_avg_sqs: one fp32 one-element tensor per param, the running gradient norm (Apex's
+// group["exp_avg_sq"], kept per parameter). norm_type: 2 (L2) or 0 (infinity norm).
+inline constexpr const char* kFusedNovoGradSchema =
+    "fused_novograd_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
+    "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, Tensor lr, "
+    "float beta1, float beta2, float eps, float weight_decay, bool grad_averaging, "
+    "bool reg_inside_moment, bool bias_correction, int norm_type=2, bool init_zero=False, "
+    "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536, "
+    "bool store_unscaled_grads=False) -> ()";
+
 }  // namespace peak

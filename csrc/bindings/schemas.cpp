@@ -31,4 +31,6 @@ TORCH_LIBRARY(peak, m) {
   m.def(peak::kFusedAdamSchema);
   m.def(peak::kFusedSgdSchema);
   m.def(peak::kFusedLambSchema);
+  m.def(peak::kFusedAdagradSchema);
+  m.def(peak::kFusedNovoGradSchema);
 }

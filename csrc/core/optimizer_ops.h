@@ -290,4 +290,107 @@ struct LambStage2Op : OpDefaults {
   }
 };
 
+// Adagrad, as torch.optim.Adagrad (lr_decay, weight decay added to the gradient) and Apex's
+// FusedAdagrad (adagrad_w_mode: decoupled weight decay, w -= lr * (g / std + wd * w)).
+template <bool HasMaster, bool StoreGrad = false>  // StoreGrad: as AdamOp
+struct AdagradOp : OpDefaults {
+  static constexpr int kGrad = 0, kParam = 1;
+  static constexpr int kWeight = HasMaster ? 2 : 1;
+  static constexpr int kSum = kWeight + 1;
+  static constexpr int depth = kSum + 1;
+  static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
+  static constexpr unsigned write_mask =
+      (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
+  static constexpr int tensor_scalars = 1;  // the step count (lr_decay)
+  using State = NoState;
+
+  OptimizerScalars s;
+  double lr_decay = 0.0;
+  float eps = 1e-10f, weight_decay = 0.0f;
+  bool w_mode = false;
+  float l2 = 0.0f, decoupled = 0.0f;  // branch-free forms of the weight-decay mode
+  float clr = 0.0f;                   // per tensor: lr / (1 + (step - 1) * lr_decay)
+
+  PEAK_HD void load_scalars() {
+    s.load();
+    l2 = w_mode ? 0.0f : weight_decay;
+    decoupled = w_mode ? weight_decay : 0.0f;
+  }
+  PEAK_HD void load_tensor_scalars(const float* const* p) {
+    const double step = *p[0];
+    clr = static_cast<float>(s.lr.value / (1.0 + (step - 1.0) * lr_decay));
+  }
+  PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
+
+  PEAK_HD void operator()(float* v, State&) const {
+    float w = v[kWeight];
+    const float g = fmaf(l2, w, v[kGrad] * s.grad_factor);
+    const float sum = fmaf(g, g, v[kSum]);
+    const float std_dev = sqrtf(sum) + eps;
+    w = w - clr * fmaf(decoupled, w, g / std_dev);
+    v[kSum] = sum;
+    v[kWeight] = w;
+    v[kParam] = w;
+    if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;
+  }
+};
+
+// NovoGrad, as Apex's FusedNovoGrad: a per-tensor second moment of the gradient's norm (blended
+// before the launch, on the device: see fused_novograd in ops/optimizer_ops_impl.h) and
+// per-element first moments. reg_inside_moment (Apex's moment_mode 0): the gradient is
+// normalised and decayed before the momentum; otherwise (mode 1, Apex's default) the update is.
+template <bool HasMaster, bool StoreGrad = false>  // StoreGrad: as AdamOp
+struct NovoGradOp : OpDefaults {
+  static constexpr int kGrad = 0, kParam = 1;
+  static constexpr int kWeight = HasMaster ? 2 : 1;
+  static constexpr int kExpAvg = kWeight + 1;
+  static constexpr int depth = kExpAvg + 1;
+  static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
+  static constexpr unsigned write_mask =
+      (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
+  static constexpr int tensor_scalars = 2;  // the step count, the blended gradient norm
+  using State = NoState;
+
+  OptimizerScalars s;
+  double beta1 = 0.95, beta2 = 0.98;
+  float eps = 1e-8f, weight_decay = 0.0f;
+  bool grad_averaging = true, reg_inside_moment = false, bias_correction = true;
+  float beta1_f = 0.95f, beta3 = 0.05f;
+  // Per tensor.
+  float inv_bias_correction1 = 1.0f, denom = 1.0f;
+
+  PEAK_HD void load_scalars() {
+    s.load();
+    beta1_f = static_cast<float>(beta1);
+    beta3 = grad_averaging ? static_cast<float>(1.0 - beta1) : 1.0f;
+  }
+  PEAK_HD void load_tensor_scalars(const float* const* p) {
+    const double step = *p[0];
+    const double bc1 = bias_correction ? 1.0 - pow(beta1, step) : 1.0;
+    const double bc2 = bias_correction ? sqrt(1.0 - pow(beta2, step)) : 1.0;
+    inv_bias_correction1 = static_cast<float>(1.0 / bc1);
+    denom = *p[1] / static_cast<float>(bc2) + eps;
+  }
+  PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
+
+  PEAK_HD void operator()(float* v, State&) const {
+    float w = v[kWeight];
+    float g = v[kGrad] * s.grad_factor;
+    float m;
+    if (reg_inside_moment) {
+      g = fmaf(weight_decay, w, g / denom);
+      m = fmaf(beta3, g, beta1_f * v[kExpAvg]);
+      w = w - s.lr.value * (m * inv_bias_correction1);
+    } else {
+      m = fmaf(beta3, g, beta1_f * v[kExpAvg]);
+      const float update = fmaf(weight_decay, w, (m * inv_bias_correction1) / denom);
+      w = w - s.lr.value * update;
+    }
+    v[kExpAvg] = m;
+    v[kWeight] = w;
+    v[kParam] = w;
+    if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;
+  }
+};
+
 }  // namespace peak

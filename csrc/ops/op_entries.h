@@ -69,6 +69,8 @@ void register_kernels(torch::Library& m) {
   m.impl("fused_adam_", &fused_adam_entry<Exec>);
   m.impl("fused_sgd_", &fused_sgd_entry<Exec>);
   m.impl("fused_lamb_", &fused_lamb_entry<Exec>);
+  m.impl("fused_adagrad_", &fused_adagrad_entry<Exec>);
+  m.impl("fused_novograd_", &fused_novograd_entry<Exec>);
 }
 
 }  // namespace peak

@@ -145,4 +145,6 @@ TORCH_LIBRARY(peak_emulated, m) {
   m.def(peak::kFusedAdamSchema, &peak::fused_adam_entry<peak::EmulatedExec>);
   m.def(peak::kFusedSgdSchema, &peak::fused_sgd_entry<peak::EmulatedExec>);
   m.def(peak::kFusedLambSchema, &peak::fused_lamb_entry<peak::EmulatedExec>);
+  m.def(peak::kFusedAdagradSchema, &peak::fused_adagrad_entry<peak::EmulatedExec>);
+  m.def(peak::kFusedNovoGradSchema, &peak::fused_novograd_entry<peak::EmulatedExec>);
 }

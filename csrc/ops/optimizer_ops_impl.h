@@ -343,6 +343,106 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   undo_skipped_steps(a.steps, a.found_inf);
 }
 
+template <typename Exec>
+void fused_adagrad(Exec& exec, const OptimizerArgs& a, at::TensorList state_sums, double eps,
+                   double weight_decay, bool adagrad_w_mode, double lr_decay) {
+  check_optimizer_args(a);
+  check_state_list(a, {"state_sums", state_sums});
+  TORCH_CHECK(eps >= 0.0, a.name, ": eps must be >= 0, got ", eps);
+  TORCH_CHECK(weight_decay >= 0.0, a.name, ": weight_decay must be >= 0, got ", weight_decay);
+  TORCH_CHECK(lr_decay >= 0.0, a.name, ": lr_decay must be >= 0, got ", lr_decay);
+  if (a.params.empty()) return;
+  bump_steps(a.steps);
+  const auto lists = optimizer_lists(a, {state_sums});
+  with_bool(!a.masters.empty(), [&](auto has_master) {
+   with_bool(a.store_unscaled_grads, [&](auto store_grad) {
+    AdagradOp<decltype(has_master)::value, decltype(store_grad)::value> op;
+    fill_optimizer_scalars(op.s, a);
+    op.eps = static_cast<float>(eps);
+    op.weight_decay = static_cast<float>(weight_decay);
+    op.w_mode = adagrad_w_mode;
+    op.lr_decay = lr_decay;
+    launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)}, a.chunk_size,
+                     op);
+   });
+  });
+  undo_skipped_steps(a.steps, a.found_inf);
+}
+
+// NovoGrad's per-tensor second moment is one fp32 number per parameter (exp_avg_sqs: Apex keeps
+// the norm itself, not its square, so that both norm types share the update). It is blended from
+// the norms of this step's gradients here, with ATen ops on the device (no host sync), and handed
+// to the element pass as a per-tensor scalar; it is stored back only when the step was not
+// skipped.
+template <typename Exec>
+void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, double beta1, double beta2, double eps,
+                    double weight_decay, bool grad_averaging, bool reg_inside_moment,
+                    bool bias_correction, int64_t norm_type, bool init_zero) {
+  check_optimizer_args(a);
+  check_state_list(a, {"exp_avgs", exp_avgs});
+  TORCH_CHECK(exp_avg_sqs.size() == a.params.size(), a.name, ": exp_avg_sqs has ",
+              exp_avg_sqs.size(), " tensors but params has ", a.params.size(),
+              " (one float32 norm per param)");
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, a.name,
+              ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
+  TORCH_CHECK(eps >= 0.0, a.name, ": eps must be >= 0, got ", eps);
+  TORCH_CHECK(norm_type == 2 || norm_type == 0, a.name,
+              ": norm_type must be 2 (L2 norm) or 0 (infinity norm), got ", norm_type);
+  if (a.params.empty()) return;
+  const c10::Device device = a.params[0].device();
+  for (size_t i = 0; i < exp_avg_sqs.size(); ++i) {
+    check_scalar_tensor(a.name, "exp_avg_sqs[i]", exp_avg_sqs[i], at::kFloat, device);
+  }
+  bump_steps(a.steps);
+
+  // This step's per-tensor gradient norms (accumulated in fp32), unscaled: a norm scales with
+  // its tensor. ATen's foreach norm on every backend, so that the emulated grid and the CPU
+  // see the same norms and the element pass is compared bit for bit.
+  const double ord = norm_type == 2 ? 2.0 : INFINITY;
+  at::Tensor norms = at::stack(at::_foreach_norm(a.grads, ord, at::kFloat)).reshape({-1});
+  if (a.grad_scale) norms = norms / *a.grad_scale;
+  std::vector<at::Tensor> old_list;
+  old_list.reserve(exp_avg_sqs.size());
+  for (const at::Tensor& t : exp_avg_sqs) old_list.push_back(t.reshape(c10::IntArrayRef{}));
+  const at::Tensor old = at::stack(old_list);
+  // L2: v = sqrt(beta2 v^2 + (1 - beta2) n^2); infinity norm: v = beta2 v + (1 - beta2) n.
+  const auto b2 = static_cast<float>(beta2), one_minus_b2 = static_cast<float>(1.0 - beta2);
+  at::Tensor blended = norm_type == 2 ? (old * old * b2 + norms * norms * one_minus_b2).sqrt()
+                                      : old * b2 + norms * one_minus_b2;
+  if (!init_zero) {
+    // Apex starts the average at the first step's norm (so its first blend changes nothing).
+    const at::Tensor first = at::stack(std::vector<at::Tensor>(a.steps.begin(), a.steps.end()))
+                                 .reshape({-1}) == 1.0f;
+    blended = at::where(first, norms, blended);
+  }
+  blended = blended.contiguous();
+  std::vector<const float*> blended_ptrs(a.params.size());
+  for (size_t t = 0; t < a.params.size(); ++t) blended_ptrs[t] = blended.data_ptr<float>() + t;
+
+  const auto lists = optimizer_lists(a, {exp_avgs});
+  with_bool(!a.masters.empty(), [&](auto has_master) {
+   with_bool(a.store_unscaled_grads, [&](auto store_grad) {
+    NovoGradOp<decltype(has_master)::value, decltype(store_grad)::value> op;
+    fill_optimizer_scalars(op.s, a);
+    op.beta1 = beta1;
+    op.beta2 = beta2;
+    op.eps = static_cast<float>(eps);
+    op.weight_decay = static_cast<float>(weight_decay);
+    op.grad_averaging = grad_averaging;
+    op.reg_inside_moment = reg_inside_moment;
+    op.bias_correction = bias_correction;
+    launch_optimizer(exec, a.params[0].scalar_type(), lists,
+                     {float_ptrs(a.steps), blended_ptrs}, a.chunk_size, op);
+   });
+  });
+  // A skipped step keeps the old norms (and its inf/NaN never reaches the state).
+  const at::Tensor kept =
+      a.found_inf ? at::where(a.found_inf->reshape({}) != 0.0f, old, blended) : blended;
+  at::_foreach_copy_(exp_avg_sqs, kept.unbind(0));  // (one element each: copy_ broadcasts)
+  undo_skipped_steps(a.steps, a.found_inf);
+}
+
 }  // namespace peak
 
 namespace peak {
@@ -405,6 +505,42 @@ void fused_lamb_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                            found_inf, chunk_size, std::nullopt, 0.0, store_unscaled_grads},
              exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, adam_w_mode, grad_averaging,
              bias_correction, max_grad_norm, use_nvlamb, grad_norm);
+}
+
+template <typename Exec>
+void fused_adagrad_entry(at::TensorList params, at::TensorList grads, at::TensorList master_params,
+                         at::TensorList state_sums, at::TensorList steps, const at::Tensor& lr,
+                         double eps, double weight_decay, bool adagrad_w_mode, double lr_decay,
+                         const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
+                         bool store_unscaled_grads) {
+  const typename Exec::Guard guard(lr.device());
+  Exec exec;
+  fused_adagrad(exec,
+                OptimizerArgs{"fused_adagrad_", params, grads, master_params, steps, lr,
+                              grad_scale, found_inf, chunk_size, std::nullopt, 0.0,
+                              store_unscaled_grads},
+                state_sums, eps, weight_decay, adagrad_w_mode, lr_decay);
+}
+
+template <typename Exec>
+void fused_novograd_entry(at::TensorList params, at::TensorList grads,
+                          at::TensorList master_params, at::TensorList exp_avgs,
+                          at::TensorList exp_avg_sqs, at::TensorList steps, const at::Tensor& lr,
+                          double beta1, double beta2, double eps, double weight_decay,
+                          bool grad_averaging, bool reg_inside_moment, bool bias_correction,
+                          int64_t norm_type, bool init_zero,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
+                          bool store_unscaled_grads) {
+  const typename Exec::Guard guard(lr.device());
+  Exec exec;
+  fused_novograd(exec,
+                 OptimizerArgs{"fused_novograd_", params, grads, master_params, steps, lr,
+                               grad_scale, found_inf, chunk_size, std::nullopt, 0.0,
+                               store_unscaled_grads},
+                 exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, grad_averaging,
+                 reg_inside_moment, bias_correction, norm_type, init_zero);
 }
 
 template <typename Exec>

@@ -181,3 +181,18 @@ def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, lr, beta1, bet
       grad_norm=None, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
       store_unscaled_grads=False):
     return None
+
+
+@torch.library.register_fake("peak::fused_adagrad_")
+def _(params, grads, master_params, state_sums, steps, lr, eps, weight_decay, adagrad_w_mode,
+      lr_decay=0.0, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
+      store_unscaled_grads=False):
+    return None
+
+
+@torch.library.register_fake("peak::fused_novograd_")
+def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
+      weight_decay, grad_averaging, reg_inside_moment, bias_correction, norm_type=2,
+      init_zero=False, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
+      store_unscaled_grads=False):
+    return None

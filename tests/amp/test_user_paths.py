@@ -13,11 +13,16 @@ from torch import nn
 
 from amp_helpers import DTYPES, make_mlp
 from peak import amp
-from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD
+from peak.optimizers import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB,
+                             FusedMixedPrecisionLamb, FusedNovoGrad, FusedSGD)
 
 FUSED = {"FusedSGD": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
          "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2),
-         "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2)}
+         "FusedAdamW": lambda ps: FusedAdamW(ps, lr=1e-2),
+         "FusedLAMB": lambda ps: FusedLAMB(ps, lr=1e-2),
+         "FusedMixedPrecisionLamb": lambda ps: FusedMixedPrecisionLamb(ps, lr=1e-2),
+         "FusedAdagrad": lambda ps: FusedAdagrad(ps, lr=1e-2),
+         "FusedNovoGrad": lambda ps: FusedNovoGrad(ps, lr=1e-2)}
 TORCH = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
          "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2)}
 
@@ -501,7 +506,8 @@ def test_o2_initialize_without_optimizer_warns_when_training_starts():
 
 
 # ---- 9. Apex's keywords ---------------------------------------------------------------------
-@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam, FusedLAMB])
+@pytest.mark.parametrize("cls", [FusedSGD, FusedAdam, FusedAdamW, FusedLAMB, FusedMixedPrecisionLamb,
+                                 FusedAdagrad, FusedNovoGrad], ids=lambda c: c.__name__)
 def test_apex_keywords_accepted_and_checked(cls):
     model = make_mlp()
     for kwargs in ({"materialize_master_grads": False}, {"capturable": True},

@@ -1,14 +1,17 @@
 """Fused master-weight optimizers: one pass from low-precision gradients to fp32 master weights
 and moments to low-precision model weights, on CPU and CUDA.
 
-    opt = peak.optimizers.FusedAdam(model.parameters(), lr=1e-3, adam_w_mode=True)
+    opt = peak.optimizers.FusedAdamW(model.parameters(), lr=1e-3)
 
 Used alone they are ordinary torch optimizers (fp32 models: no masters; fp16/bf16 parameters:
 fp32 masters in ``optimizer.state[p]["master_param"]``, saved by ``state_dict()``). With
 ``peak.amp.GradScaler`` or ``amp.initialize(..., opt_level="O2")`` the unscale and the overflow
-skip happen inside the step.
+skip happen inside the step. ``LARC`` wraps any optimizer (Apex's ``apex.parallel.LARC``).
 """
 from ._base import FusedOptimizer, export_fp32_state_dict
-from .fused import FusedAdam, FusedLAMB, FusedSGD
+from .fused import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedMixedPrecisionLamb,
+                    FusedNovoGrad, FusedSGD)
+from .larc import LARC
 
-__all__ = ["FusedSGD", "FusedAdam", "FusedLAMB", "FusedOptimizer", "export_fp32_state_dict"]
+__all__ = ["FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB", "FusedMixedPrecisionLamb",
+           "FusedAdagrad", "FusedNovoGrad", "LARC", "FusedOptimizer", "export_fp32_state_dict"]

@@ -16,7 +16,7 @@ from torch import Tensor
 # State entries kept in fp32 whatever the parameter's dtype (torch's Optimizer.load_state_dict
 # would cast them to the parameter's dtype: we restore them ourselves).
 FP32_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                   "master_param")
+                   "sum", "master_param")
 
 
 def _check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):

@@ -181,3 +181,185 @@ class FusedLAMB(FusedOptimizer):
             group["eps"], group["weight_decay"], group["adam_w_mode"], group["grad_averaging"],
             group["bias_correction"], group["max_grad_norm"], group["use_nvlamb"], norm,
             grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)
+
+
+class FusedAdamW(FusedAdam):
+    """``torch.optim.AdamW`` fused: :class:`FusedAdam` with decoupled weight decay, in AdamW's
+    argument order and with its defaults (``weight_decay=1e-2``). ``FusedAdam(weight_decay=...)``
+    applies L2 decay (torch's Adam) unless ``adam_w_mode=True``; this class cannot."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, adam_w_mode=True, **kwargs):
+        if adam_w_mode is not True:
+            raise ValueError("FusedAdamW always decouples weight decay (adam_w_mode=True); for "
+                             "L2 weight decay added to the gradient use FusedAdam(..., "
+                             "adam_w_mode=False)")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, adam_w_mode=True,
+                         **kwargs)
+
+    def _translate_torch_group(self, group):
+        group["adam_w_mode"] = True  # any checkpoint loaded here keeps stepping as AdamW
+
+
+class FusedAdagrad(FusedOptimizer):
+    """Adagrad as Apex's FusedAdagrad (Apex's arguments in Apex's positions; ``adagrad_w_mode``:
+    decoupled weight decay ``w -= lr * (g / (sqrt(sum) + eps) + weight_decay * w)``), which is
+    ``torch.optim.Adagrad`` without it. ``lr_decay`` and ``initial_accumulator_value`` (keywords)
+    are torch.optim.Adagrad's. State: ``sum`` (fp32) and ``step`` per parameter, as torch's, so a
+    torch.optim.Adagrad checkpoint loads. ``master_weights`` as for :class:`FusedSGD`."""
+
+    def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,
+                 adagrad_w_mode=False, *, lr_decay=0.0, initial_accumulator_value=0.0,
+                 master_weights=None, capturable=False, materialize_master_grads=True,
+                 store_unscaled_grads=True):
+        _check_hyper("learning rate", lr, lo=0.0)
+        _check_hyper("epsilon value", eps, lo=0.0)
+        _check_hyper("weight_decay value", weight_decay, lo=0.0)
+        _check_hyper("lr_decay", lr_decay, lo=0.0)
+        _check_hyper("initial_accumulator_value", initial_accumulator_value, lo=0.0)
+        if not isinstance(adagrad_w_mode, bool):
+            raise ValueError(f"adagrad_w_mode must be True or False, got {adagrad_w_mode!r}")
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
+                        lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value)
+        _check_materialize(materialize_master_grads)
+        super().__init__(params, defaults, master_weights, set_grad_none=set_grad_none,
+                         store_unscaled_grads=store_unscaled_grads, capturable=capturable)
+
+    _state_keys = ("sum",)
+
+    def _init_state(self, p, group):
+        fresh = "sum" not in self.state[p]
+        state = super()._init_state(p, group)
+        if fresh:  # torch.optim.Adagrad starts the sums here
+            state["sum"].fill_(float(group["initial_accumulator_value"]))
+        return state
+
+    def load_state_dict(self, state_dict):
+        # Checked before anything loads: a torch Adagrad that maximized would silently minimize.
+        for i, group in enumerate(state_dict["param_groups"]):
+            if group.get("maximize", False):
+                raise ValueError(
+                    f"this checkpoint's param_groups[{i}] comes from "
+                    "torch.optim.Adagrad(maximize=True), which FusedAdagrad does not provide; "
+                    "keep stepping it with torch.optim.Adagrad (or negate the loss)")
+        super().load_state_dict(state_dict)
+
+    def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
+        torch.ops.peak.fused_adagrad_(
+            params, grads, masters, [s["sum"] for s in states], [s["step"] for s in states], lr,
+            group["eps"], group["weight_decay"], group["adagrad_w_mode"], group["lr_decay"],
+            grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)
+
+
+class FusedNovoGrad(FusedOptimizer):
+    """NovoGrad as Apex's FusedNovoGrad (Apex's arguments in Apex's positions): a per-layer
+    second moment of the gradient's norm (``norm_type`` 2: L2, 0: infinity norm; started at the
+    first step's norm unless ``init_zero``), element-wise first moments, weight decay on the
+    update (or, with ``reg_inside_moment=True``, inside the momentum). ``master_weights`` as for
+    :class:`FusedSGD`.
+
+    State per parameter: ``exp_avg`` (fp32, like the parameter), ``exp_avg_sq`` (a 0-dim fp32
+    tensor: the running norm, not its square, as Apex's), ``step``. Apex kept the norms in one
+    tensor per group and a step count per group; per parameter they survive ``add_param_group``
+    and ``state_dict`` like any other state."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, amsgrad=False, reg_inside_moment=False, grad_averaging=True,
+                 norm_type=2, init_zero=False, set_grad_none=True, *, master_weights=None,
+                 capturable=False, materialize_master_grads=True, store_unscaled_grads=True):
+        if amsgrad:
+            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
+        if norm_type not in (0, 2) or isinstance(norm_type, bool):
+            raise ValueError(f"norm_type must be 2 (L2 norm) or 0 (infinity norm), got "
+                             f"{norm_type!r}")
+        _check_hyper("learning rate", lr, lo=0.0)
+        _check_hyper("epsilon value", eps, lo=0.0)
+        _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
+        _check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
+        _check_hyper("weight_decay value", weight_decay, lo=0.0)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
+                        grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
+        _check_materialize(materialize_master_grads)
+        super().__init__(params, defaults, master_weights, set_grad_none=set_grad_none,
+                         store_unscaled_grads=store_unscaled_grads, capturable=capturable)
+
+    _state_keys = ("exp_avg",)
+
+    def _init_state(self, p, group):
+        state = super()._init_state(p, group)
+        if "exp_avg_sq" not in state:
+            state["exp_avg_sq"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        return state
+
+    def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
+        beta1, beta2 = group["betas"]
+        torch.ops.peak.fused_novograd_(
+            params, grads, masters, [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
+            group["eps"], group["weight_decay"], group["grad_averaging"],
+            group["reg_inside_moment"], group["bias_correction"], group["norm_type"],
+            group["init_zero"], grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)
+
+    def _complete_loaded_state(self, p, state):
+        super()._complete_loaded_state(p, state)
+        if "exp_avg_sq" in state:
+            state["exp_avg_sq"] = state["exp_avg_sq"].reshape(())
+
+
+class FusedMixedPrecisionLamb(FusedLAMB):
+    """Apex's FusedMixedPrecisionLamb: :class:`FusedLAMB` (the same math: Adam moments on
+    gradients clipped by their global norm, per-tensor trust ratio) with Apex's arguments --
+    ``step`` (the step count to start from) and ``reduced_precision_dtype`` -- and its step
+    signature ``step(closure=None, grad_scaler=None)``.
+
+    Every fp16/bf16 parameter gets fp32 master weights and fp32 moments (Apex: only parameters
+    of ``reduced_precision_dtype``; others it stepped in their own precision). A ``grad_scaler``
+    passed to ``step`` (Apex's contract) is asked for its scale and inf/NaN check; a scaler's own
+    ``scaler.step(optimizer)`` hands both over as with every fused optimizer."""
+
+    def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999),
+                 eps=1e-6, weight_decay=0.01, amsgrad=False, adam_w_mode=True,
+                 grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
+                 reduced_precision_dtype=None, *, master_weights=None, capturable=False,
+                 materialize_master_grads=True, store_unscaled_grads=True):
+        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(f"reduced_precision_dtype must be None, torch.float16 or "
+                             f"torch.bfloat16, got {reduced_precision_dtype!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step (the step count to start from) must be an int >= 0, got "
+                             f"{step!r}")
+        self.reduced_precision_dtype = reduced_precision_dtype
+        self._initial_step = step
+        super().__init__(params, lr, bias_correction, betas, eps, weight_decay, amsgrad,
+                         adam_w_mode, grad_averaging, True, max_grad_norm, use_nvlamb,
+                         master_weights=master_weights, capturable=capturable,
+                         materialize_master_grads=materialize_master_grads,
+                         store_unscaled_grads=store_unscaled_grads)
+
+    def _init_state(self, p, group):
+        fresh = "step" not in self.state[p]
+        state = super()._init_state(p, group)
+        if fresh:
+            state["step"].fill_(float(getattr(self, "_initial_step", 0)))
+        return state
+
+    def step(self, closure=None, *, grad_scale=None, found_inf=None, grad_norm=None,
+             **apex_kwargs):
+        # grad_scaler travels in **kwargs, not as a named parameter: a GradScaler that sees
+        # 'grad_scaler' in the signature passes itself (with a FutureWarning) instead of
+        # handing over grad_scale/found_inf.
+        grad_scaler = apex_kwargs.pop("grad_scaler", None)
+        if apex_kwargs:
+            raise TypeError(f"FusedMixedPrecisionLamb.step() got unexpected keyword arguments "
+                            f"{sorted(apex_kwargs)}")
+        if grad_scaler is not None and getattr(grad_scaler, "_enabled", True):
+            if grad_scale is not None or found_inf is not None:
+                raise ValueError("pass either grad_scaler or grad_scale/found_inf, not both")
+            per_device = grad_scaler._check_inf_per_device(self)
+            flags = list(per_device.values())
+            grad_scale = grad_scaler._get_scale_async()
+            if flags:
+                found_inf = sum(f.to(grad_scale.device, torch.float32) for f in flags)
+        return super().step(closure, grad_scale=grad_scale, found_inf=found_inf,
+                            grad_norm=grad_norm)

@@ -1,0 +1,196 @@
+"""``amp_C`` under peak's Apex alias: Apex's kernel entry points, with Apex's argument order
+``(chunk_size, noop_flag, tensor_lists, *scalars)``, on peak's ops (CPU and CUDA).
+
+``noop_flag`` is Apex's int32 one-element overflow buffer: ops that check for inf/NaN set it to
+1 (never clear it), on the device. Like Apex's kernels, the unscale ops (scale, axpby) always
+write their outputs, and multi_tensor_sgd skips the step when the flag is already set; the
+other optimizer ops step regardless (Apex's do too). Optimizer state lists must be float32:
+peak keeps optimizer state in fp32 (an fp16 ``exp_avg`` is refused with a message).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from peak import ops as _ops
+
+__all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
+           "multi_tensor_unscale_l2norm", "update_scale_hysteresis", "multi_tensor_sgd",
+           "multi_tensor_adam", "multi_tensor_adagrad", "multi_tensor_novograd",
+           "multi_tensor_lamb"]
+
+_AXPBY_CHECK = {-1: 3, 0: 1, 1: 2}  # Apex's arg_to_check -> peak's check (both, x, y; else none)
+
+
+def _lists(name, tensor_lists, depths):
+    if not isinstance(tensor_lists, (list, tuple)) or len(tensor_lists) not in depths:
+        raise RuntimeError(f"{name}: tensor_lists must be a list of {' or '.join(map(str, depths))}"
+                           f" lists of tensors (Apex's layout), got "
+                           f"{len(tensor_lists) if isinstance(tensor_lists, (list, tuple)) else type(tensor_lists).__name__}")
+    return [list(t) for t in tensor_lists]
+
+
+def _flag_for(noop_flag):
+    """A cleared float flag for peak's ops, on the noop buffer's device."""
+    return torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
+
+
+def _raise_noop(noop_flag, found_inf):
+    """noop_flag |= found_inf, on the device (Apex's kernels only ever set the buffer)."""
+    torch.maximum(noop_flag, (found_inf != 0).to(noop_flag.dtype).reshape(noop_flag.shape),
+                  out=noop_flag)
+
+
+def _scalar(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(1)
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
+def _steps(params, step):
+    # peak's ops count steps per tensor and bump them before the update: start one below.
+    return [torch.full((), float(step) - 1.0, dtype=torch.float32, device=p.device)
+            for p in params]
+
+
+def _check_fp32_state(name, label, tensors):
+    for t in tensors:
+        if t.dtype != torch.float32:
+            raise RuntimeError(
+                f"{name}: {label} must be float32 (peak keeps optimizer state in fp32), got "
+                f"{t.dtype}. Keep the state in fp32, or use peak.optimizers / apex.optimizers "
+                "under the alias, which do")
+
+
+# ---------------------------------------------------------------------------- amp's kernels
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``out = in * scale``; sets noop_flag if an input holds inf/NaN."""
+    ins, outs = _lists("multi_tensor_scale", tensor_lists, (2,))
+    if not ins:
+        return
+    found = _flag_for(noop_flag)
+    torch.ops.peak.multi_tensor_scale_(ins, outs, _scalar(scale, found.device), found,
+                                       chunk_size)
+    _raise_noop(noop_flag, found)
+
+
+def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check):
+    """``out = a * x + b * y``; ``arg_to_check`` -1: x and y, 0: x, 1: y, else none."""
+    xs, ys, outs = _lists("multi_tensor_axpby", tensor_lists, (3,))
+    if not xs:
+        return
+    found = _flag_for(noop_flag)
+    torch.ops.peak.multi_tensor_axpby_(xs, ys, outs, _scalar(a, found.device),
+                                       _scalar(b, found.device), found,
+                                       _AXPBY_CHECK.get(int(arg_to_check), 0), chunk_size)
+    _raise_noop(noop_flag, found)
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
+    """``(norm [1], per-tensor norms [n] or empty)``, fp32; sets noop_flag if not finite."""
+    (tensors,) = _lists("multi_tensor_l2norm", tensor_lists, (1,))
+    norm, per = torch.ops.peak.multi_tensor_l2norm(tensors, bool(per_tensor), chunk_size)
+    _raise_noop(noop_flag, ~torch.isfinite(norm))
+    return norm, per
+
+
+def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale,
+                                per_tensor=False):
+    """The norms of ``x * inv_scale`` (x unchanged): a norm scales with its tensor."""
+    norm, per = multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
+    inv = _scalar(inv_scale, norm.device)
+    return norm * inv, (per * inv if per.numel() else per)
+
+
+def update_scale_hysteresis(scale, growth_tracker, hysteresis_tracker, found_inf,
+                            growth_factor, backoff_factor, growth_interval, hysteresis):
+    """Apex's Megatron-style scale update with hysteresis, on the device."""
+    torch.ops.peak.update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf,
+                                 float(growth_factor), float(backoff_factor),
+                                 int(growth_interval), int(hysteresis), 0.0, math.inf)
+
+
+# ---------------------------------------------------------------------------- optimizer kernels
+def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum, dampening,
+                     lr, nesterov, first_run, wd_after_momentum, scale):
+    """Lists ``[grads, weights, momenta]`` or ``[grads, fp32 weights, momenta, fp16 copies]``;
+    the gradients are multiplied by ``scale``; skipped when noop_flag is set."""
+    lists = _lists("multi_tensor_sgd", tensor_lists, (3, 4))
+    if wd_after_momentum:
+        raise NotImplementedError("multi_tensor_sgd(wd_after_momentum=True) is not provided by "
+                                  "peak (torch.optim.SGD's order: weight decay before momentum)")
+    grads, weights, momenta = lists[:3]
+    if not grads:
+        return
+    params, masters = (lists[3], weights) if len(lists) == 4 else (weights, [])
+    if momentum != 0:
+        _check_fp32_state("multi_tensor_sgd", "momentum buffers", momenta)
+    device = weights[0].device
+    torch.ops.peak.fused_sgd_(
+        params, grads, masters, momenta if momentum != 0 else [],
+        _steps(params, 1 if first_run else 2), _scalar(lr, device), float(momentum),
+        float(dampening), float(weight_decay), bool(nesterov), False,
+        _scalar(1.0 / float(scale), device), noop_flag.to(torch.float32).reshape(1), chunk_size)
+
+
+def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
+                      mode, bias_correction, weight_decay):
+    """Lists ``[grads, params, exp_avgs, exp_avg_sqs]``; mode 0: L2 decay, 1: AdamW."""
+    grads, params, m, v = _lists("multi_tensor_adam", tensor_lists, (4,))
+    if not grads:
+        return
+    _check_fp32_state("multi_tensor_adam", "exp_avg and exp_avg_sq", m + v)
+    torch.ops.peak.fused_adam_(params, grads, [], m, v, [], _steps(params, step),
+                               _scalar(lr, params[0].device), float(beta1), float(beta2),
+                               float(epsilon), float(weight_decay), False, bool(mode), False,
+                               bool(bias_correction), None, None, chunk_size)
+
+
+def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay):
+    """Lists ``[grads, params, sums]``; mode 0: L2 decay, 1: decoupled."""
+    grads, params, sums = _lists("multi_tensor_adagrad", tensor_lists, (3,))
+    if not grads:
+        return
+    _check_fp32_state("multi_tensor_adagrad", "state sums", sums)
+    torch.ops.peak.fused_adagrad_(params, grads, [], sums, _steps(params, 1),
+                                  _scalar(lr, params[0].device), float(epsilon),
+                                  float(weight_decay), bool(mode), 0.0, None, None, chunk_size)
+
+
+def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2,
+                          epsilon, step, bias_correction, weight_decay, grad_averaging,
+                          moment_mode, norm_type):
+    """Lists ``[grads, params, exp_avgs]``; ``grad_norms`` (fp32, one per tensor) is blended
+    with this step's norms in place, as Apex's kernel does (moment_mode 0: regularisation
+    inside the moment)."""
+    grads, params, m = _lists("multi_tensor_novograd", tensor_lists, (3,))
+    if not grads:
+        return
+    _check_fp32_state("multi_tensor_novograd", "exp_avgs and grad_norms", m + [grad_norms])
+    if grad_norms.numel() != len(params) or not grad_norms.is_contiguous():
+        raise RuntimeError(f"multi_tensor_novograd: grad_norms must be a contiguous float32 "
+                           f"tensor with one norm per tensor ({len(params)}), got "
+                           f"{grad_norms.numel()} elements")
+    torch.ops.peak.fused_novograd_(
+        params, grads, [], m, list(grad_norms.reshape(-1).unbind(0)), _steps(params, step),
+        _scalar(lr, params[0].device), float(beta1), float(beta2), float(epsilon),
+        float(weight_decay), bool(grad_averaging), int(moment_mode) == 0, bool(bias_correction),
+        int(norm_type), True, None, None, chunk_size)
+
+
+def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
+                      bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
+                      max_grad_norm, use_nvlamb=False):
+    """Lists ``[grads, params, exp_avgs, exp_avg_sqs]``; ``global_grad_norm`` is the norm of
+    all gradients (for clipping to ``max_grad_norm``); mode 1: decoupled weight decay."""
+    grads, params, m, v = _lists("multi_tensor_lamb", tensor_lists, (4,))
+    if not grads:
+        return
+    _check_fp32_state("multi_tensor_lamb", "exp_avg and exp_avg_sq", m + v)
+    device = params[0].device
+    torch.ops.peak.fused_lamb_(
+        params, grads, [], m, v, _steps(params, step), _scalar(lr, device), float(beta1),
+        float(beta2), float(epsilon), float(weight_decay), bool(mode), bool(grad_averaging),
+        bool(bias_correction), float(max_grad_norm), bool(use_nvlamb),
+        _scalar(global_grad_norm, device), None, None, chunk_size)
