@@ -127,6 +127,6 @@ def warn_if_slow_fp16(dtype, device_type, *, fix: str, stacklevel: int = 3) -> N
     warnings.warn(
         f"peak: fp16 chosen on a CPU without AMX-FP16 ({', '.join(has) or 'no AVX512-FP16'}): "
         f"torch's fp16 matrix products run about {slowdown} slower than bf16 on such a CPU "
-        f"(measured; see docs/integrations.md). Pass {fix} (or \"bf16\"): bf16 has fp32's "
+        f"(measured; see docs/integrations.md). Pass {fix}: bf16 has fp32's "
         f"range, so it needs no loss scaling. This warning is shown once per process.",
         UserWarning, stacklevel=stacklevel)

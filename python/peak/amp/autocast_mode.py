@@ -347,7 +347,7 @@ class autocast(torch.amp.autocast_mode.autocast):
                             f"{type(cache_enabled).__name__}")
         super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
         if getattr(self, "_enabled", enabled):  # torch turns itself off for dtypes it lacks
-            _dtypes.warn_if_slow_fp16(self.fast_dtype, self.device, fix="dtype=torch.bfloat16")
+            _dtypes.warn_if_slow_fp16(self.fast_dtype, self.device, fix='dtype=torch.bfloat16 (or "bf16")')
         self._policy = _build_policy(fp32_ops, lower_ops)
         self._saved: list = []
 

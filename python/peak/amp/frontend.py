@@ -294,7 +294,7 @@ def initialize(
     ]
     _initialize.process(models_list, optimizers_list, properties, cast_model_outputs)
     _dtypes.warn_if_slow_fp16(properties.low_precision_dtype, device.type,
-                              fix="low_precision_dtype=torch.bfloat16")
+                              fix='low_precision_dtype=torch.bfloat16 (or "bf16")')
 
     if optimizers is None:
         return models

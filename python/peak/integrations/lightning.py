@@ -214,6 +214,7 @@ class MixedPrecision(_LightningMixedPrecision):
         if self.device is None:
             param = next(model.parameters(), None)
             self.device = param.device.type if param is not None else "cpu"
+        _dtypes.warn_if_slow_fp16(self._dtype, self.device, fix='MixedPrecision("bf16-mixed")')
         if self.scaler is None and self._dtype == torch.float16:
             self.scaler = amp.GradScaler(self.device)
         return super().connect(model, optimizers, lr_schedulers)
