@@ -51,9 +51,10 @@ class AmpPrecision(Precision):
         opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (as ``amp.initialize``).
         low_precision_dtype: ``torch.float16`` / ``torch.bfloat16`` or a string (``"fp16"``,
             ``"bf16"``, ...); None: amp's default (fp16, as Apex).
-        loss_scale, min_loss_scale, max_loss_scale, keep_batchnorm_fp32, master_weights,
-        cast_model_outputs, num_losses, verbosity: passed to ``amp.initialize`` (``verbosity``
-            defaults to 0 here: Lightning prints its own summary).
+        **others: ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``,
+            ``keep_batchnorm_fp32``, ``master_weights``, ``cast_model_outputs``, ``num_losses``
+            and ``verbosity`` go to ``amp.initialize`` (``verbosity`` defaults to 0 here:
+            Lightning prints its own summary).
 
     What it does, hook by hook:
 
