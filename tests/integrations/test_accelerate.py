@@ -263,3 +263,34 @@ def test_torch_dialect_bad_uses():
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     with pytest.raises(ValueError, match="bf16 needs no loss scaling"):
         peak_accelerate.use_grad_scaler(accelerator, amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("opt_level, dtype", [("O1", "fp16"), ("O2", "fp16"), ("O2", "bf16")])
+def test_apex_dialect_gradient_accumulation_as_by_hand(opt_level, dtype):
+    """Accelerator(gradient_accumulation_steps=2) + accelerator.accumulate: the loss is halved,
+    zero_grad and step act every second batch; the same by hand with peak's API."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = make_model()
+    model, optimizer = peak_accelerate.prepare(accelerator, model, make_optimizer(model),
+                                               opt_level=opt_level, low_precision_dtype=dtype, verbosity=0)
+    for x, y in batches():
+        with accelerator.accumulate(model):   # Accelerate's pattern: zero_grad after step
+            peak_accelerate.backward(accelerator, F.cross_entropy(model(x), y), optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+    got, got_amp = weights(model), amp.state_dict()
+
+    _amp_state.reset()
+    ref = make_model()
+    ref_optimizer = make_optimizer(ref)
+    ref, ref_optimizer = amp.initialize(ref, ref_optimizer, opt_level=opt_level, low_precision_dtype=dtype,
+                                        verbosity=0)
+    for i, (x, y) in enumerate(batches()):
+        if i % 2 == 0:
+            ref_optimizer.zero_grad()
+        with amp.scale_loss(F.cross_entropy(ref(x), y) / 2, ref_optimizer) as scaled_loss:
+            scaled_loss.backward()
+        if i % 2 == 1:
+            ref_optimizer.step()
+    assert_bitwise(got, weights(ref))
+    assert got_amp == amp.state_dict()

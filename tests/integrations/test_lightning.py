@@ -292,3 +292,32 @@ def test_torch_plugin_validates_its_arguments():
         MixedPrecision("bf16", scaler=amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match="not a torch function"):
         MixedPrecision("bf16", fp32_ops=["no_such_op"])
+
+
+@pytest.mark.parametrize("opt_level, dtype", [("O1", "fp16"), ("O2", "fp16"), ("O2", "bf16")])
+def test_apex_plugin_gradient_accumulation_as_by_hand(opt_level, dtype):
+    """accumulate_grad_batches=2: Lightning divides each loss by 2, backs both micro-batches
+    through the plugin (scale_loss each) and steps once; the same by hand with peak's API."""
+    model = Net()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+                        plugins=[AmpPrecision(opt_level, dtype)])
+    trainer.fit(model, data())
+    got, got_amp = weights(model), amp.state_dict()
+    assert trainer.global_step == BATCHES_PER_EPOCH  # two epochs, one step per two batches
+
+    _amp_state.reset()
+    ref = Net()
+    optimizer = ref.configure_optimizers()
+    ref, optimizer = amp.initialize(ref, optimizer, opt_level=opt_level, low_precision_dtype=dtype, verbosity=0)
+    for _ in range(2):
+        for i, batch in enumerate(data()):
+            if i % 2 == 0:
+                optimizer.zero_grad()
+            loss = ref.training_step(batch, i) / 2
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            if i % 2 == 1:
+                optimizer.step()
+    assert_bitwise(got, weights(ref))
+    assert got_amp == amp.state_dict()
