@@ -55,15 +55,14 @@ def main():
              ("linear 1024 fwd+bwd, batch 256", lambda d: _linear(d, 256, 1024))]
     print(f"torch {torch.__version__}, {args.threads} thread(s), "
           f"cpu capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"{'op':34} {'bf16 ms':>9} {'fp16 ms (this CPU)':>19} {'fp16 ms (no native fp16)':>25} "
-          f"{'slowdown':>9}")
+    print(f"{'op':32} {'bf16 ms':>8} {'fp16 ms (this CPU)':>25} {'fp16 ms (no native fp16)':>28}")
     for name, make in cases:
         bf16 = _time(make(torch.bfloat16))
         fp16 = _time(make(torch.float16))
         with torch.backends.mkldnn.flags(enabled=False):
             fp16_fallback = _time(make(torch.float16))
-        print(f"{name:34} {bf16 * 1e3:9.2f} {fp16 * 1e3:19.2f} {fp16_fallback * 1e3:25.2f} "
-              f"{fp16_fallback / bf16:8.1f}x")
+        print(f"{name:32} {bf16 * 1e3:8.2f} {fp16 * 1e3:16.2f} ({fp16 / bf16:5.1f}x) "
+              f"{fp16_fallback * 1e3:18.2f} ({fp16_fallback / bf16:6.1f}x)")
 
 
 if __name__ == "__main__":
