@@ -138,6 +138,12 @@ def use_grad_scaler(accelerator, scaler=None):
     None and changes nothing (pass no scaler). Returns the scaler in use.
     """
     dtype = _dtype_of(accelerator)
+    kind = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    if kind in ("DEEPSPEED", "MEGATRON_LM") or (kind == "FSDP" and not accelerator.is_fsdp2):
+        raise ValueError(
+            f"use_grad_scaler: under {kind} the loss scaling belongs to "
+            f"{'FSDP1 (ShardedGradScaler)' if kind == 'FSDP' else kind}; peak's GradScaler takes "
+            "single-process, DDP and FSDP2 (fully_shard) runs.")
     if accelerator._models or accelerator._optimizers:
         raise RuntimeError(
             "peak.integrations.accelerate.use_grad_scaler: call it before accelerator.prepare; the "
