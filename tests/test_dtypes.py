@@ -129,13 +129,18 @@ def cpu_flags(monkeypatch):
     _dtypes.fp16_cpu_slowdown.cache_clear()
 
 
+AVX512 = ("avx2", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")
+
+
 @pytest.mark.parametrize("flags, slowdown", [
-    (("avx2", "f16c"), _dtypes.FP16_SLOWDOWN_NO_FP16),
-    (("avx512f", "avx512_bf16"), _dtypes.FP16_SLOWDOWN_NO_FP16),
-    (("avx512f", "avx512_fp16", "amx_bf16", "amx_tile"), _dtypes.FP16_SLOWDOWN_AMX_BF16_ONLY),
-    (("avx512f", "avx512_fp16"), None),
-    (("avx512f", "avx512_fp16", "amx_bf16", "amx_fp16"), None),
-    ((), None),   # flags unreadable (not Linux): no claim, no warning
+    (AVX512, _dtypes.FP16_SLOWDOWN_NO_FP16),                            # Skylake-SP .. Ice Lake
+    (AVX512 + ("avx512_bf16",), _dtypes.FP16_SLOWDOWN_NO_FP16),         # Cooper Lake, AMD Zen 4
+    (AVX512 + ("avx512_fp16", "amx_bf16", "amx_tile"), _dtypes.FP16_SLOWDOWN_AMX_BF16_ONLY),  # SPR
+    (AVX512 + ("avx512_fp16",), None),
+    (AVX512 + ("avx512_fp16", "amx_bf16", "amx_fp16"), None),          # Granite Rapids
+    (("avx2", "f16c"), None),              # bf16 is on torch's fallback GEMM too: no bf16 advice
+    (("avx2", "avx_vnni", "avx_ne_convert", "avx_vnni_int8"), None),    # AVX2-VNNI-2: both fast
+    ((), None),                            # flags unreadable (not Linux): no claim, no warning
 ])
 def test_slowdown_follows_the_cpu_flags(cpu_flags, flags, slowdown):
     cpu_flags(*flags)
@@ -155,7 +160,7 @@ def test_reads_this_machines_flags():
     (lambda: amp.autocast("cpu", dtype=torch.float16), "dtype=torch.bfloat16"),
 ])
 def test_fp16_on_a_slow_cpu_warns_once_naming_the_fix(cpu_flags, entry, fix):
-    cpu_flags("avx2", "f16c")
+    cpu_flags(*AVX512)
     with pytest.warns(UserWarning, match="fp16 chosen on a CPU without AMX-FP16") as record:
         entry()
     (warning,) = [w for w in record if "AMX-FP16" in str(w.message)]
@@ -170,7 +175,7 @@ def test_fp16_on_a_slow_cpu_warns_once_naming_the_fix(cpu_flags, entry, fix):
 
 
 def test_no_warning_for_bf16_fp32_other_devices_or_fast_fp16(cpu_flags):
-    cpu_flags("avx2")
+    cpu_flags(*AVX512)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         amp.initialize(*_model_opt(), opt_level="O2", low_precision_dtype="bf16", verbosity=0)

@@ -77,11 +77,11 @@ def _message(value, argument, accepted, allow_none, any_dtype) -> str:
 # (Granite Rapids and later). With AVX512-FP16 but AMX for bf16 only (Sapphire/Emerald Rapids)
 # oneDNN runs fp16 on AVX-512 and bf16 on AMX tiles; with neither flag torch computes fp16 in its
 # own scalar-converting GEMM. Slowdowns of fp16 against bf16 measured on this project's CI machine
-# (Xeon with AVX512-FP16 and AMX-BF16, torch 2.13.0, one thread; benchmarks/fp16_vs_bf16_cpu.py,
-# the table is in docs/integrations.md): a 1024-wide linear layer forward + backward, the smaller
-# of the linear and matmul rows.
-FP16_SLOWDOWN_AMX_BF16_ONLY = "4x"      # AVX512-FP16, AMX-BF16, no AMX-FP16
-FP16_SLOWDOWN_NO_FP16 = "70x"           # no AVX512-FP16 nor AMX-FP16 (fp16 on torch's fallback)
+# (Xeon with AVX512-FP16 and AMX-BF16, torch 2.13.0, one thread, fastest of 15 runs, three runs of
+# benchmarks/fp16_vs_bf16_cpu.py; the table is in docs/integrations.md): the range over a 512x512
+# matmul and a 1024-wide linear layer's forward + backward.
+FP16_SLOWDOWN_AMX_BF16_ONLY = "5-8x"      # AVX512-FP16, AMX-BF16, no AMX-FP16 (this machine)
+FP16_SLOWDOWN_NO_FP16 = "180-1000x"       # neither AVX512-FP16 nor AMX-FP16: torch's fallback GEMM
 
 
 def _cpu_flags() -> frozenset:
@@ -95,17 +95,29 @@ def _cpu_flags() -> frozenset:
     return frozenset()
 
 
+_AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+_AVX2_VNNI_2 = frozenset({"avx_ne_convert", "avx_vnni_int8"})
+
+
 @functools.lru_cache(maxsize=1)
 def fp16_cpu_slowdown() -> str | None:
     """How much slower than bf16 torch's fp16 matrix products run on this CPU (the measured
-    figure, as text), or None where fp16 is as fast (AMX-FP16, or AVX512-FP16 with no AMX-BF16)
-    or the CPU's flags cannot be read (/proc/cpuinfo missing: not Linux)."""
+    figure, as text), or None where they are not slower than bf16 or the flags are unknown.
+
+    torch (through oneDNN's checks) runs bf16 products on oneDNN from AVX-512 (or AVX2-VNNI-2) on,
+    fp16 products only with AVX512-FP16 (or AVX2-VNNI-2); everything else goes to torch's
+    fallback GEMM. So: AMX-FP16, AVX2-VNNI-2, or AVX512-FP16 without AMX-BF16: as fast (None);
+    AVX512-FP16 with AMX-BF16 (bf16 on AMX tiles): the first figure; AVX-512 without AVX512-FP16:
+    the second; AVX2 only: None (bf16 is on the fallback too, so bf16 is no cure there; fp32 is
+    the fast type); /proc/cpuinfo unreadable (not Linux): None."""
     flags = _cpu_flags()
-    if not flags or "amx_fp16" in flags:
+    if not flags or "amx_fp16" in flags or _AVX2_VNNI_2 <= flags:
         return None
     if "avx512_fp16" in flags:
         return FP16_SLOWDOWN_AMX_BF16_ONLY if "amx_bf16" in flags else None
-    return FP16_SLOWDOWN_NO_FP16
+    if _AVX512_CORE <= flags:
+        return FP16_SLOWDOWN_NO_FP16
+    return None
 
 
 _warned_slow_fp16 = False
