@@ -10,7 +10,14 @@ TORCH_CPU  ?= torch==2.13.0
 TORCH_CUDA ?= torch==2.14.1
 DEPS       := scikit-build-core ninja cmake numpy pytest hypothesis expecttest matplotlib \
               tqdm sphinx myst-parser nbclient nbformat ipykernel
+# The trainers peak integrates with (tests/integrations, docs/integrations.md), pinned; installed in
+# the same pip command as torch, so that the pinned torch stays (check_torch verifies it).
+INTEGRATIONS := lightning==2.6.6 accelerate==1.15.0
 PIP_QUIET  := --quiet --disable-pip-version-check
+# $(call check_torch,venv,torch==X.Y.Z): fail when the venv's torch is not the pinned release.
+check_torch = $(1)/bin/python -c "import sys, torch; want = '$(2)'.split('==')[1]; \
+	sys.exit(0 if torch.__version__.split('+')[0] == want else \
+	f'{torch.__version__} installed, {want} pinned: a dependency replaced torch')"
 PYTEST_ARGS ?=
 
 .PHONY: all build demo test bench docs soak cuda-build test-cuda-build test-sanitize ci clean
@@ -19,7 +26,8 @@ all: test
 
 $(VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) $(DEPS)
+	$(VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) $(DEPS) $(INTEGRATIONS)
+	$(call check_torch,$(VENV),$(TORCH_CPU))
 	touch $@
 
 build: $(VENV)/.ready
@@ -42,7 +50,8 @@ docs: build
 # to build it; its kernels run only where one is present, and the suite runs on the CPU.
 $(CUDA_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) $(DEPS)
+	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) $(DEPS) $(INTEGRATIONS)
+	$(call check_torch,$(CUDA_VENV),$(TORCH_CUDA))
 	touch $@
 
 cuda-build: $(CUDA_VENV)/.ready

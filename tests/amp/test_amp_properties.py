@@ -132,12 +132,13 @@ def test_legal_unusual_combinations(level, kwargs):
     ("O2", {"master_weights": 1}, TypeError, "master_weights must be True, False"),
     ("O2", {"loss_scale": "big"}, ValueError, "'dynamic'"),
     ("O2", {"loss_scale": -1.0}, ValueError, "finite number > 0"),
-    ("O2", {"cast_model_type": "float16"}, TypeError, "cast_model_type must be a floating torch.dtype"),
+    ("O2", {"cast_model_type": "float8"}, TypeError, "cast_model_type must be one of torch.float16"),
     ("O2", {"cast_model_type": torch.int8}, TypeError, "cast_model_type must be a floating torch.dtype"),
     ("O2", {"low_precision_dtype": torch.float32}, ValueError, "low_precision_dtype must be"),
     ("O2", {"low_precision_dtype": torch.bfloat16, "cast_model_type": torch.float16}, ValueError, "disagree"),
     ("O2", {"num_losses": 0}, ValueError, "num_losses must be an int >= 1"),
-    ("O2", {"cast_model_outputs": "fp32"}, TypeError, "cast_model_outputs must be"),
+    ("O2", {"cast_model_outputs": "fp64"}, TypeError, "cast_model_outputs must be"),
+    ("O2", {"low_precision_dtype": "fp32"}, ValueError, "the strings 'fp16', 'float16', 'half', 'bf16'"),
     ("O2", {"min_loss_scale": 8.0, "max_loss_scale": 4.0}, ValueError, "must not exceed"),
 ])
 def test_illegal_overrides_raise_and_change_nothing(level, kwargs, exc, fragment):

@@ -21,7 +21,7 @@ def test_sphinx_build_warnings_are_errors(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     html = tmp_path / "html"
     for page in ("index", "quickstart", "opt_levels", "advanced", "torch_dialect", "migrating", "checkpointing",
-                 "logging", "examples", "core", "build", "amp_api", "benchmarks", "api"):
+                 "integrations", "logging", "examples", "core", "build", "amp_api", "benchmarks", "api"):
         assert (html / f"{page}.html").exists(), page
     api = (html / "api.html").read_text()
     for name in ("peak.amp.initialize", "peak.amp.scale_loss", "peak.amp.GradScaler", "peak.ops.multi_tensor_scale_"):

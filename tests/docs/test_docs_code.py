@@ -38,8 +38,19 @@ def test_page_code_runs(page, tmp_path, monkeypatch, capsys):
     namespace = {"__name__": "__docs__"}
     try:
         for i, block in enumerate(python_blocks(page)):
+            if "Accelerator(" in block:
+                _start_accelerate_afresh()
             exec(compile(block, f"docs/{page.name}[python block {i}]", "exec"), namespace)
     finally:
         torch.set_num_threads(threads)
         _caster.disable()
         _amp_state.reset()
+
+
+def _start_accelerate_afresh():
+    """A block that builds an Accelerator is a new script for Accelerate, whose state is a
+    process-wide singleton that refuses another mixed_precision (docs/integrations.md shows both)."""
+    from accelerate.state import AcceleratorState, GradientState  # noqa: PLC0415
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -155,8 +155,8 @@ def test_bad_arguments():
         amp.custom_fwd(device_type=torch.device("cpu"))
     with pytest.raises(TypeError, match="device_type"):
         amp.custom_fwd(lambda ctx: None)  # device_type is required, as in torch >= 2.4
-    with pytest.raises(TypeError, match="cast_inputs must be a torch.dtype"):
-        amp.custom_fwd(device_type="cpu", cast_inputs="float16")
+    with pytest.raises(TypeError, match="cast_inputs must be a torch.dtype or None, or one of the strings"):
+        amp.custom_fwd(device_type="cpu", cast_inputs="float8")
     amp.custom_fwd(device_type="cpu", cast_inputs=torch.int32)  # torch takes any dtype too
     torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.int32)
     with pytest.raises(ValueError, match="Expected `device_type` of type `str`"):

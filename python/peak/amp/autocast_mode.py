@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import _dtypes
 from . import _caster
 
 try:
@@ -317,6 +318,9 @@ class autocast(torch.amp.autocast_mode.autocast):
     """``torch.autocast(device_type, dtype=None, enabled=True, cache_enabled=None)``, as a context
     manager or decorator, plus per-region list edits.
 
+    ``dtype`` also takes peak's dtype strings (``"bf16"``, ``"bfloat16"``, ``"fp16"``,
+    ``"float16"``, ``"half"``).
+
     Args:
         fp32_ops: torch functions (``torch.mm``, ``torch.nn.functional.linear``,
             ``torch.Tensor.exp``) or their names (``"mm"``, ``"linear"``, ``"aten::conv2d"``;
@@ -333,15 +337,17 @@ class autocast(torch.amp.autocast_mode.autocast):
     def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
                  cache_enabled: bool | None = None, *, fp32_ops: Iterable | None = None,
                  lower_ops: Iterable | None = None) -> None:
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(f"autocast: dtype must be a torch.dtype (torch.float16 or "
-                            f"torch.bfloat16) or None, got {type(dtype).__name__}")
+        # torch.dtype objects go to torch as they are (torch decides what it supports); strings
+        # ("bf16", "fp16", ...) are read by peak's one dtype parser.
+        dtype = _dtypes.parse_dtype(dtype, "autocast: dtype", any_dtype=True)
         if not isinstance(enabled, bool):
             raise TypeError(f"autocast: enabled must be a bool, got {type(enabled).__name__}")
         if cache_enabled is not None and not isinstance(cache_enabled, bool):
             raise TypeError(f"autocast: cache_enabled must be a bool or None, got "
                             f"{type(cache_enabled).__name__}")
         super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        if getattr(self, "_enabled", enabled):  # torch turns itself off for dtypes it lacks
+            _dtypes.warn_if_slow_fp16(self.fast_dtype, self.device, fix='dtype=torch.bfloat16 (or "bf16")')
         self._policy = _build_policy(fp32_ops, lower_ops)
         self._saved: list = []
 
@@ -405,7 +411,7 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
     """``torch.amp.custom_fwd``: decorator for ``forward`` of a ``torch.autograd.Function``.
 
     ``cast_inputs=None``: ``forward`` runs under the current autocast state (and peak's list
-    edits). ``cast_inputs=dtype``: inside an autocast-enabled region, floating tensors on
+    edits). ``cast_inputs=dtype`` (a torch.dtype, or a string such as ``"fp32"``, ``"bf16"``): inside an autocast-enabled region, floating tensors on
     ``device_type`` (not float64; also inside lists, tuples, dicts and other iterables) are cast
     to ``dtype`` and ``forward`` runs with autocast (and so peak's list edits) off; outside such a
     region it is a no-op. Records the state for ``custom_bwd`` on ``ctx``.
@@ -415,9 +421,8 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
         # torch takes Python's types where it takes dtypes (Tensor.to(float) is float64)
         cast_inputs = {float: torch.float64, int: torch.int64, bool: torch.bool,
                        complex: torch.complex128}[cast_inputs]
-    if cast_inputs is not None and not isinstance(cast_inputs, torch.dtype):
-        raise TypeError(f"custom_fwd: cast_inputs must be a torch.dtype or None, "
-                        f"got {cast_inputs!r}")
+    cast_inputs = _dtypes.parse_dtype(cast_inputs, "custom_fwd: cast_inputs", _dtypes.FLOATING,
+                                      any_dtype=True)
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
     if not callable(fwd):

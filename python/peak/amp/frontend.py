@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import torch
 
+from .. import _dtypes
 from . import _caster
 from ._amp_state import _amp_state, maybe_print, warn_or_err
 from .loss_scaler import LossScaler
@@ -210,7 +211,10 @@ def initialize(
     peak additions:
 
     * ``cast_model_type=torch.bfloat16`` (O2/O3) casts the model to bf16 instead of fp16.
-    * ``low_precision_dtype`` (keyword only; ``torch.float16`` or ``torch.bfloat16``): the lower
+    * Every dtype argument also takes the strings of ``peak._dtypes.DTYPE_NAMES`` (``"bf16"``,
+      ``"fp16"``, ``"fp32"``, ...).
+    * ``low_precision_dtype`` (keyword only; ``torch.float16`` or ``torch.bfloat16``, or a string:
+      ``"fp16"``, ``"float16"``, ``"half"``, ``"bf16"``, ``"bfloat16"``): the lower
       precision of the run at any opt_level -- O1's casts, O2/O3's model type (unless
       ``cast_model_type`` says otherwise); O0 ignores it.  Default: fp16, as Apex.
     * With bf16 the levels that default to dynamic loss scaling (O1, O2) default to a static scale of
@@ -233,10 +237,12 @@ def initialize(
             "Unexpected optimization level {}. ".format(opt_level)
             + "Options are 'O0', 'O1', 'O2', 'O3'.  Note that in `O0`, `O1`, etc., the prefix O is the letter O, "
             "not the number zero.")
-    if low_precision_dtype is not None and low_precision_dtype not in _LOW_DTYPES:
-        raise ValueError(
-            "low_precision_dtype must be torch.float16, torch.bfloat16 or None; "
-            f"found low_precision_dtype={low_precision_dtype!r}")
+    # Strings ("bf16", "fp16", "float32", ...) are read by the one parser every dtype argument uses.
+    low_precision_dtype = _dtypes.parse_dtype(low_precision_dtype, "low_precision_dtype")
+    if isinstance(cast_model_type, str):
+        cast_model_type = _dtypes.parse_dtype(cast_model_type, "cast_model_type", _dtypes.FLOATING)
+    if isinstance(cast_model_outputs, str):
+        cast_model_outputs = _dtypes.parse_dtype(cast_model_outputs, "cast_model_outputs", _dtypes.FLOATING)
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"num_losses must be an int >= 1 (one loss scaler per loss); found num_losses={num_losses!r}")
     if cast_model_outputs is not None and not (
@@ -287,6 +293,8 @@ def initialize(
         for _ in range(num_losses)
     ]
     _initialize.process(models_list, optimizers_list, properties, cast_model_outputs)
+    _dtypes.warn_if_slow_fp16(properties.low_precision_dtype, device.type,
+                              fix='low_precision_dtype=torch.bfloat16 (or "bf16")')
 
     if optimizers is None:
         return models
