@@ -131,3 +131,15 @@ def test_model_saved_under_o1_holding_a_wrapper_pickles():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert loaded.fn is torch.mm and loaded.act is F.softmax
+
+
+def test_autocast_list_edits_inside_o1(dispatch):
+    """peak.amp.autocast(fp32_ops=[F.softmax]) after O1 patched F.softmax: the edit names the
+    function (not the wrapper, whose __name__ once read 'peak_o1_cast' for every listed op)."""
+    _caster.enable(torch.bfloat16, dispatch=dispatch)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=[F.softmax]):
+        assert F.softmax(lin(x), -1).dtype == torch.float32
+        assert lin(x).dtype == torch.bfloat16
+        assert F.gelu(lin(x)).dtype == torch.bfloat16  # not edited: torch's rule
