@@ -1,6 +1,7 @@
 """peak's opt-in Apex alias: `python -m peak.compat install` / `uninstall`, Apex-style scripts
 run unmodified under it, amp_C's entry points with Apex's argument order, and the refusal next
 to a real-looking apex package."""
+import importlib
 import os
 import subprocess
 import sys
@@ -441,3 +442,40 @@ def test_amp_C_novograd_and_lamb_match_the_optimizers(alias):
         opt.step()
     for p, r in zip(params, ref):
         torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_apex_module_paths_and_missing_submodules(alias):
+    """Apex scripts import optimizers by their module path too; a submodule Apex has and peak
+    does not is an ImportError (what `try: import ... except ImportError` expects)."""
+    from apex.multi_tensor_apply import MultiTensorApply as M1
+    from apex.multi_tensor_apply.multi_tensor_apply import MultiTensorApply as M2
+    from apex.optimizers import FusedAdam, FusedLAMB, FusedSGD
+    from apex.optimizers.fused_adam import FusedAdam as A2
+    from apex.optimizers.fused_lamb import FusedLAMB as L2
+    from apex.optimizers.fused_sgd import FusedSGD as S2
+    assert (A2, L2, S2, M2) == (FusedAdam, FusedLAMB, FusedSGD, M1)
+    for name in ("apex.fp16_utils.loss_scaler", "apex.amp.no_such_module"):
+        with pytest.raises(ImportError, match="does not exist"):
+            importlib.import_module(name)
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_amp_c_sgd_with_fp32_master_grads_and_low_copies(alias, low):
+    """Apex's FusedSGD under O2 (materialize_master_grads=True) passes [fp32 master grads,
+    fp32 masters, momenta, fp16 model copies]: the masters step with the fp32 grads (as SGD with
+    momentum would, in float64 here) and the copies are the rounded masters."""
+    import amp_C
+    from apex.multi_tensor_apply import multi_tensor_applier
+
+    g = torch.Generator().manual_seed(0)
+    masters = [torch.randn(n, generator=g) for n in (30, 70000)]
+    grads = [torch.randn(m.shape, generator=g) for m in masters]
+    copies = [m.to(low) for m in masters]
+    momenta = [torch.zeros_like(m) for m in masters]
+    ref = [m.double() - 0.1 * gr.double() / 4 for m, gr in zip(masters, grads)]
+    multi_tensor_applier(amp_C.multi_tensor_sgd, torch.IntTensor([0]),
+                         [grads, masters, momenta, copies], 0.0, 0.9, 0.0, 0.1, False, True,
+                         False, 0.25)
+    for m, c, r in zip(masters, copies, ref):
+        torch.testing.assert_close(m.double(), r, rtol=1e-6, atol=1e-7)
+        assert torch.equal(c, m.to(low))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from peak import amp
-from peak.optimizers import (LARC, FusedAdagrad, FusedAdamW, FusedMixedPrecisionLamb,
+from peak.optimizers import (LARC, FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB,
+                             FusedMixedPrecisionLamb,
                              FusedNovoGrad, FusedSGD)
 
 from peak_testing import DEVICES, TOLERANCES, dtype_id
@@ -327,8 +328,10 @@ def test_grad_scaler_skips_overflow_and_unscales(family, scaler_kind):
         assert torch.equal(p, q)  # power-of-two scale: unscaling is exact
 
 
-def test_mixed_precision_lamb_takes_apex_grad_scaler_argument():
-    """Apex's contract: optimizer.step(grad_scaler=scaler) asks the scaler for its scale and
+@pytest.mark.parametrize("positional", [False, True], ids=["keyword", "positional"])
+def test_mixed_precision_lamb_takes_apex_grad_scaler_argument(positional):
+    """Apex's contract: optimizer.step(grad_scaler=scaler), or step(None, scaler) as Apex's
+    signature step(closure=None, grad_scaler=None) allows, asks the scaler for its scale and
     inf/NaN check (Apex's scripts call it so)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3).to(torch.bfloat16)
@@ -342,7 +345,10 @@ def test_mixed_precision_lamb_takes_apex_grad_scaler_argument():
         opt.zero_grad()
         loss = model(x).float().square().mean() * (float("inf") if poison else 1.0)
         scaler.scale(loss).backward()
-        opt.step(grad_scaler=scaler)
+        if positional:
+            opt.step(None, scaler)
+        else:
+            opt.step(grad_scaler=scaler)
         scaler.update()
         if not poison:
             ref_opt.zero_grad()
@@ -826,3 +832,57 @@ def test_larc_inside_fp16_optimizer_as_apex_documents():
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0], losses
     assert torch.equal(model[0].weight.detach(), opt.fp32_from_fp16_groups[0][0].half())
+
+
+# ---------------------------------------------------------------------------- Apex checkpoints
+def _apex_layout(sd, novograd=False, params=None):
+    """A peak checkpoint rewritten as Apex's fused optimizers save theirs: the step count per
+    group (an int), and for NovoGrad the running norms per group, [fp16 norms, fp32 norms]."""
+    sd = copy.deepcopy(sd)
+    for g in sd["param_groups"]:
+        steps = {int(sd["state"][pid].pop("step").item()) for pid in g["params"] if pid in sd["state"]}
+        assert len(steps) == 1
+        g["step"] = steps.pop()
+        if novograd:
+            half = [pid for pid, p in zip(g["params"], params) if p.dtype != torch.float32]
+            full = [pid for pid, p in zip(g["params"], params) if p.dtype == torch.float32]
+            g["exp_avg_sq"] = [torch.stack([sd["state"][pid].pop("exp_avg_sq").reshape(())
+                                            for pid in ids]) if ids else torch.zeros(0)
+                               for ids in (half, full)]
+    return sd
+
+
+@pytest.mark.parametrize("family", ["adam", "lamb", "novograd"])
+def test_apex_checkpoint_with_group_steps_continues_where_it_stopped(family):
+    """Apex keeps `step` (and NovoGrad's norms) per group: such a checkpoint must continue the
+    bias correction and the norms, as resuming peak's own checkpoint does (same bits)."""
+    make = {"adam": lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True),
+            "lamb": lambda ps: FusedLAMB(ps, lr=1e-2),
+            "novograd": lambda ps: FusedNovoGrad(ps, lr=1e-2)}[family]
+
+    def params():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(6, 5)), torch.nn.Parameter(torch.randn(7).half())]
+
+    def train(ps, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            opt.step()
+
+    ps = params()
+    opt = make(ps)
+    train(ps, opt, 5, 1)
+    sd = opt.state_dict()
+    results = []
+    for layout in (sd, _apex_layout(sd, family == "novograd", ps)):
+        qs = [p.detach().clone().requires_grad_() for p in ps]
+        fresh = make(qs)
+        fresh.load_state_dict(layout)
+        assert all(float(fresh.state[q]["step"]) == 5 for q in qs)
+        assert "step" not in fresh.param_groups[0] and "exp_avg_sq" not in fresh.param_groups[0]
+        train(qs, fresh, 3, 2)
+        results.append([q.detach().clone() for q in qs])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -289,7 +289,36 @@ def test_wrapped_optimizer_trains_like_the_inner_one(wrap, level, name):
         w, sd, dt = run(True, use_closure)
         _assert_bitwise(w, w_ref)
         assert dt == dt_ref
-        assert sd.keys() == sd_ref.keys()
+        # (wrapped, a fused optimizer steps amp's masters from param_groups: amp saves them)
+        assert sd.keys() - {"amp_master_params"} == sd_ref.keys() - {"amp_master_params"}
+
+
+@pytest.mark.parametrize("name", ["SGD", "FusedSGD", "FusedAdagrad", "FusedAdam"])
+def test_larc_sees_unscaled_gradients_under_o2(name):
+    """LARC's trust ratio ||w|| / ||g|| reads the gradients before the inner step: under O2 they
+    must be the unscaled fp32 master gradients (as Apex), also around a peak fused optimizer."""
+    from peak.optimizers import LARC
+
+    make = {**FUSED, **TORCH}[name]
+    torch.manual_seed(0)
+    base = nn.Linear(16, 4)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    ref = copy.deepcopy(base)
+    ref_opt = LARC(make(ref.parameters()))
+    for _ in range(3):
+        ref_opt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_opt.step()
+    model = copy.deepcopy(base)
+    opt = LARC(make(model.parameters()))
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=1024.0, verbosity=0)
+    for _ in range(3):
+        opt.zero_grad()
+        with amp.scale_loss(((model(x).float() - y) ** 2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+    for a, b in zip(amp.master_params(opt), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)  # fp16 forward vs fp32
 
 
 def test_broken_optimizer_subclass_is_refused_before_anything_changes():

@@ -173,7 +173,7 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
 
     for optimizer in optimizers:
         inner = inner_optimizer(optimizer)
-        process_optimizer(inner, properties, fp32_originals)
+        process_optimizer(inner, properties, fp32_originals, wrapped=inner is not optimizer)
         if inner is not optimizer:
             optimizer._amp_stash = inner._amp_stash  # scale_loss and master_params accept the wrapper
     fp32_originals.clear()

@@ -83,11 +83,15 @@ def _is_fused(optimizer) -> bool:
 
 
 class AmpOptimizerState:
-    def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int) -> None:
+    def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int,
+                 wrapped: bool = False) -> None:
         self.optimizer = optimizer
         self.master_weights = master_weights
-        # A peak fused optimizer with master weights: see "Fused optimizers" above.
-        self.fused = master_weights and _is_fused(optimizer)
+        # A peak fused optimizer with master weights: see "Fused optimizers" above. Not inside a
+        # wrapper: a wrapper may read the gradients before the inner step (LARC's trust ratio),
+        # so they must be unscaled by then; the masters then live in param_groups, as for any
+        # torch optimizer (Apex's design), and the fused optimizer steps them as fp32 weights.
+        self.fused = master_weights and _is_fused(optimizer) and not wrapped
         self.fused_params: list[torch.Tensor] = []
         self.fused_grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
         # Their global norm, when the optimizer clips (taken by the inf/NaN check's pass).
@@ -338,11 +342,13 @@ class AmpOptimizerState:
             self.grad_stash = None
 
 
-def process_optimizer(optimizer, properties, fp32_originals=None) -> None:
+def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool = False) -> None:
+    """``wrapped``: ``optimizer`` is the inner optimizer of a wrapper (see ``inner_optimizer``)."""
     from ._amp_state import _amp_state  # noqa: PLC0415
 
     stash = AmpOptimizerState(optimizer, bool(properties.master_weights),
-                              bool(properties.patch_torch_functions), _amp_state.generation)
+                              bool(properties.patch_torch_functions), _amp_state.generation,
+                              wrapped=wrapped)
     had_state = len(optimizer.state) > 0
     for group in optimizer.param_groups:
         old = list(group["params"])

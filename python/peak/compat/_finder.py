@@ -27,11 +27,13 @@ ALIASES = {
     "apex.amp": "peak.amp",
     "apex.amp.*": "peak.amp",
     "apex.optimizers": "peak.compat._apex.optimizers",
+    "apex.optimizers.*": "peak.compat._apex.optimizers",
     "apex.fp16_utils": "peak.fp16_utils",
     "apex.fp16_utils.*": "peak.fp16_utils",
     "apex.parallel": "peak.compat._apex.parallel",
     "apex.parallel.LARC": "peak.compat._apex.parallel.LARC",
     "apex.multi_tensor_apply": "peak.compat._apex.multi_tensor_apply",
+    "apex.multi_tensor_apply.*": "peak.compat._apex.multi_tensor_apply",
     "amp_C": "peak.compat._apex.amp_C",
 }
 
@@ -42,7 +44,7 @@ def target_of(fullname: str) -> str | None:
     """The peak module for an aliased name; None if the name is not Apex's."""
     if fullname in ALIASES:
         return ALIASES[fullname]
-    for prefix in ("apex.amp", "apex.fp16_utils"):
+    for prefix in ("apex.amp", "apex.fp16_utils", "apex.optimizers", "apex.multi_tensor_apply"):
         if fullname.startswith(prefix + "."):
             return ALIASES[prefix + ".*"] + fullname[len(prefix):]
     return None
@@ -111,7 +113,13 @@ class ApexAliasFinder(importlib.abc.MetaPathFinder):
                 "apex.optimizers, apex.fp16_utils, apex.parallel.LARC, "
                 "apex.multi_tensor_apply and amp_C (see docs/migrating.md); "
                 f"{fullname} has no peak counterpart", name=fullname)
-        is_package = importlib.util.find_spec(aliased).submodule_search_locations is not None
+        target_spec = importlib.util.find_spec(aliased)
+        if target_spec is None:  # e.g. apex.fp16_utils.loss_scaler: Apex has it, peak does not
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r}: under peak's Apex alias {fullname} would be "
+                f"{aliased}, which does not exist (see docs/migrating.md for what peak provides)",
+                name=fullname)
+        is_package = target_spec.submodule_search_locations is not None
         return importlib.util.spec_from_loader(fullname, _AliasLoader(aliased),
                                                is_package=is_package)
 

@@ -320,6 +320,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         stripped = dict(state_dict)
         stripped["state"] = {pid: {k: v for k, v in st.items() if k not in FP32_STATE_KEYS}
                              for pid, st in saved_state.items()}
+        # Apex's fused optimizers count steps per group (group["step"]): each parameter of the
+        # group continues from that count (bias correction), instead of restarting at 1.
+        groups = []
+        for group in state_dict["param_groups"]:
+            if "step" in group and group["step"] is not None:
+                for pid in group["params"]:
+                    if pid in saved_state:
+                        fp32.setdefault(pid, {}).setdefault("step", group["step"])
+                group = {k: v for k, v in group.items() if k != "step"}
+            groups.append(group)
+        stripped["param_groups"] = groups
         super().load_state_dict(stripped)
         own_keys = getattr(self, "_group_keys", tuple(self.defaults))
         for group in self.param_groups:  # a torch.optim checkpoint lacks our own options
@@ -337,8 +348,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             for key, value in entries.items():
                 if isinstance(value, Tensor):
+                    value = value.reshape(()) if key == "step" and value.numel() == 1 else value
                     state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
-                else:  # a Python number (older torch 'step')
+                else:  # a Python number (older torch 'step', Apex's group step)
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
             self._complete_loaded_state(p, state)
 

@@ -306,6 +306,42 @@ class FusedNovoGrad(FusedOptimizer):
         if "exp_avg_sq" in state:
             state["exp_avg_sq"] = state["exp_avg_sq"].reshape(())
 
+    def load_state_dict(self, state_dict):
+        """Also Apex's FusedNovoGrad checkpoints, whose running norms are per group:
+        ``group["exp_avg_sq"] = [norms of the fp16 params, norms of the fp32 params]`` in group
+        order; they become each parameter's ``exp_avg_sq``."""
+        state_dict = dict(state_dict)
+        state = {pid: dict(st) for pid, st in state_dict["state"].items()}
+        groups = []
+        for i, group in enumerate(state_dict["param_groups"]):
+            norms = group.get("exp_avg_sq")
+            if isinstance(norms, (list, tuple)):
+                half = [pid for pid in group["params"] if pid in state
+                        and state[pid].get("exp_avg") is not None
+                        and self._saved_dtype(state_dict, pid) != torch.float32]
+                full = [pid for pid in group["params"] if pid in state and pid not in half]
+                sizes = [n.numel() if isinstance(n, torch.Tensor) else 0 for n in norms]
+                if len(norms) != 2 or sizes != [len(half), len(full)]:
+                    raise ValueError(
+                        f"param_groups[{i}] holds Apex FusedNovoGrad's per-group norms "
+                        f"(exp_avg_sq of sizes {sizes}) that do not match its {len(half)} "
+                        f"fp16/bf16 and {len(full)} fp32 parameters with state; load it into "
+                        "an optimizer over the same parameters in the same order")
+                for pids, values in ((half, norms[0]), (full, norms[1])):
+                    for pid, value in zip(pids, values.reshape(-1)):
+                        state[pid].setdefault("exp_avg_sq", value.float().clone())
+                group = {k: v for k, v in group.items() if k != "exp_avg_sq"}
+            groups.append(group)
+        state_dict["state"], state_dict["param_groups"] = state, groups
+        super().load_state_dict(state_dict)
+
+    def _saved_dtype(self, state_dict, pid):
+        """The dtype of the parameter a saved id stands for (the optimizer's own, same order)."""
+        saved = [q for g in state_dict["param_groups"] for q in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        return params[saved.index(pid)].dtype if pid in saved and saved.index(pid) < len(params) \
+            else torch.float32
+
 
 class FusedMixedPrecisionLamb(FusedLAMB):
     """Apex's FusedMixedPrecisionLamb: :class:`FusedLAMB` (the same math: Adam moments on
@@ -344,12 +380,19 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             state["step"].fill_(float(getattr(self, "_initial_step", 0)))
         return state
 
-    def step(self, closure=None, *, grad_scale=None, found_inf=None, grad_norm=None,
+    def step(self, closure=None, *apex_args, grad_scale=None, found_inf=None, grad_norm=None,
              **apex_kwargs):
-        # grad_scaler travels in **kwargs, not as a named parameter: a GradScaler that sees
-        # 'grad_scaler' in the signature passes itself (with a FutureWarning) instead of
-        # handing over grad_scale/found_inf.
-        grad_scaler = apex_kwargs.pop("grad_scaler", None)
+        # grad_scaler travels in *args/**kwargs, not as a named parameter: a GradScaler that
+        # sees 'grad_scaler' in the signature passes itself (with a FutureWarning) instead of
+        # handing over grad_scale/found_inf. Apex's signature is step(closure, grad_scaler).
+        if len(apex_args) > 1:
+            raise TypeError(f"FusedMixedPrecisionLamb.step() takes closure and grad_scaler, got "
+                            f"{1 + len(apex_args)} positional arguments")
+        grad_scaler = apex_args[0] if apex_args else None
+        if "grad_scaler" in apex_kwargs:
+            if apex_args:
+                raise TypeError("FusedMixedPrecisionLamb.step() got grad_scaler twice")
+            grad_scaler = apex_kwargs.pop("grad_scaler")
         if apex_kwargs:
             raise TypeError(f"FusedMixedPrecisionLamb.step() got unexpected keyword arguments "
                             f"{sorted(apex_kwargs)}")

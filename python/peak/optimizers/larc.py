@@ -103,8 +103,12 @@ class LARC(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def zero_grad(self, set_to_none: bool = True):
-        self.optim.zero_grad(set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None):
+        # None: the inner optimizer's own default (Apex's FusedSGD zeroes, torch's sets to None)
+        if set_to_none is None:
+            self.optim.zero_grad()
+        else:
+            self.optim.zero_grad(set_to_none)
 
     def add_param_group(self, param_group):
         self.optim.add_param_group(param_group)

@@ -124,14 +124,23 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum
     if not grads:
         return
     params, masters = (lists[3], weights) if len(lists) == 4 else (weights, [])
+    # Apex's FusedSGD under O2 with materialize_master_grads=True passes fp32 master gradients
+    # next to the fp16 copies: step the fp32 weights with them, then round into the copies.
+    copies = None
+    if masters and grads[0].dtype != params[0].dtype:
+        copies, params, masters = params, weights, []
     if momentum != 0:
         _check_fp32_state("multi_tensor_sgd", "momentum buffers", momenta)
     device = weights[0].device
+    flag = noop_flag.to(torch.float32).reshape(1)
     torch.ops.peak.fused_sgd_(
         params, grads, masters, momenta if momentum != 0 else [],
         _steps(params, 1 if first_run else 2), _scalar(lr, device), float(momentum),
         float(dampening), float(weight_decay), bool(nesterov), False,
-        _scalar(1.0 / float(scale), device), noop_flag.to(torch.float32).reshape(1), chunk_size)
+        _scalar(1.0 / float(scale), device), flag, chunk_size)
+    if copies is not None:  # (a skipped step left the weights, so this rewrites the same bits)
+        torch.ops.peak.multi_tensor_scale_(weights, copies, _scalar(1.0, device),
+                                           torch.zeros(1, device=device), chunk_size)
 
 
 def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
