@@ -25,8 +25,17 @@
 #include "grid_block.h"
 #include "launch_plan.h"
 
+// NOTE: [CPU levels] This launcher is compiled once per CPU level (csrc/ops/cpu_kernels.cpp,
+// see docs/build.md), each time with that level's instruction-set flags. Everything here lives
+// in an inline namespace named after the level so that the copies are distinct functions: with
+// one name, the linker would keep one copy (the first) for every level.
+#ifndef PEAK_CPU_CAPABILITY
+#define PEAK_CPU_CAPABILITY single
+#endif
+
 namespace peak {
 namespace cpu {
+inline namespace PEAK_CPU_CAPABILITY {
 
 constexpr int64_t kTile = 1024;
 
@@ -206,5 +215,6 @@ void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64
   }
 }
 
+}  // namespace PEAK_CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace peak
