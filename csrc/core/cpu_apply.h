@@ -6,7 +6,8 @@
 // where they lie, the op's per-element math runs on float arrays (a loop the compiler vectorises,
 // since the op is inlined and its state is a local), and the fp16/bf16 lists it writes are
 // converted back. The conversions round exactly as c10's scalar casts do (round to nearest even;
-// bf16 NaN -> 0x7fc0), so results equal torch's `.to()`.
+// bf16 NaN -> 0x7fc0), so results equal torch's `.to()` (fp16 NaN payloads: NOTE: [fp16 NaN
+// bits]).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -49,6 +50,27 @@ inline void load_tile(const c10::BFloat16* src, float* dst, int64_t n) {
   }
 }
 
+// NOTE: [fp16 NaN bits] The F16C/AVX-512 conversions keep a NaN's payload (quietened: the
+// quiet bit set) both ways; c10's portable conversions, which c10 itself uses without F16C,
+// keep a signalling NaN signalling on loads and store every NaN as 0x7e00. So that every CPU
+// level (and the tail of a tile, converted one element at a time) gives the same bits, the
+// scalar conversions here treat NaNs as F16C does and leave the rest (exact either way) to c10.
+inline float half_to_float(c10::Half h) {
+  const uint32_t x = h.x;
+  const bool nan = (x & 0x7c00u) == 0x7c00u && (x & 0x03ffu) != 0;
+  const float quiet = bits_float(((x & 0x8000u) << 16) | 0x7fc00000u | ((x & 0x03ffu) << 13));
+  return nan ? quiet : static_cast<float>(h);
+}
+
+inline c10::Half float_to_half(float f) {
+  const uint32_t b = float_bits(f);
+  if ((b & 0x7fffffffu) > 0x7f800000u) {
+    return c10::Half(static_cast<uint16_t>(((b >> 16) & 0x8000u) | 0x7e00u | ((b >> 13) & 0x03ffu)),
+                     c10::Half::from_bits());
+  }
+  return static_cast<c10::Half>(f);
+}
+
 inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -63,7 +85,7 @@ inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
 }
 
 inline void store_tile(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
@@ -93,7 +115,7 @@ inline void store_tile(const float* src, c10::Half* dst, int64_t n) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
 template <typename T>

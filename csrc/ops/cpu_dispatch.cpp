@@ -100,6 +100,18 @@ const std::vector<Level>& levels() {
   return all;
 }
 
+// Tests only: PEAK_TESTING_CPU_MAX_LEVEL=<level> makes the levels above <level> count as absent
+// from this CPU, so that the refusal and the fallback can be seen on a CPU that has them all.
+bool runs_here(const Level& level) {
+  if (!level.supported()) return false;
+  const char* cap = std::getenv("PEAK_TESTING_CPU_MAX_LEVEL");
+  if (cap == nullptr || *cap == '\0') return true;
+  for (const Level& l : levels()) {
+    if (std::strcmp(l.name, cap) == 0) return &level <= &l;  // levels() is lowest first
+  }
+  return true;
+}
+
 std::string join(const std::vector<std::string>& names) {
   std::string out;
   for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
@@ -115,7 +127,7 @@ std::vector<std::string> compiled_names() {
 std::vector<std::string> supported_names() {
   std::vector<std::string> out;
   for (const Level& l : levels()) {
-    if (l.supported()) out.push_back(l.name);
+    if (runs_here(l)) out.push_back(l.name);
   }
   return out;
 }
@@ -126,14 +138,14 @@ const Level& find_level(const std::string& name, const std::string& source) {
   if (name == "auto" || name.empty()) {
     const Level* best = nullptr;
     for (const Level& l : levels()) {
-      if (l.supported()) best = &l;
+      if (runs_here(l)) best = &l;
     }
     if (best == nullptr) throw std::runtime_error("peak: no CPU level of this build runs here");
     return *best;
   }
   for (const Level& l : levels()) {
     if (name != l.name) continue;
-    if (!l.supported()) {
+    if (!runs_here(l)) {
       throw std::runtime_error(
           "peak: " + source + "=" + name + ", but this CPU lacks " + l.needs +
           ". Levels this CPU runs: " + join(supported_names()) + " (or auto).");
