@@ -19,5 +19,8 @@ def pytest_report_header(config):
         levels = ops.cpu_levels()
     except Exception as e:  # an impossible PEAK_CPU_LEVEL: the tests will say so
         return f"peak CPU level: unavailable ({e})"
+    import os
+    import peak
     how = "forced by PEAK_CPU_LEVEL" if levels["forced"] else "the default"
-    return f"peak CPU level: {levels['active']} ({how}; compiled: {','.join(levels['compiled'])})"
+    return [f"peak CPU level: {levels['active']} ({how}; compiled: {','.join(levels['compiled'])})",
+            f"peak from {os.path.dirname(os.path.dirname(peak.__file__))}"]
