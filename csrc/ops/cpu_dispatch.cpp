@@ -10,8 +10,8 @@
 //   avx2      -march=x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE)
 //   avx512    -march=x86-64-v4 (+ AVX-512 F, BW, CD, DQ, VL), 512-bit vectors preferred
 // No AVX-512-BF16 or -FP16 level: the math is fp32 whatever the storage, so their arithmetic is
-// unused, and the one instruction that would serve (VCVTNEPS2BF16, fp32 -> bf16 stores) treats
-// subnormal inputs as zero, which would break the bit-for-bit promise below. fp16 conversions
+// unused, and the one instruction that would serve (VCVTNEPS2BF16, fp32 -> bf16 stores) flushes
+// subnormal inputs and outputs to zero, which would break the bit-for-bit promise below. fp16 conversions
 // are F16C/AVX-512F, already in avx2/avx512.
 // Every level computes the same bits: the math rounds explicitly (fmaf, no contraction: NOTE:
 // [No FP contraction]; baseline calls libm's correctly rounded fmaf), the l2norm's lanes are
