@@ -17,6 +17,8 @@
 // [No FP contraction]; baseline calls libm's correctly rounded fmaf), the l2norm's lanes are
 // fixed in number and merge order (NOTE: [CPU lanes]), and conversions round to nearest even.
 // tests/test_cpu_levels.py runs the kernels at every level this CPU has and compares the bits.
+// (Except a NaN computed from two NaN/inf operands: NaN at every level, but which operand's sign
+// and payload it carries depends on the operand order the compiler picked; IEEE leaves it open.)
 //
 // The other copy problem: inline functions of shared headers (c10, std, peak's functors)
 // compiled into an AVX-512 object are link-once (COMDAT) symbols, and the linker keeps the
