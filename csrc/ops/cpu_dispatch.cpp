@@ -31,6 +31,7 @@
 #include "cpu_dispatch.h"
 
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -182,7 +183,8 @@ void select_from_environment() {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_active.load() != nullptr) return;
   const char* env = std::getenv(kVariable);
-  const std::string requested = env != nullptr ? env : "";
+  std::string requested = env != nullptr ? env : "";
+  for (char& c : requested) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   const Level& level = find_level(requested, kVariable);
   const KernelTable& table = checked_table(level);
   g_active_name = level.name;
