@@ -230,6 +230,12 @@ def test_env_var_forces_each_supported_level(level):
         assert "this CPU lacks" in r.stderr
 
 
+def test_env_var_ignores_case():
+    level = SUPPORTED[0]
+    r = _python("from peak import ops; print(ops.cpu_level())", PEAK_CPU_LEVEL=level.upper())
+    assert r.returncode == 0 and r.stdout.strip() == level, r.stderr
+
+
 def test_env_var_unknown_level_is_refused_at_import():
     r = _python("import peak", PEAK_CPU_LEVEL="avx1024")
     assert r.returncode != 0
