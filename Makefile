@@ -20,7 +20,7 @@ check_torch = $(1)/bin/python -c "import sys, torch; want = '$(2)'.split('==')[1
 	f'{torch.__version__} installed, {want} pinned: a dependency replaced torch')"
 PYTEST_ARGS ?=
 
-.PHONY: all build demo test bench docs soak cuda-build test-cuda-build test-sanitize ci clean
+.PHONY: all build demo test bench wheel docs soak cuda-build test-cuda-build test-sanitize ci clean
 
 all: test
 
@@ -41,6 +41,11 @@ test: build
 
 bench: build
 	$(VENV)/bin/python benchmarks/bench_multi_tensor.py
+
+# A wheel for any x86-64 (the CPU kernels of every level, chosen at run time: docs/build.md),
+# built in the CPU variant's tree, so incrementally. It requires the torch it was built against.
+wheel: build
+	$(VENV)/bin/pip wheel $(PIP_QUIET) --no-build-isolation --no-deps -w dist . -C build-dir=build/cpu
 
 # The documentation site (docs/, Sphinx + MyST), warnings as errors; open docs/_build/html/index.html.
 docs: build
@@ -71,7 +76,7 @@ SAN_VENV   ?= .venv-asan
 SAN_TESTS  := tests/test_multi_tensor_ops.py tests/test_launch_plan.py tests/test_ops_errors.py \
               tests/test_update_scale.py tests/test_fused_optimizers.py tests/test_opcheck.py \
               tests/test_stochastic_rounding.py tests/test_fused_clipping.py \
-              tests/caster/test_caster_worker_threads.py
+              tests/test_cpu_levels.py tests/caster/test_caster_worker_threads.py
 $(SAN_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(SAN_VENV)
 	$(SAN_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CPU) scikit-build-core ninja cmake numpy pytest hypothesis expecttest

@@ -1,7 +1,7 @@
 """One optimizer step of a ~50M-parameter model (a transformer's size mix), O2-style.
 
     python benchmarks/bench_optimizers.py [--device cpu|cuda] [--dtype bf16|fp16] [--repeats N]
-                                          [--threads T]
+                                          [--threads T] [--levels active|all|LIST]
 
 Contenders, all in one run, on the same parameter shapes:
 - peak:     peak.optimizers.FusedAdam(adam_w_mode=True) on fp16/bf16 params and grads with fp32
@@ -17,6 +17,7 @@ Contenders, all in one run, on the same parameter shapes:
 - in-place: ``a += b`` and ``a += b * c`` over the same byte count: the bandwidth of passes that
             write back where they read, as optimizer steps do (no write-allocate traffic).
 Bytes per parameter are counted from the tensors each contender must read and write.
+--levels all: the peak rows once per CPU level this machine runs (docs/build.md, "CPU levels").
 """
 import argparse
 import statistics
@@ -25,6 +26,7 @@ import time
 import torch
 
 import peak
+from peak import ops
 from peak.optimizers import FusedAdam
 
 
@@ -59,7 +61,25 @@ def main():
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (CPU)")
+    parser.add_argument("--levels", default="active",
+                        help="CPU levels to run peak's steps at (docs/build.md): active (default), "
+                             "all (every level this CPU runs) or a comma-separated list")
     args = parser.parse_args()
+    if args.levels == "active" or args.device != "cpu":
+        levels = [None]
+    elif args.levels == "all":
+        levels = ops.cpu_levels()["supported"]
+    else:
+        levels = args.levels.split(",")
+
+    def at_levels(fn):
+        """{level name: seconds} of fn at each requested CPU level."""
+        out = {}
+        for level in levels:
+            if level is not None:
+                peak._C._set_cpu_level(level)
+            out[level or ops.cpu_level()] = timed(fn, dev, args.repeats)
+        return out
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dev = args.device
@@ -80,9 +100,10 @@ def main():
     # timed with a scale of 1 so that repeated steps do not shrink the gradients into
     # subnormals (the kernel's work does not depend on the value).
     one = torch.ones(1, device=dev)
-    t_peak = timed(lambda: opt.step(grad_scale=one, found_inf=found), dev, args.repeats)
+    t_peaks = at_levels(lambda: opt.step(grad_scale=one, found_inf=found))
+    t_peak = list(t_peaks.values())[-1]  # the best level: the reference of the speedup column
     peak_bytes = 3 * low.itemsize + 4 * 6  # grad r+w, param w, master/m/v r+w
-    # ...and without that write-back (store_unscaled_grads=False).
+    # ...and without that write-back (store_unscaled_grads=False), at the best level.
     model_ns = [p.to(low).requires_grad_() for p in fp32]
     for p, gr in zip(model_ns, grads32):
         p.grad = (gr * scale).to(low)
@@ -126,8 +147,8 @@ def main():
             p.grad = (gr * scale).to(low)
         opt4 = FusedAdam(model4, lr=1e-4, weight_decay=0.01, adam_w_mode=True,
                          master_weights=False, stochastic_rounding=True)
-        t_no_master = timed(lambda: opt4.step(grad_scale=scale, found_inf=found), dev,
-                            args.repeats)
+        t_no_masters = at_levels(lambda: opt4.step(grad_scale=scale, found_inf=found))
+        t_no_master = list(t_no_masters.values())[-1]
     no_master_bytes = 2 + 2 * 2 + 4 * 4  # grad r, param r+w, m/v r+w
 
     # (written first: never-touched pages would be read as the shared zero page)
@@ -152,25 +173,29 @@ def main():
     print(f"peak {peak.__version__}, torch {torch.__version__}, device {dev}, "
           f"{n / 1e6:.1f}M params in {len(fp32)} tensors, low precision {args.dtype}, "
           f"threads {torch.get_num_threads()}")
-    header = (f"{'contender':<28}{'ms/step':>9}{'B/param':>9}{'GB/s':>8}{'of copy':>9}"
+    header = (f"{'contender':<37}{'ms/step':>9}{'B/param':>9}{'GB/s':>8}{'of copy':>9}"
               f"{'peak speedup':>14}")
     print(header)
     print("-" * len(header))
-    rows = [("peak FusedAdam (O2, fused)", t_peak, peak_bytes),
-            ("  same, grads left scaled", t_peak_ns, peak_ns_bytes),
-            ("(a) unfused Apex-style O2", t_unfused, unfused_bytes),
-            ("(b) torch AdamW fused fp32", t_torch_fused, torch_fused_bytes)]
+    tag = (lambda level: f" [{level}]") if levels != [None] else (lambda level: "")
+    rows = [(f"peak FusedAdam (O2, fused){tag(level)}", t, peak_bytes)
+            for level, t in t_peaks.items()]
+    rows += [("  same, grads left scaled", t_peak_ns, peak_ns_bytes),
+             ("(a) unfused Apex-style O2", t_unfused, unfused_bytes),
+             ("(b) torch AdamW fused fp32", t_torch_fused, torch_fused_bytes)]
     if t_no_master is not None:
-        rows.append(("peak no-master bf16 + SR", t_no_master, no_master_bytes))
+        rows += [(f"peak no-master bf16 + SR{tag(level)}", t, no_master_bytes)
+                 for level, t in t_no_masters.items()]
     for name, t, b in rows:
         gbs = n * b / t / 1e9
-        print(f"{name:<28}{t * 1e3:>9.2f}{b:>9d}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}"
+        print(f"{name:<37}{t * 1e3:>9.2f}{b:>9d}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}"
               f"{t / t_peak:>13.2f}x")
-    print(f"{'plain copy':<28}{t_copy * 1e3:>9.2f}{'':>9}{copy_gbs:>8.1f}{1.0:>9.2f}")
+    print(f"{'plain copy':<37}{t_copy * 1e3:>9.2f}{'':>9}{copy_gbs:>8.1f}{1.0:>9.2f}")
     for label, t, gbs in inplace:
-        print(f"{label:<28}{t * 1e3:>9.2f}{'':>9}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}")
+        print(f"{label:<37}{t * 1e3:>9.2f}{'':>9}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}")
     if t_no_master is not None:
-        print(f"peak no-master bf16 + SR vs (b): {t_torch_fused / t_no_master:.2f}x")
+        for level, t in t_no_masters.items():
+            print(f"peak no-master bf16 + SR{tag(level)} vs (b): {t_torch_fused / t:.2f}x")
 
 
 if __name__ == "__main__":

@@ -10,3 +10,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+
+
+def pytest_report_header(config):
+    # Which copy of the CPU kernels this run tests (PEAK_CPU_LEVEL can force one; docs/build.md).
+    try:
+        from peak import ops
+        levels = ops.cpu_levels()
+    except Exception as e:  # an impossible PEAK_CPU_LEVEL: the tests will say so
+        return f"peak CPU level: unavailable ({e})"
+    import os
+    import peak
+    how = "forced by PEAK_CPU_LEVEL" if levels["forced"] else "the default"
+    return [f"peak CPU level: {levels['active']} ({how}; compiled: {','.join(levels['compiled'])})",
+            f"peak from {os.path.dirname(os.path.dirname(peak.__file__))}"]

@@ -6,6 +6,7 @@
 #include "../caster/caster.h"
 #include "../core/grid_block.h"
 #include "../core/launch_plan.h"
+#include "../ops/cpu_dispatch.h"
 #include "../ops/emulated_ops.h"
 #include "param_grads.h"
 
@@ -26,11 +27,19 @@ py::dict build_info() {
   d["cuda_archs"] = PEAK_CUDA_ARCHS;
   d["cxx_compiler"] = PEAK_CXX_COMPILER;
   d["cpu_isa"] = PEAK_CPU_ISA;
-#if defined(__F16C__)
-  d["f16c"] = true;
-#else
-  d["f16c"] = false;
-#endif
+  d["cpu_levels_compiled"] = PEAK_CPU_LEVELS;
+  return d;
+}
+
+// The CPU level in use and the others (NOTE: [CPU levels]); selects it if nothing has yet, so
+// an impossible PEAK_CPU_LEVEL raises here (peak's import calls this).
+py::dict cpu_levels() {
+  const peak::cpu_dispatch::LevelReport r = peak::cpu_dispatch::report();
+  py::dict d;
+  d["active"] = r.active;
+  d["compiled"] = r.compiled;
+  d["supported"] = r.supported;
+  d["forced"] = r.forced.empty() ? py::object(py::none()) : py::object(py::str(r.forced));
   return d;
 }
 
@@ -61,6 +70,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_launches", &plan_launches, py::arg("numels"), py::arg("chunk_size"),
         py::arg("max_tensors"), py::arg("max_blocks"),
         "The CUDA launcher's packing of chunks into launches (for tests and inspection)");
+
+  m.def("cpu_levels", &cpu_levels,
+        "The CPU kernels' level in use ('active'), the levels compiled in, those this CPU runs, "
+        "and the PEAK_CPU_LEVEL value that forced the choice (None: the best supported)");
+  m.def("_set_cpu_level", &peak::cpu_dispatch::set_level, py::arg("level"),
+        "Tests only: switch the CPU kernels to `level` ('auto': the best supported) in this "
+        "process; returns the previous level");
 
   peak::caster::register_bindings(m);
   peak::bindings::register_param_grads(m);

@@ -6,13 +6,15 @@
 // where they lie, the op's per-element math runs on float arrays (a loop the compiler vectorises,
 // since the op is inlined and its state is a local), and the fp16/bf16 lists it writes are
 // converted back. The conversions round exactly as c10's scalar casts do (round to nearest even;
-// bf16 NaN -> 0x7fc0), so results equal torch's `.to()`.
+// bf16 NaN -> 0x7fc0), so results equal torch's `.to()` (fp16 NaN payloads: NOTE: [fp16 NaN
+// bits]).
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -25,8 +27,17 @@
 #include "grid_block.h"
 #include "launch_plan.h"
 
+// This launcher is compiled once per CPU level (csrc/ops/cpu_kernels.cpp; see NOTE: [CPU levels]
+// in csrc/ops/cpu_dispatch.cpp), each time with that level's instruction-set flags. Everything
+// here lives in an inline namespace named after the level so that the copies are distinct
+// functions: with one name, the linker would keep one copy (the first) for every level.
+#ifndef PEAK_CPU_CAPABILITY
+#define PEAK_CPU_CAPABILITY single
+#endif
+
 namespace peak {
 namespace cpu {
+inline namespace PEAK_CPU_CAPABILITY {
 
 constexpr int64_t kTile = 1024;
 
@@ -38,6 +49,38 @@ inline void load_tile(const c10::BFloat16* src, float* dst, int64_t n) {
     uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
     std::memcpy(dst + i, &widened, 4);
   }
+}
+
+// NOTE: [fp16 NaN bits] The F16C/AVX-512 conversions keep a NaN's payload (quietened: the
+// quiet bit set) both ways; c10's portable conversions, which c10 itself uses without F16C, store
+// every NaN as 0x7e00. So that every CPU level (and the tail of a tile, converted one element at
+// a time) gives the same bits, the scalar conversions below treat NaNs as F16C does. Otherwise
+// they are c10's portable algorithm (from the FP16 library: exact, round to nearest even), written
+// here without branches so that the baseline level's loops vectorise with SSE2 (c10's scalar
+// casts did not, and were ~9x slower than F16C).
+inline float half_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  // Exponent rebiased by 0xE0 (so that inf/NaN land on 0xFF), then scaled by 2^-112.
+  const float normalized = bits_float((two_w >> 4) + (0xE0u << 23)) * bits_float(15u << 23);
+  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t magnitude = two_w < (1u << 27) ? float_bits(denormalized) : float_bits(normalized);
+  const uint32_t quiet_nan = 0x7fc00000u | ((two_w >> 4) & 0x007fe000u);
+  return bits_float(sign | (two_w > 0xf8000000u ? quiet_nan : magnitude));
+}
+
+inline uint16_t float_to_half(float f) {
+  const float scaled = (std::fabs(f) * bits_float(239u << 23)) * bits_float(17u << 23);
+  const uint32_t w = float_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t exp_bits = shl1_w & 0xff000000u;
+  const uint32_t bias = exp_bits < 0x71000000u ? 0x71000000u : exp_bits;
+  const uint32_t bits = float_bits(bits_float((bias >> 1) + 0x07800000u) + scaled);
+  const uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+  const uint32_t quiet_nan = 0x7e00u | ((w >> 13) & 0x03ffu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? quiet_nan : nonsign));
 }
 
 inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
@@ -54,7 +97,8 @@ inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (; i < n; ++i) dst[i] = half_to_float(bits[i]);
 }
 
 inline void store_tile(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
@@ -84,7 +128,8 @@ inline void store_tile(const float* src, c10::Half* dst, int64_t n) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
   }
 #endif
-  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (; i < n; ++i) out[i] = float_to_half(src[i]);
 }
 
 template <typename T>
@@ -206,5 +251,6 @@ void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64
   }
 }
 
+}  // namespace PEAK_CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace peak

@@ -59,8 +59,10 @@ void update_scale_entry(const at::Tensor& scale, const at::Tensor& growth_tracke
                       static_cast<int>(hysteresis), min_scale, max_scale});
 }
 
-template <typename Exec>
-void register_kernels(torch::Library& m) {
+// `m` is a torch::Library, or one of the CPU dispatcher's recorders (cpu_dispatch.h), which take
+// the same impl(name, &entry) calls: this list is the only one to edit when an op is added.
+template <typename Exec, typename Library = torch::Library>
+void register_kernels(Library& m) {
   m.impl("multi_tensor_scale_", &multi_tensor_scale_entry<Exec>);
   m.impl("multi_tensor_axpby_", &multi_tensor_axpby_entry<Exec>);
   m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_entry<Exec>);

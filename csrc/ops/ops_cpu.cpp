@@ -1,12 +1,13 @@
-// CPU kernels of the peak ops, the emulated-grid variants used by tests, and the host epilogues.
+// The emulated-grid variants of the peak ops used by tests, and the host epilogues. (The CPU
+// kernels themselves: cpu_kernels.cpp, per CPU level.)
 #include <torch/library.h>
 
 #include <cmath>
 
-#include "../core/cpu_apply.h"
 #include "../core/emulated_grid.h"
 #include "../core/loss_scale_update.h"
 #include "emulated_ops.h"
+#include "host_exec.h"
 #include "op_entries.h"
 #include "../bindings/fused_schemas.h"
 
@@ -53,30 +54,10 @@ void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_t
 
 namespace {
 
-struct CpuExec {
-  struct Guard {
-    explicit Guard(const c10::Device&) {}
-  };
-  template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size, const Op& op,
-             const BlockSink& sink) {
-    cpu::apply<Op, T...>(lists, chunk_size, op, sink);
-  }
-  void finish_norms(const at::Tensor& partials, const std::vector<int64_t>& offsets,
-                    at::Tensor& total, at::Tensor* per_tensor) {
-    finish_norms_on_host(partials.data_ptr<float>(), offsets, total.data_ptr<float>(),
-                         per_tensor ? per_tensor->data_ptr<float>() : nullptr);
-  }
-  static void update_scale(float* scale, int* growth, int* hysteresis, const float* found_inf,
-                           const LossScaleParams& params) {
-    update_loss_scale(scale, growth, hysteresis, found_inf, params);
-  }
-};
-
 // The grid shape the peak_emulated ops use (0: the real CUDA launcher's value).
 thread_local emulated::GridShape g_emulated_shape{0, 0, 0};
 
-struct EmulatedExec : CpuExec {
+struct EmulatedExec : HostExecBase {
   emulated::GridShape shape = g_emulated_shape;
   template <typename Op, typename... T>
   void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
@@ -135,7 +116,8 @@ std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tenso
 
 }  // namespace emulated_ops
 
-TORCH_LIBRARY_IMPL(peak, CPU, m) { register_kernels<CpuExec>(m); }
+// The CPU kernels of the peak ops are registered by cpu_kernels.cpp (one copy per CPU level,
+// chosen at run time: cpu_dispatch.cpp).
 
 }  // namespace peak
 

@@ -42,4 +42,10 @@ def load_extension():
             f"peak._C failed to load ({e}). It was built against torch "
             f"{_build_info.torch_version}; torch {torch.__version__} is installed. "
             f"Rebuild it: {REBUILD}") from e
+    try:
+        # Chooses the CPU kernels' level now, so that an impossible PEAK_CPU_LEVEL stops the
+        # import with its reason rather than the first op call.
+        _C.cpu_levels()
+    except RuntimeError as e:
+        raise ImportError(str(e)) from None
     return _C

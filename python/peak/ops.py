@@ -50,6 +50,25 @@ def new_found_inf(device: torch.device | str = "cpu") -> Tensor:
     return torch.zeros(1, dtype=torch.float32, device=device)
 
 
+def cpu_level() -> str:
+    """The level of the CPU kernels in use: ``"baseline"``, ``"avx2"`` or ``"avx512"`` (the best
+    this CPU runs, unless ``PEAK_CPU_LEVEL`` forced one), or the single level of a build made
+    with ``PEAK_CPU_ISA=native|avx2|baseline``. See docs/build.md, "CPU levels"."""
+    from . import _C
+    return _C.cpu_levels()["active"]
+
+
+def cpu_levels() -> dict:
+    """The CPU kernels' levels: ``active`` (in use), ``compiled`` (in this build, lowest first),
+    ``supported`` (of those, the ones this CPU runs) and ``forced`` (``PEAK_CPU_LEVEL``'s value
+    when it chose the level, else None)."""
+    from . import _C
+    return dict(_C.cpu_levels())
+
+
+__all__ += ["cpu_level", "cpu_levels"]
+
+
 def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: float | Tensor,
                         found_inf: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                         per_tensor_found_inf: Tensor | None = None) -> None:
