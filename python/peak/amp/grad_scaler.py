@@ -34,6 +34,7 @@ from .overflow_report import OverflowAttribution, OverflowReport
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
 _CHUNK_SIZE = 65536
+_unscale_param_grads = _C.unscale_param_grads  # the C++ walk over param_groups (param_grads.cpp)
 
 
 # torch's enum and factory, so that code comparing stages with torch's OptState works.
@@ -185,8 +186,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         if not report and inv_scale.device == found_inf.device:
             # Plain gradients on the scale's device, gathered in C++ (benchmarks/README.md: it
             # pays for many small gradients); -1: nothing was written, gather them here.
-            count = _C.unscale_param_grads(optimizer.param_groups, inv_scale, found_inf,
-                                           _check_only, _CHUNK_SIZE)
+            count = _unscale_param_grads(optimizer.param_groups, inv_scale, found_inf,
+                                         _check_only, _CHUNK_SIZE)
             if count >= 0:
                 return {found_inf.device: found_inf} if count else {}
         grads, owners = optimizer_gradients(optimizer, report)

@@ -92,12 +92,11 @@ class FP16_Optimizer:
         init = args["init_scale"] if self.dynamic_loss_scale else float(static_loss_scale)
         # Apex's DynamicLossScaler: backoff 1/scale_factor, and the scale never drops below 1.
         scale_factor = float(args["scale_factor"])
-        self._loss_scale = LossScale(init, growth_factor=scale_factor,
-                                     backoff_factor=1.0 / scale_factor,
-                                     growth_interval=int(args["scale_window"]), min_scale=1.0,
-                                     device=device)
-        self._scale = self._loss_scale.scale
-        self._growth_tracker = self._loss_scale.growth_tracker
+        self._core = LossScale(init, growth_factor=scale_factor, backoff_factor=1.0 / scale_factor,
+                               growth_interval=int(args["scale_window"]), min_scale=1.0,
+                               device=device)
+        self._scale = self._core.scale
+        self._growth_tracker = self._core.growth_tracker
         self.overflow = False
         self.first_closure_call_this_step = True
 
@@ -155,9 +154,9 @@ class FP16_Optimizer:
             if p.grad is not None:
                 ins.append(p.grad)
                 outs.append(p.grad)
-        self._loss_scale.found_inf.zero_()
-        self._loss_scale.unscale_(ins, outputs=outs)
-        self.overflow = self.dynamic_loss_scale and self._loss_scale.found_inf.any_()
+        self._core.found_inf.zero_()
+        self._core.unscale_(ins, outputs=outs)
+        self.overflow = self.dynamic_loss_scale and self._core.found_inf.any_()
 
     def inspect_master_grad_data(self):
         """The masters' fp32 gradients, one list per parameter group (None while in an overflow
@@ -218,7 +217,7 @@ class FP16_Optimizer:
 
     def _update_scale(self):
         if self.dynamic_loss_scale:
-            self._loss_scale.update()
+            self._core.update()
 
     @torch.no_grad()
     def _copy_masters_to_model(self):
