@@ -6,10 +6,10 @@
 // Python objects and hands `peak::multi_tensor_scale_` / `peak::multi_tensor_check_finite_` their
 // lists directly: one pass per dtype, as before.
 //
-// Only the common case is taken: every gradient a plain strided tensor (not sparse, not a tensor
-// subclass such as FSDP2's DTensor), of a kernel dtype, on found_inf's device (slices are fine:
-// the ops stage them). Anything else returns -1 before a single gradient is written, and
-// GradScaler gathers the gradients in Python (benchmarks/README.md prices the difference).
+// Only the common case is taken: every gradient a plain dense tensor (not sparse, not a tensor
+// subclass such as FSDP2's DTensor), of a kernel dtype, on found_inf's device. Anything else
+// returns -1 before a single gradient is written, and GradScaler gathers the gradients in Python
+// (peak.scaling.unscale_grads_). benchmarks/README.md prices this walk against that gather.
 #include "param_grads.h"
 
 #include <torch/csrc/autograd/python_variable.h>
@@ -35,10 +35,10 @@ int dtype_slot(at::ScalarType s) {
   return -1;
 }
 
-// A gradient the kernels take (a slice through a dense copy), on `device`.
-bool plain_strided_on(const at::Tensor& g, const at::Device& device) {
+// A gradient the kernels take as it is, on `device`.
+bool plain_dense_on(const at::Tensor& g, const at::Device& device) {
   return g.layout() == at::kStrided && g.device() == device &&
-         !g.key_set().has(c10::DispatchKey::Python);
+         !g.key_set().has(c10::DispatchKey::Python) && g.is_non_overlapping_and_dense();
 }
 
 int64_t unscale_param_grads(py::handle param_groups, const at::Tensor& inv_scale,
@@ -59,7 +59,7 @@ int64_t unscale_param_grads(py::handle param_groups, const at::Tensor& inv_scale
       const at::Tensor& grad = THPVariable_Unpack(p).grad();
       if (!grad.defined()) continue;
       const int slot = dtype_slot(grad.scalar_type());
-      if (slot < 0 || !plain_strided_on(grad, device)) return -1;
+      if (slot < 0 || !plain_dense_on(grad, device)) return -1;
       by_dtype[slot].push_back(grad);
       ++count;
     }
@@ -96,7 +96,7 @@ void register_param_grads(py::module_& m) {
         "Unscale (or with check_only, only check) the gradients of an optimizer's param_groups "
         "in place, one multi-tensor pass per dtype, accumulating inf/NaN into found_inf. Returns "
         "the number of gradients, or -1 (nothing written) when one needs GradScaler's general "
-        "path: sparse, a tensor subclass, not fp32/fp16/bf16, or on another device.");
+        "path: sparse, a tensor subclass, non-dense, not fp32/fp16/bf16, or on another device.");
 }
 
 }  // namespace peak::bindings

@@ -27,12 +27,8 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["KERNEL_DTYPES", "group_by_device_dtype", "OverflowFlags", "sum_flags", "LossScale",
+__all__ = ["group_by_device_dtype", "OverflowFlags", "sum_flags", "LossScale",
            "unscale_grads_", "core_attribute"]
-
-#: The dtypes the multi-tensor kernels take; other floating dtypes (float64) use torch's kernel.
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def group_by_device_dtype(*lists: Sequence[Tensor]) -> list:
     """Split parallel tensor lists into the runs the multi-tensor kernels take: one device and
@@ -62,7 +58,7 @@ def group_by_device_dtype(*lists: Sequence[Tensor]) -> list:
 
 class OverflowFlags(dict):
     """``{device: found_inf}``: one float32 flag of ``shape`` per device, created cleared on first
-    use. The kernels set a flag (never clear it); ``clear()`` zeroes them all for a new step."""
+    use. The kernels set a flag (never clear it); ``zero_()`` clears them all for a new step."""
 
     def __init__(self, shape: tuple[int, ...] = (1,), *, first: Tensor | None = None) -> None:
         super().__init__()
