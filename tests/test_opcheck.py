@@ -60,7 +60,8 @@ def test_opcheck_update_scale(device, with_hysteresis):
     scale = torch.tensor([1024.0], device=device)
     growth = torch.zeros(1, dtype=torch.int32, device=device)
     hyst = torch.ones(1, dtype=torch.int32, device=device) * 2 if with_hysteresis else None
-    args = (scale, growth, hyst, torch.ones(1, device=device), 2.0, 0.5, 10,
+    args = (scale, growth, hyst, [torch.ones(1, device=device), torch.zeros(1, device=device)],
+            2.0, 0.5, 10,
             2 if with_hysteresis else 1, 0.0, float("inf"))
     torch.library.opcheck(torch.ops.peak.update_scale_.default, args)
 

@@ -45,10 +45,17 @@ def test_tensors_on_different_devices():
                                         [torch.ones(3)] * 2, torch.ones(1), flag(), 8, 3, 4, 5)
 
 
-def test_non_dense_input_is_an_error():
-    g = torch.ones(4, 6)[:, :5]
-    with pytest.raises(RuntimeError, match=r"inputs\[0\] is not dense .* pass t.contiguous\(\)"):
-        ops.multi_tensor_scale_([g], [torch.ones(4, 5)], 1.0, flag())
+def test_non_dense_input_goes_through_a_dense_copy():
+    # Issue 15: a slice is handled inside the op (as ATen's can_use_fast_route), not rejected.
+    base = torch.arange(24.0).reshape(4, 6)
+    g = base[:, :5]
+    out = torch.ones(4, 5)
+    found = flag()
+    ops.multi_tensor_scale_([g], [out], 2.0, found)
+    assert torch.equal(out, g * 2) and found.item() == 0.0
+    ops.multi_tensor_scale_([g], [g], 0.5, found)  # in place: only the slice changes
+    assert torch.equal(base[:, :5], torch.arange(24.0).reshape(4, 6)[:, :5] * 0.5)
+    assert torch.equal(base[:, 5], torch.arange(24.0).reshape(4, 6)[:, 5])
 
 
 def test_transposed_tensors_are_handled_when_layouts_match():

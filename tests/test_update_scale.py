@@ -109,3 +109,14 @@ def test_floor_and_ceiling():
     for _ in range(10):
         ops.update_scale_(s, g, torch.zeros(1), 2.0, 0.5, 1, max_scale=32.0)
     assert s.item() == 32.0
+
+
+def test_takes_the_flags_of_every_device_and_optimizer():
+    # Issue 15: the op merges the per-device flags itself (any flag set: an overflow).
+    s, g, _ = new_state("cpu", scale=1024.0)
+    ops.update_scale_(s, g, [torch.zeros(1), torch.zeros(()), torch.zeros(1)], 2.0, 0.5, 1)
+    assert s.item() == 2048.0
+    ops.update_scale_(s, g, [torch.zeros(1), torch.ones(()), torch.zeros(1)], 2.0, 0.5, 1)
+    assert s.item() == 1024.0 and g.item() == 0
+    with pytest.raises(RuntimeError, match="found_infs is empty"):
+        ops.update_scale_(s, g, [], 2.0, 0.5, 1)

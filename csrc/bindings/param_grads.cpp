@@ -8,7 +8,8 @@
 //
 // Only the common case is taken: every gradient a plain dense tensor (not sparse, not a tensor
 // subclass such as FSDP2's DTensor), of a kernel dtype, on found_inf's device. Anything else
-// returns -1 before a single gradient is written, and GradScaler takes its general path.
+// returns -1 before a single gradient is written, and GradScaler gathers the gradients in Python
+// (peak.scaling.unscale_grads_). benchmarks/README.md prices this walk against that gather.
 #include "param_grads.h"
 
 #include <torch/csrc/autograd/python_variable.h>

@@ -24,7 +24,7 @@ TORCH_LIBRARY(peak, m) {
       "-> (Tensor, Tensor)");
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!)? hysteresis_tracker, "
-      "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
+      "Tensor[] found_infs, float growth_factor, float backoff_factor, int growth_interval, "
       "int hysteresis, float min_scale, float max_scale) -> ()");
 
   // Fused optimizers: see bindings/fused_schemas.h.

@@ -174,7 +174,7 @@ void finish_norms_on_host(const float* partials, const std::vector<int64_t>& off
 
 void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
                              const c10::optional<at::Tensor>& hysteresis_tracker,
-                             const at::Tensor& found_inf, double growth_factor,
+                             at::TensorList found_infs, double growth_factor,
                              double backoff_factor, int64_t growth_interval, int64_t hysteresis,
                              double min_scale, double max_scale);
 

@@ -19,8 +19,23 @@ void multi_tensor_scale_entry(at::TensorList inputs, const std::optional<at::Ten
                               const std::optional<at::Tensor>& per_tensor_found_inf) {
   const typename Exec::Guard guard(found_inf.device());
   Exec exec;
-  multi_tensor_scale(exec, inputs, outputs.value_or(inputs), scale, found_inf, chunk_size,
+  const at::TensorList outs = outputs.value_or(inputs);
+  const bool in_place = outs.data() == inputs.data() && outs.size() == inputs.size();
+  if (walkable(inputs) && (in_place || walkable(outs))) {
+    multi_tensor_scale(exec, inputs, outs, scale, found_inf, chunk_size, per_tensor_found_inf);
+    return;
+  }
+  DenseStaging staged_in(inputs);
+  if (in_place) {
+    multi_tensor_scale(exec, staged_in.tensors, staged_in.tensors, scale, found_inf, chunk_size,
+                       per_tensor_found_inf);
+    staged_in.write_back();
+    return;
+  }
+  DenseStaging staged_out(outs);
+  multi_tensor_scale(exec, staged_in.tensors, staged_out.tensors, scale, found_inf, chunk_size,
                      per_tensor_found_inf);
+  staged_out.write_back();
 }
 
 template <typename Exec>
@@ -40,18 +55,32 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_entry(at::TensorList tens
               "is 0, call it only with at least one tensor");
   const typename Exec::Guard guard(tensors[0].device());
   Exec exec;
-  return multi_tensor_l2norm(exec, tensors, per_tensor, chunk_size);
+  if (walkable(tensors)) return multi_tensor_l2norm(exec, tensors, per_tensor, chunk_size);
+  const DenseStaging staged(tensors);  // read only: nothing to write back
+  return multi_tensor_l2norm(exec, staged.tensors, per_tensor, chunk_size);
+}
+
+// The overflow flags of one step (one per device and optimizer) summed on the scale's device,
+// as torch's GradScaler.update sums them: the one merge of per-device flags, on the device.
+inline at::Tensor merged_found_inf(at::TensorList found_infs, const at::Tensor& scale) {
+  if (found_infs.size() == 1 && found_infs[0].device() == scale.device()) return found_infs[0];
+  at::Tensor total = at::zeros({1}, scale.options());
+  for (const at::Tensor& f : found_infs) {
+    total.add_(f.reshape({1}).to(scale.device(), at::kFloat, /*non_blocking=*/true));
+  }
+  return total;
 }
 
 template <typename Exec>
 void update_scale_entry(const at::Tensor& scale, const at::Tensor& growth_tracker,
                         const c10::optional<at::Tensor>& hysteresis_tracker,
-                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                        at::TensorList found_infs, double growth_factor, double backoff_factor,
                         int64_t growth_interval, int64_t hysteresis, double min_scale,
                         double max_scale) {
-  check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+  check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_infs, growth_factor,
                           backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
   const typename Exec::Guard guard(scale.device());
+  const at::Tensor found_inf = merged_found_inf(found_infs, scale);
   Exec::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int>(),
                      hysteresis_tracker ? hysteresis_tracker->data_ptr<int>() : nullptr,
                      found_inf.data_ptr<float>(),

@@ -27,14 +27,18 @@ void finish_norms_on_host(const float* partials, const std::vector<int64_t>& off
 
 void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
                              const c10::optional<at::Tensor>& hysteresis_tracker,
-                             const at::Tensor& found_inf, double growth_factor,
+                             at::TensorList found_infs, double growth_factor,
                              double backoff_factor, int64_t growth_interval, int64_t hysteresis,
                              double min_scale, double max_scale) {
   constexpr const char* name = "update_scale_";
   const c10::Device device = scale.device();
   check_scalar_tensor(name, "scale", scale, at::kFloat, device);
   check_scalar_tensor(name, "growth_tracker", growth_tracker, at::kInt, device);
-  check_scalar_tensor(name, "found_inf", found_inf, at::kFloat, device);
+  TORCH_CHECK(!found_infs.empty(), name, ": found_infs is empty; pass the overflow flags of "
+              "the step (at least one float32 tensor of one element)");
+  for (const at::Tensor& f : found_infs) {
+    check_scalar_tensor(name, "found_infs[i]", f, at::kFloat, f.device());
+  }
   if (hysteresis_tracker.has_value()) {
     check_scalar_tensor(name, "hysteresis_tracker", *hysteresis_tracker, at::kInt, device);
   }

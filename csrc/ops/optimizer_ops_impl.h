@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../core/optimizer_ops.h"
+#include "dense_staging.h"
 #include "multi_tensor_ops.h"
 
 namespace peak {
@@ -548,7 +549,12 @@ void check_finite_entry(at::TensorList tensors, const at::Tensor& found_inf, int
                         const std::optional<at::Tensor>& per_tensor_found_inf) {
   const typename Exec::Guard guard(found_inf.device());
   Exec exec;
-  multi_tensor_check_finite(exec, tensors, found_inf, chunk_size, per_tensor_found_inf);
+  if (walkable(tensors)) {
+    multi_tensor_check_finite(exec, tensors, found_inf, chunk_size, per_tensor_found_inf);
+    return;
+  }
+  const DenseStaging staged(tensors);  // read only: nothing to write back
+  multi_tensor_check_finite(exec, staged.tensors, found_inf, chunk_size, per_tensor_found_inf);
 }
 
 }  // namespace peak

@@ -22,6 +22,11 @@ __all__ = [
     "multi_tensor_l2norm",
     "update_scale_",
     "multi_tensor_check_finite_",
+    "fused_adam_",
+    "fused_sgd_",
+    "fused_lamb_",
+    "fused_adagrad_",
+    "fused_novograd_",
 ]
 
 #: Elements per chunk (one CUDA block, one CPU task); see NOTE: [Chunking] in csrc/core.
@@ -30,7 +35,18 @@ DEFAULT_CHUNK_SIZE = 65536
 _CHECKS = {"none": 0, "x": 1, "y": 2, "both": 3}
 
 
+# The overloads, resolved once: calling ``.default`` skips the packet's per-call overload lookup,
+# so a wrapper costs a few type checks over the raw op (measured in benchmarks/README.md).
+_scale_op = torch.ops.peak.multi_tensor_scale_.default
+_axpby_op = torch.ops.peak.multi_tensor_axpby_.default
+_l2norm_op = torch.ops.peak.multi_tensor_l2norm.default
+_check_finite_op = torch.ops.peak.multi_tensor_check_finite_.default
+_update_scale_op = torch.ops.peak.update_scale_.default
+
+
 def _list(name: str, tensors) -> list[Tensor]:
+    if type(tensors) is list:  # the common case, passed as it is (no copy)
+        return tensors
     if isinstance(tensors, Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     return list(tensors)
@@ -86,8 +102,7 @@ def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], sca
     inputs = _list("inputs", inputs)
     outputs = None if in_place else _list("outputs", outputs)
     scale_t = _scalar_tensor("scale", scale, found_inf)
-    torch.ops.peak.multi_tensor_scale_(inputs, outputs, scale_t, found_inf, chunk_size,
-                                       per_tensor_found_inf)
+    _scale_op(inputs, outputs, scale_t, found_inf, chunk_size, per_tensor_found_inf)
 
 
 def multi_tensor_axpby_(xs: Sequence[Tensor], ys: Sequence[Tensor], outputs: Sequence[Tensor],
@@ -101,8 +116,8 @@ def multi_tensor_axpby_(xs: Sequence[Tensor], ys: Sequence[Tensor], outputs: Seq
         raise ValueError(f"check must be one of {sorted(_CHECKS)}, got {check!r}")
     a_t = _scalar_tensor("a", a, found_inf)
     b_t = _scalar_tensor("b", b, found_inf)
-    torch.ops.peak.multi_tensor_axpby_(_list("xs", xs), _list("ys", ys), _list("outputs", outputs),
-                                       a_t, b_t, found_inf, _CHECKS[check], chunk_size)
+    _axpby_op(_list("xs", xs), _list("ys", ys), _list("outputs", outputs), a_t, b_t, found_inf,
+              _CHECKS[check], chunk_size)
 
 
 def multi_tensor_l2norm(tensors: Sequence[Tensor], *, per_tensor: bool = False,
@@ -113,26 +128,29 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], *, per_tensor: bool = False,
     tensors = _list("tensors", tensors)
     if not tensors:
         return torch.zeros(1), torch.zeros(0)
-    return torch.ops.peak.multi_tensor_l2norm(tensors, per_tensor, chunk_size)
+    return _l2norm_op(tensors, per_tensor, chunk_size)
 
 
-def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float,
-                  backoff_factor: float, growth_interval: int, *, hysteresis: int = 1,
-                  hysteresis_tracker: Tensor | None = None, min_scale: float = 0.0,
-                  max_scale: float = math.inf) -> None:
+def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Sequence[Tensor],
+                  growth_factor: float, backoff_factor: float, growth_interval: int, *,
+                  hysteresis: int = 1, hysteresis_tracker: Tensor | None = None,
+                  min_scale: float = 0.0, max_scale: float = math.inf) -> None:
     """The dynamic loss-scale update, in place and on the state's device (no host sync).
 
-    On overflow (``found_inf != 0``) the hysteresis tracker counts down; when it reaches 0 the
+    ``found_inf``: the step's overflow flag, or a list of them (one per device and optimizer,
+    on any devices): the op sums them on the scale's device, so callers never merge flags.
+    On overflow (any flag ``!= 0``) the hysteresis tracker counts down; when it reaches 0 the
     scale becomes ``max(scale * backoff_factor, min_scale)``; the growth tracker resets. Otherwise
     the growth tracker counts up and the hysteresis tracker refills; after ``growth_interval``
     clean updates in a row the scale becomes ``min(scale * growth_factor, max_scale)`` (kept only
     if finite). With the defaults this is exactly ``torch._amp_update_scale_``.
 
-    ``scale``/``found_inf``: float32 ``[1]``; trackers: int32 ``[1]``.
+    ``scale``/``found_inf``: float32, one element; trackers: int32, one element.
     """
-    torch.ops.peak.update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf,
-                                 float(growth_factor), float(backoff_factor), int(growth_interval),
-                                 int(hysteresis), float(min_scale), float(max_scale))
+    found_infs = [found_inf] if isinstance(found_inf, Tensor) else _list("found_inf", found_inf)
+    _update_scale_op(scale, growth_tracker, hysteresis_tracker, found_infs, float(growth_factor),
+                     float(backoff_factor), int(growth_interval), int(hysteresis),
+                     float(min_scale), float(max_scale))
 
 
 # ---- fake kernels (shape/dtype propagation for torch.compile and FakeTensor) -------------------
@@ -158,7 +176,7 @@ def _(tensors, per_tensor=False, chunk_size=DEFAULT_CHUNK_SIZE):
 
 
 @torch.library.register_fake("peak::update_scale_")
-def _(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+def _(scale, growth_tracker, hysteresis_tracker, found_infs, growth_factor, backoff_factor,
       growth_interval, hysteresis, min_scale, max_scale):
     return None
 
@@ -169,13 +187,49 @@ def multi_tensor_check_finite_(tensors: Sequence[Tensor], found_inf: Tensor, *,
     """Reads ``tensors`` once and sets ``found_inf`` (and ``per_tensor_found_inf[i]``) when they
     hold inf/NaN; writes nothing else. The check before a fused optimizer step, which unscales
     in its own pass."""
-    torch.ops.peak.multi_tensor_check_finite_(_list("tensors", tensors), found_inf, chunk_size,
-                                              per_tensor_found_inf)
+    _check_finite_op(_list("tensors", tensors), found_inf, chunk_size, per_tensor_found_inf)
 
 
 @torch.library.register_fake("peak::multi_tensor_check_finite_")
 def _(tensors, found_inf, chunk_size=DEFAULT_CHUNK_SIZE, per_tensor_found_inf=None):
     return None
+
+
+# ---- fused optimizer steps ---------------------------------------------------------------------
+# The arguments are the op's, in its schema's order (csrc/bindings/fused_schemas.h); the
+# optimizers in peak.optimizers build them. A plain forward to the resolved overload: these run
+# once per bucket of parameters, and their arguments are checked in C++.
+
+def fused_adam_(*args, **kwargs) -> None:
+    """Adam / AdamW (``adam_w_mode``) over lists of parameters, one pass: ``peak::fused_adam_``."""
+    _fused_adam_op(*args, **kwargs)
+
+
+def fused_sgd_(*args, **kwargs) -> None:
+    """SGD with momentum / Nesterov over lists of parameters, one pass: ``peak::fused_sgd_``."""
+    _fused_sgd_op(*args, **kwargs)
+
+
+def fused_lamb_(*args, **kwargs) -> None:
+    """LAMB over lists of parameters (two passes: moments, then trust ratios): ``peak::fused_lamb_``."""
+    _fused_lamb_op(*args, **kwargs)
+
+
+def fused_adagrad_(*args, **kwargs) -> None:
+    """Adagrad over lists of parameters, one pass: ``peak::fused_adagrad_``."""
+    _fused_adagrad_op(*args, **kwargs)
+
+
+def fused_novograd_(*args, **kwargs) -> None:
+    """NovoGrad over lists of parameters: ``peak::fused_novograd_``."""
+    _fused_novograd_op(*args, **kwargs)
+
+
+_fused_adam_op = torch.ops.peak.fused_adam_.default
+_fused_sgd_op = torch.ops.peak.fused_sgd_.default
+_fused_lamb_op = torch.ops.peak.fused_lamb_.default
+_fused_adagrad_op = torch.ops.peak.fused_adagrad_.default
+_fused_novograd_op = torch.ops.peak.fused_novograd_.default
 
 
 @torch.library.register_fake("peak::fused_adam_")

@@ -48,7 +48,7 @@ from peak import ops
 
 from . import _caster
 from ._amp_state import log_skip_step, maybe_print
-from .loss_scaler import group_by_device_dtype
+from ..scaling import group_by_device_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -155,7 +155,7 @@ class AmpOptimizerState:
 
     def copy_masters_to_model(self) -> None:
         with torch.no_grad():
-            for device, (masters, models) in group_by_device_dtype(self.masters, self.model_low_params):
+            for device, _, _, (masters, models) in group_by_device_dtype(self.masters, self.model_low_params):
                 flag = self.copy_flags.get(device)
                 if flag is None:
                     flag = self.copy_flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
@@ -185,7 +185,7 @@ class AmpOptimizerState:
                 p.grad = None
         else:
             with torch.no_grad():
-                for device, (group,) in group_by_device_dtype([p.grad for p in params]):
+                for device, _, _, (group,) in group_by_device_dtype([p.grad for p in params]):
                     ratio = (scaler.scale.to(device) / self.fused_grad_scale.to(device)).reshape(())
                     torch._foreach_mul_(group, ratio)
         self.fused_grad_scale = None
@@ -205,7 +205,7 @@ class AmpOptimizerState:
         with torch.no_grad():
             if self.fused_set_aside is not None:
                 # Check the new gradients alone, then add the earlier ones back (at this scale).
-                for device, (group,) in group_by_device_dtype(self.fused_grads()):
+                for device, _, _, (group,) in group_by_device_dtype(self.fused_grads()):
                     ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
                 self._add_back_set_aside(scaler)
             elif self.optimizer._wants_grad_norm:
@@ -218,7 +218,7 @@ class AmpOptimizerState:
                                   out=flag)
                     self.fused_grad_norm = norm
             else:
-                for device, (group,) in group_by_device_dtype(self.fused_grads()):
+                for device, _, _, (group,) in group_by_device_dtype(self.fused_grads()):
                     ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
         self.fused_grad_scale = scaler.scale.clone()  # taken before the scale is updated
 
@@ -233,11 +233,11 @@ class AmpOptimizerState:
             else:
                 both_new.append(p.grad)
                 both_old.append(old)
-        for device, (news, olds_) in group_by_device_dtype(both_new, both_old):
+        for device, _, _, (news, olds_) in group_by_device_dtype(both_new, both_old):
             ratio = (scaler.scale.to(device) / old_scale.to(device)).reshape(1)
             ops.multi_tensor_axpby_(news, olds_, news, 1.0, ratio, ops.new_found_inf(device),
                                     check="none")
-        for device, (group,) in group_by_device_dtype(only_old):
+        for device, _, _, (group,) in group_by_device_dtype(only_old):
             torch._foreach_mul_(group, (scaler.scale.to(device) / old_scale.to(device)).reshape(()))
 
     def fused_master_params(self):
@@ -262,10 +262,10 @@ class AmpOptimizerState:
                         masters.append(master.grad)
                     else:
                         own.append(p.grad)
-                for device, (ins, outs) in group_by_device_dtype(lows, masters):
+                for device, _, _, (ins, outs) in group_by_device_dtype(lows, masters):
                     inv = 1.0 if scale is None else scale.to(device).reciprocal()
                     ops.multi_tensor_scale_(ins, outs, inv, ops.new_found_inf(device))
-                for device, (group,) in group_by_device_dtype(own):
+                for device, _, _, (group,) in group_by_device_dtype(own):
                     if scale is not None:
                         ops.multi_tensor_scale_(group, group, scale.to(device).reciprocal(),
                                                 ops.new_found_inf(device))

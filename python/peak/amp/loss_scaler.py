@@ -1,7 +1,6 @@
-"""The one loss scaler of peak: dynamic or static loss scaling with its state on the device.
-
-Both front doors use it: ``amp.scale_loss`` (Apex dialect, one ``LossScaler`` per ``loss_id``) and,
-later, ``peak.amp.GradScaler`` (torch dialect).  Its state is four device tensors:
+"""Apex's per-loss scaler (``amp.scale_loss``, one ``LossScaler`` per ``loss_id``): dynamic or static
+loss scaling, a front door over peak's one scaling core (``peak.scaling``).  Its state is four
+device tensors, those of the core:
 
 ====================  ============  ==================================================================
 ``scale``             float32 [1]   the current loss scale S
@@ -33,16 +32,7 @@ from typing import Sequence
 import torch
 
 from peak import ops
-
-def group_by_device_dtype(*lists: Sequence[torch.Tensor]):
-    """Split parallel tensor lists into runs that share (device, dtype) per list, as the multi-tensor
-    kernels require.  Yields ``(device, [list0, list1, ...])`` keeping the original order inside a group."""
-    groups: dict = {}
-    for row in zip(*lists):
-        key = tuple((t.device, t.dtype) for t in row)
-        groups.setdefault(key, []).append(row)
-    for key, rows in groups.items():
-        yield key[0][0], [list(col) for col in zip(*rows)]
+from peak.scaling import LossScale, core_attribute, group_by_device_dtype, unscale_grads_
 
 
 class LossScaler:
@@ -61,10 +51,6 @@ class LossScaler:
     ) -> None:
         self.dynamic = loss_scale == "dynamic"
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.growth_factor = float(scale_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(scale_window)
-        self.hysteresis = int(hysteresis)
         # Apex treats min_loss_scale None and 0 alike ("no floor").
         self.min_loss_scale = float(min_loss_scale) if min_loss_scale else 0.0
         self.max_loss_scale = float(max_loss_scale) if max_loss_scale is not None else math.inf
@@ -74,12 +60,21 @@ class LossScaler:
         else:
             initial = float(loss_scale)
             self._static_value = initial
-        dev = self.device
-        self.scale = torch.full((1,), initial, dtype=torch.float32, device=dev)
-        self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.hysteresis_tracker = torch.full((1,), self.hysteresis, dtype=torch.int32, device=dev)
-        self.found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
-        self._other_found_inf: dict[torch.device, torch.Tensor] = {}
+        self._core = LossScale(initial, growth_factor=float(scale_factor),
+                               backoff_factor=float(backoff_factor),
+                               growth_interval=int(scale_window), hysteresis=int(hysteresis),
+                               min_scale=self.min_loss_scale, max_scale=self.max_loss_scale,
+                               device=self.device)
+        # The core's tensors under Apex's names (the same objects: they change only in place).
+        self.scale = self._core.scale
+        self.growth_tracker = self._core.growth_tracker
+        self.hysteresis_tracker = self._core.hysteresis_tracker
+        self.found_inf = self._core.found_inf.for_device(self.device)
+
+    growth_factor = core_attribute("growth_factor")
+    backoff_factor = core_attribute("backoff_factor")
+    growth_interval = core_attribute("growth_interval")
+    hysteresis = core_attribute("hysteresis")
 
     # ------------------------------------------------------------------ reading the scale
     def loss_scale(self) -> float:
@@ -120,67 +115,49 @@ class LossScaler:
     # ------------------------------------------------------------------ overflow flag
     def found_inf_for(self, device: torch.device) -> torch.Tensor:
         """The overflow flag the kernels write for tensors on ``device``."""
-        if device == self.device:
-            return self.found_inf
-        flag = self._other_found_inf.get(device)
-        if flag is None:
-            flag = self._other_found_inf[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        return flag
+        return self._core.found_inf.for_device(device)
 
     def clear_overflow_state(self) -> None:
-        self.found_inf.zero_()
-        for flag in self._other_found_inf.values():
-            flag.zero_()
-
-    def _fold_found_inf(self) -> torch.Tensor:
-        for flag in self._other_found_inf.values():
-            torch.maximum(self.found_inf, flag.to(self.device), out=self.found_inf)
-        return self.found_inf
+        self._core.found_inf.zero_()
 
     def has_overflow(self) -> bool:
-        """Host read of the overflow flag (a sync)."""
-        return bool(self._fold_found_inf().item() != 0)
+        """Host read of the overflow flags (a sync)."""
+        return self._core.found_inf.any_()
 
     # ------------------------------------------------------------------ unscaling
-    def _inv_scale(self, device: torch.device, scale_override=None):
+    def _inv_scale(self, scale_override=None):
         if scale_override is not None:
             return 1.0 / float(scale_override)
         if self._static_value is not None:
             return 1.0 / self._static_value
-        return torch.reciprocal(self.scale).to(device, non_blocking=True)
+        return self._core.inv_scale()
 
     def unscale(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
                 scale_override=None) -> None:
         """``master_grads[i] = model_grads[i] / S``, flagging inf/NaN.  Pass the same list twice to
         unscale in place."""
-        in_place = model_grads is master_grads
-        lists = (model_grads,) if in_place else (model_grads, master_grads)
-        for device, grouped in group_by_device_dtype(*lists):
-            xs = grouped[0]
-            outs = xs if in_place else grouped[1]
-            ops.multi_tensor_scale_(xs, outs, self._inv_scale(device, scale_override), self.found_inf_for(device))
+        outputs = None if model_grads is master_grads else list(master_grads)
+        unscale_grads_(list(model_grads), self._inv_scale(scale_override), self._core.found_inf,
+                       outputs=outputs)
 
     def unscale_with_stashed(self, model_grads: Sequence[torch.Tensor], stashed_grads: Sequence[torch.Tensor],
                              out_grads: Sequence[torch.Tensor]) -> None:
         """``out[i] = model_grads[i] / S + stashed_grads[i]``; only the new ``model_grads`` are checked
         for inf/NaN (the stash was checked when it was unscaled)."""
-        for device, (xs, ys, outs) in group_by_device_dtype(model_grads, stashed_grads, out_grads):
-            ops.multi_tensor_axpby_(xs, ys, outs, self._inv_scale(device), 1.0,
-                                    self.found_inf_for(device), check="x")
+        inv_scale = self._inv_scale()
+        for device, _, _, (xs, ys, outs) in group_by_device_dtype(model_grads, stashed_grads,
+                                                                  out_grads):
+            inv = inv_scale.to(device) if isinstance(inv_scale, torch.Tensor) else inv_scale
+            ops.multi_tensor_axpby_(xs, ys, outs, inv, 1.0, self.found_inf_for(device), check="x")
 
     # ------------------------------------------------------------------ updating
     def update(self) -> None:
-        """Update the scale on the device from the overflow flag (no host sync)."""
+        """Update the scale on the device from the overflow flags (no host sync)."""
         if not self.dynamic:
             # A static scaler never looks at overflows; it only counts updates (Apex's _unskipped).
             self.growth_tracker.add_(1)
             return
-        ops.update_scale_(
-            self.scale, self.growth_tracker, self._fold_found_inf(),
-            self.growth_factor, self.backoff_factor, self.growth_interval,
-            hysteresis=self.hysteresis, hysteresis_tracker=self.hysteresis_tracker,
-            min_scale=self.min_loss_scale, max_scale=self.max_loss_scale,
-        )
+        self._core.update()
 
     def update_scale(self) -> bool:
         """Apex's ``update_scale``: update S and return whether the step must be skipped.  For a dynamic

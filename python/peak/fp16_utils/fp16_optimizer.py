@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
 
 import torch
 
 from .. import ops
+from ..scaling import LossScale, group_by_device_dtype
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -89,12 +89,14 @@ class FP16_Optimizer:
                 raise ValueError(f"dynamic_loss_args: unknown keys {sorted(unknown)}; valid: "
                                  f"{sorted(args)}")
             args.update(dynamic_loss_args)
-        self._scale_factor = float(args["scale_factor"])
-        self._scale_window = int(args["scale_window"])
         init = args["init_scale"] if self.dynamic_loss_scale else float(static_loss_scale)
-        self._scale = torch.full((1,), float(init), dtype=torch.float32, device=device)
-        self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
-        self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        # Apex's DynamicLossScaler: backoff 1/scale_factor, and the scale never drops below 1.
+        scale_factor = float(args["scale_factor"])
+        self._core = LossScale(init, growth_factor=scale_factor, backoff_factor=1.0 / scale_factor,
+                               growth_interval=int(args["scale_window"]), min_scale=1.0,
+                               device=device)
+        self._scale = self._core.scale
+        self._growth_tracker = self._core.growth_tracker
         self.overflow = False
         self.first_closure_call_this_step = True
 
@@ -139,31 +141,22 @@ class FP16_Optimizer:
         """Unscale every gradient the optimizer will step: the model's fp16/bf16 gradients into
         the masters' ``.grad`` (fp32), fp32 parameters' gradients in place; all of them are
         checked for inf/NaN in the same pass (one per (device, dtype))."""
-        inv_scale = self._scale.reciprocal()
-        groups = defaultdict(lambda: ([], []))
+        ins, outs = [], []
         for p, m in zip(self.model_params, self.master_params):
             if p.grad is None:
                 m.grad = None
                 continue
             if m.grad is None:
                 m.grad = torch.empty_like(m)
-            ins, outs = groups[(p.grad.device, p.grad.dtype)]
             ins.append(p.grad)
             outs.append(m.grad)
         for p in (p for group in self.fp32_from_fp32_groups for p in group):
             if p.grad is not None:
-                ins, outs = groups[(p.grad.device, p.grad.dtype)]
                 ins.append(p.grad)
                 outs.append(p.grad)
-        self._found_inf.zero_()
-        flags = {self._found_inf.device: self._found_inf}  # one per device, combined below
-        for (device, _), (ins, outs) in groups.items():
-            flag = flags.setdefault(device, torch.zeros(1, device=device))
-            ops.multi_tensor_scale_(ins, outs, inv_scale.to(device), flag)
-        for device, flag in flags.items():
-            if device != self._found_inf.device:
-                self._found_inf.add_(flag.to(self._found_inf.device))
-        self.overflow = self.dynamic_loss_scale and bool(self._found_inf.item())
+        self._core.found_inf.zero_()
+        self._core.unscale_(ins, outputs=outs)
+        self.overflow = self.dynamic_loss_scale and self._core.found_inf.any_()
 
     def inspect_master_grad_data(self):
         """The masters' fp32 gradients, one list per parameter group (None while in an overflow
@@ -223,20 +216,14 @@ class FP16_Optimizer:
             self.first_closure_call_this_step = True
 
     def _update_scale(self):
-        if self.dynamic_loss_scale:  # Apex's DynamicLossScaler: the scale stays >= 1
-            ops.update_scale_(self._scale, self._growth_tracker, self._found_inf,
-                              self._scale_factor, 1.0 / self._scale_factor, self._scale_window,
-                              min_scale=1.0)
+        if self.dynamic_loss_scale:
+            self._core.update()
 
     @torch.no_grad()
     def _copy_masters_to_model(self):
-        groups = defaultdict(lambda: ([], []))
-        for p, m in zip(self.model_params, self.master_params):
-            ins, outs = groups[(p.device, p.dtype)]
-            ins.append(m)
-            outs.append(p)
-        for (device, _), (ins, outs) in groups.items():
-            ops.multi_tensor_scale_(ins, outs, 1.0, torch.zeros(1, device=device))
+        for device, _, _, (ins, outs) in group_by_device_dtype(self.master_params,
+                                                               self.model_params):
+            ops.multi_tensor_scale_(ins, outs, 1.0, ops.new_found_inf(device))
 
     def zero_grad(self, set_grads_to_None=False):
         for p in self.model_params + self.master_params:

@@ -152,19 +152,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         (scaled, if a scaler scaled them): one read pass per (device, dtype), combined on the
         first gradient's device, no host sync. inf/NaN in any gradient makes it non-finite."""
         from .. import ops  # noqa: PLC0415 (ops imports the extension)
+        from ..scaling import group_by_device_dtype  # noqa: PLC0415 (so does the core)
 
-        by_kind: dict[tuple, list[Tensor]] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not p.grad.is_sparse:
-                    g = self._grad_read(p)
-                    by_kind.setdefault((g.device, g.dtype), []).append(g)
-        if not by_kind:
+        grads = [self._grad_read(p) for group in self.param_groups for p in group["params"]
+                 if p.grad is not None and not p.grad.is_sparse]
+        if not grads:
             return None
-        device = next(iter(by_kind))[0]
+        groups = group_by_device_dtype(grads)
+        device = groups[0][0]
         sumsq = torch.zeros(1, dtype=torch.float32, device=device)
-        for grads in by_kind.values():
-            norm, _ = ops.multi_tensor_l2norm([g if _dense(g) else g.contiguous() for g in grads])
+        for _, _, _, (group,) in groups:
+            norm, _ = ops.multi_tensor_l2norm(group)  # slices go through a dense copy in C++
             sumsq += norm.to(device) ** 2
         return sumsq.sqrt()
 
@@ -368,14 +366,6 @@ class FusedOptimizer(torch.optim.Optimizer):
 
 
 _MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with
-
-
-def _dense(t: Tensor) -> bool:
-    """Covers its memory exactly once (the multi-tensor kernels' requirement)."""
-    if t.is_contiguous():
-        return True
-    order = sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)
-    return t.permute(order).is_contiguous()
 
 
 def _masters_of(optimizer) -> dict[int, Tensor]:

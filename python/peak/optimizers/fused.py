@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ._base import FusedOptimizer, _check_hyper
 
 
@@ -62,7 +63,7 @@ class FusedSGD(FusedOptimizer):
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         buffers = [s["momentum_buffer"] for s in states] if group["momentum"] != 0 else []
-        torch.ops.peak.fused_sgd_(params, grads, masters, buffers, [s["step"] for s in states], lr,
+        ops.fused_sgd_(params, grads, masters, buffers, [s["step"] for s in states], lr,
                                   group["momentum"], group["dampening"], group["weight_decay"],
                                   group["nesterov"], group["maximize"], grad_scale, found_inf,
                                   stochastic_rounding_seed=self._rounding_seed(group, params),
@@ -122,7 +123,7 @@ class FusedAdam(FusedOptimizer):
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
         amsgrad = group["amsgrad"]
-        torch.ops.peak.fused_adam_(
+        ops.fused_adam_(
             params, grads, masters, [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states],
             [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
@@ -175,7 +176,7 @@ class FusedLAMB(FusedOptimizer):
         norm = self._step_grad_norm
         if norm is not None:
             norm = self._on(norm, lr.device)
-        torch.ops.peak.fused_lamb_(
+        ops.fused_lamb_(
             params, grads, masters, [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
             group["eps"], group["weight_decay"], group["adam_w_mode"], group["grad_averaging"],
@@ -245,7 +246,7 @@ class FusedAdagrad(FusedOptimizer):
         super().load_state_dict(state_dict)
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
-        torch.ops.peak.fused_adagrad_(
+        ops.fused_adagrad_(
             params, grads, masters, [s["sum"] for s in states], [s["step"] for s in states], lr,
             group["eps"], group["weight_decay"], group["adagrad_w_mode"], group["lr_decay"],
             grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)
@@ -294,7 +295,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
-        torch.ops.peak.fused_novograd_(
+        ops.fused_novograd_(
             params, grads, masters, [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
             group["eps"], group["weight_decay"], group["grad_averaging"],

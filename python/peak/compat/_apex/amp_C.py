@@ -9,7 +9,6 @@ peak keeps optimizer state in fp32 (an fp16 ``exp_avg`` is refused with a messag
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -20,7 +19,7 @@ __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
            "multi_tensor_adam", "multi_tensor_adagrad", "multi_tensor_novograd",
            "multi_tensor_lamb"]
 
-_AXPBY_CHECK = {-1: 3, 0: 1, 1: 2}  # Apex's arg_to_check -> peak's check (both, x, y; else none)
+_AXPBY_CHECK = {-1: "both", 0: "x", 1: "y"}  # Apex's arg_to_check -> peak's check (both, x, y; else none)
 
 
 def _lists(name, tensor_lists, depths):
@@ -70,8 +69,8 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     if not ins:
         return
     found = _flag_for(noop_flag)
-    torch.ops.peak.multi_tensor_scale_(ins, outs, _scalar(scale, found.device), found,
-                                       chunk_size)
+    _ops.multi_tensor_scale_(ins, outs, _scalar(scale, found.device), found,
+                            chunk_size=chunk_size)
     _raise_noop(noop_flag, found)
 
 
@@ -81,16 +80,20 @@ def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check):
     if not xs:
         return
     found = _flag_for(noop_flag)
-    torch.ops.peak.multi_tensor_axpby_(xs, ys, outs, _scalar(a, found.device),
-                                       _scalar(b, found.device), found,
-                                       _AXPBY_CHECK.get(int(arg_to_check), 0), chunk_size)
+    _ops.multi_tensor_axpby_(xs, ys, outs, _scalar(a, found.device), _scalar(b, found.device),
+                            found, check=_AXPBY_CHECK.get(int(arg_to_check), "none"),
+                            chunk_size=chunk_size)
     _raise_noop(noop_flag, found)
 
 
 def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     """``(norm [1], per-tensor norms [n] or empty)``, fp32; sets noop_flag if not finite."""
     (tensors,) = _lists("multi_tensor_l2norm", tensor_lists, (1,))
-    norm, per = torch.ops.peak.multi_tensor_l2norm(tensors, bool(per_tensor), chunk_size)
+    if not tensors:  # the op's own error (peak.ops.multi_tensor_l2norm returns 0 instead)
+        raise RuntimeError("multi_tensor_l2norm: tensors is empty; the norm of no tensors is 0, "
+                           "call it only with at least one tensor")
+    norm, per = _ops.multi_tensor_l2norm(tensors, per_tensor=bool(per_tensor),
+                                        chunk_size=chunk_size)
     _raise_noop(noop_flag, ~torch.isfinite(norm))
     return norm, per
 
@@ -106,9 +109,9 @@ def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale,
 def update_scale_hysteresis(scale, growth_tracker, hysteresis_tracker, found_inf,
                             growth_factor, backoff_factor, growth_interval, hysteresis):
     """Apex's Megatron-style scale update with hysteresis, on the device."""
-    torch.ops.peak.update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf,
-                                 float(growth_factor), float(backoff_factor),
-                                 int(growth_interval), int(hysteresis), 0.0, math.inf)
+    _ops.update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                      growth_interval, hysteresis=hysteresis,
+                      hysteresis_tracker=hysteresis_tracker)
 
 
 # ---------------------------------------------------------------------------- optimizer kernels
@@ -133,14 +136,14 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum
         _check_fp32_state("multi_tensor_sgd", "momentum buffers", momenta)
     device = weights[0].device
     flag = noop_flag.to(torch.float32).reshape(1)
-    torch.ops.peak.fused_sgd_(
+    _ops.fused_sgd_(
         params, grads, masters, momenta if momentum != 0 else [],
         _steps(params, 1 if first_run else 2), _scalar(lr, device), float(momentum),
         float(dampening), float(weight_decay), bool(nesterov), False,
         _scalar(1.0 / float(scale), device), flag, chunk_size)
     if copies is not None:  # (a skipped step left the weights, so this rewrites the same bits)
-        torch.ops.peak.multi_tensor_scale_(weights, copies, _scalar(1.0, device),
-                                           torch.zeros(1, device=device), chunk_size)
+        _ops.multi_tensor_scale_(weights, copies, 1.0, torch.zeros(1, device=device),
+                                 chunk_size=chunk_size)
 
 
 def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
@@ -150,7 +153,7 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     if not grads:
         return
     _check_fp32_state("multi_tensor_adam", "exp_avg and exp_avg_sq", m + v)
-    torch.ops.peak.fused_adam_(params, grads, [], m, v, [], _steps(params, step),
+    _ops.fused_adam_(params, grads, [], m, v, [], _steps(params, step),
                                _scalar(lr, params[0].device), float(beta1), float(beta2),
                                float(epsilon), float(weight_decay), False, bool(mode), False,
                                bool(bias_correction), None, None, chunk_size)
@@ -162,7 +165,7 @@ def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
     if not grads:
         return
     _check_fp32_state("multi_tensor_adagrad", "state sums", sums)
-    torch.ops.peak.fused_adagrad_(params, grads, [], sums, _steps(params, 1),
+    _ops.fused_adagrad_(params, grads, [], sums, _steps(params, 1),
                                   _scalar(lr, params[0].device), float(epsilon),
                                   float(weight_decay), bool(mode), 0.0, None, None, chunk_size)
 
@@ -181,7 +184,7 @@ def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, b
         raise RuntimeError(f"multi_tensor_novograd: grad_norms must be a contiguous float32 "
                            f"tensor with one norm per tensor ({len(params)}), got "
                            f"{grad_norms.numel()} elements")
-    torch.ops.peak.fused_novograd_(
+    _ops.fused_novograd_(
         params, grads, [], m, list(grad_norms.reshape(-1).unbind(0)), _steps(params, step),
         _scalar(lr, params[0].device), float(beta1), float(beta2), float(epsilon),
         float(weight_decay), bool(grad_averaging), int(moment_mode) == 0, bool(bias_correction),
@@ -198,7 +201,7 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         return
     _check_fp32_state("multi_tensor_lamb", "exp_avg and exp_avg_sq", m + v)
     device = params[0].device
-    torch.ops.peak.fused_lamb_(
+    _ops.fused_lamb_(
         params, grads, [], m, v, _steps(params, step), _scalar(lr, device), float(beta1),
         float(beta2), float(epsilon), float(weight_decay), bool(mode), bool(grad_averaging),
         bool(bias_correction), float(max_grad_norm), bool(use_nvlamb),

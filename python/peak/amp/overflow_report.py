@@ -1,0 +1,176 @@
+"""What GradScaler tells about overflows beyond torch: skipped-step counts without a host sync in
+``step()``, and ``overflow_report()``, the parameters whose gradients held inf/NaN (from the
+per-gradient flags the unscale pass itself writes). A mixin of ``peak.amp.GradScaler``; its state
+lives on the scaler (``_skipped_steps_*``, ``_last_skipped``, ``_param_names``, ``_report_*``,
+``_last_report``, ``_overflow_counts``) so that pickling sees one object."""
+from __future__ import annotations
+
+import weakref
+from collections import abc
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["OverflowReport"]
+
+
+@dataclass(frozen=True)
+class OverflowReport:
+    """Which parameters' gradients held inf/NaN on the last skipped step.
+
+    ``iteration``: the index of that iteration (the number of ``update()`` calls before it), or
+    ``None`` if no skipped step was seen since overflow attribution was turned on.
+    ``parameters``: their names, in optimizer order (``register_model`` names; parameters of no
+    registered model are named ``"<optimizer N>.param_groups[g][i]"``).
+    """
+
+    iteration: int | None
+    parameters: tuple[str, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.parameters)
+
+    def __str__(self) -> str:
+        if self.iteration is None:
+            return "no skipped step seen since overflow attribution was turned on"
+        names = ", ".join(self.parameters) if self.parameters else "(none recorded)"
+        return f"iteration {self.iteration} skipped: inf/NaN gradients in {names}"
+
+
+
+class OverflowAttribution:
+    """GradScaler's skipped-step counters and overflow attribution (see the module docstring)."""
+
+    def _reset_overflow_state(self) -> None:
+        self._skipped_steps_host = 0
+        self._skipped_steps_device: torch.Tensor | None = None
+        self._iteration = 0
+        self._report_enabled = False  # off until register_model
+        self._param_names: dict[int, tuple[weakref.ref, str]] = {}
+        self._report_records: list = []
+        self._report_records_iteration = -1
+        self._last_report: OverflowReport | None = None
+        self._overflow_counts: dict[str, int] = {}  # name -> skipped iterations it overflowed in
+
+    def _record_skip(self, skipped) -> None:
+        """``skipped``: a host bool, or a device tensor (> 0 means skipped) read only on demand."""
+        self._last_skipped = skipped
+        if isinstance(skipped, bool):
+            self._skipped_steps_host += skipped
+        else:
+            if self._skipped_steps_device is None:
+                self._skipped_steps_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
+            self._skipped_steps_device.add_(skipped != 0)
+
+
+    # ------------------------------------------------------------------ skipped steps
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent ``step()`` skipped ``optimizer.step()`` because a gradient held
+        inf/NaN (False before any step and when disabled). Reading it after a fused step is a host
+        read of a device flag; ``step()`` itself never waits for it."""
+        skipped = self._last_skipped
+        if isinstance(skipped, torch.Tensor):
+            skipped = bool(skipped.item() != 0)
+            self._last_skipped = skipped
+        return skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many ``step()`` calls skipped ``optimizer.step()`` (one per optimizer and iteration)
+        since construction or ``load_state_dict``; a host read of a device counter when fused
+        optimizers were used."""
+        total = self._skipped_steps_host
+        if self._skipped_steps_device is not None:
+            total += int(self._skipped_steps_device.item())
+        return total
+
+    # ------------------------------------------------------------------ overflow attribution
+    def register_model(self, model, *, prefix: str = "") -> "GradScaler":
+        """Turn on overflow attribution and name parameters for ``overflow_report()``.
+
+        ``model``: a ``torch.nn.Module`` (names from ``named_parameters()``), a mapping
+        ``{name: parameter}`` or an iterable of ``(name, parameter)`` pairs; ``prefix`` is put in
+        front of every name (for two models with the same layout). May be called several times.
+        The per-gradient flags are written by the unscale pass itself (one float per gradient),
+        not by a second pass. Returns the scaler."""
+        if isinstance(model, torch.nn.Module):
+            pairs = model.named_parameters()
+        elif isinstance(model, abc.Mapping):
+            pairs = model.items()
+        elif isinstance(model, abc.Iterable) and not isinstance(model, torch.Tensor):
+            pairs = model
+        else:
+            raise TypeError(f"GradScaler.register_model: model must be a torch.nn.Module, a mapping "
+                            f"name -> parameter or an iterable of (name, parameter) pairs, got "
+                            f"{type(model).__name__}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"GradScaler.register_model: prefix must be a str, got {type(prefix).__name__}")
+        for item in pairs:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"GradScaler.register_model: expected (name, parameter) pairs, got "
+                                f"{item!r:.80}")
+            name, param = item
+            self._param_names[id(param)] = (weakref.ref(param), prefix + name)
+        self._report_enabled = True
+        return self
+
+    def _param_name(self, optimizer, param, gi: int, pi: int) -> str:
+        entry = self._param_names.get(id(param))
+        if entry is not None and entry[0]() is param:
+            return entry[1]
+        shape = tuple(param.shape)
+        return f"<{type(optimizer).__name__} param_groups[{gi}]['params'][{pi}], shape {shape}>"
+
+    def _record_flags(self, optimizer, owners, flags: torch.Tensor) -> None:
+        if self._report_records_iteration != self._iteration:
+            self._finish_report_records()
+            self._report_records = []
+            self._report_records_iteration = self._iteration
+        self._report_records.append((optimizer, owners, flags))
+
+    def _finish_report_records(self) -> None:
+        """If the recorded iteration overflowed, turn its flags into the last report (host reads;
+        only with overflow attribution on)."""
+        records = self._report_records
+        if not records:
+            return
+        names = []
+        for optimizer, owners, flags in records:
+            hit = flags.tolist()
+            names.extend(self._param_name(optimizer, *owner) for owner, h in zip(owners, hit) if h)
+        for name in dict.fromkeys(names):
+            self._overflow_counts[name] = self._overflow_counts.get(name, 0) + 1
+        if names:
+            last = self._last_report
+            if last is not None and last.iteration == self._report_records_iteration:
+                names = list(last.parameters) + names  # more steps of the same iteration
+            self._last_report = OverflowReport(self._report_records_iteration, tuple(names))
+        self._report_records = []
+
+    def overflow_report(self) -> OverflowReport:
+        """The parameters whose gradients held inf/NaN on the last skipped step (the current
+        iteration's if it has one), from the flags written by the unscale pass. Needs
+        ``register_model`` before the step. Reads the flags on the host."""
+        if not self._report_enabled:
+            raise RuntimeError("GradScaler.overflow_report: overflow attribution is off; call "
+                               "scaler.register_model(model) once before training to turn it on")
+        self._finish_report_records()
+        if self._last_report is None:
+            return OverflowReport(None, ())
+        return self._last_report
+
+    def _floor_culprits(self) -> str:
+        """The floor message's last sentence: which parameters keep overflowing."""
+        if not self._report_enabled:
+            return (" Call scaler.register_model(model) before training to have the parameters "
+                    "whose gradients overflow named here.")
+        self._finish_report_records()
+        last = self._last_report
+        if last is None or last.iteration != self._iteration - 1 or not last.parameters:
+            return ""
+        names = dict.fromkeys(last.parameters)
+        parts = [f"{n} (in {self._overflow_counts.get(n, 1)} skipped iterations)" for n in names]
+        return " Gradients with inf/NaN in this iteration: " + ", ".join(parts) + "."
+
