@@ -109,6 +109,9 @@ struct ThreadState {
   FrameStack frames;  // thread-local list edits (peak.amp.lists.local)
   std::vector<SavedState> saved;  // push_state's stack
 };
+// Defined in state.cpp. Outside that file every mention of `tls` calls its TLS init function and
+// looks the address up again (the compiler cannot merge the calls), so the per-call paths bind a
+// reference once (`ThreadState& tls_ = tls;`) and use that.
 extern thread_local ThreadState tls;
 
 // The key of this thread's snapshot in at::impl::ThreadLocalPythonObjects (NOTE: [Caster state
@@ -132,10 +135,11 @@ void push_state(PyObject* snapshot);  // throws if it is not a snapshot capsule
 void pop_state();
 
 struct InOp {
-  InOp() { ++tls.in_op; }
-  ~InOp() { --tls.in_op; }
+  InOp() : state(tls) { ++state.in_op; }
+  ~InOp() { --state.in_op; }
   InOp(const InOp&) = delete;
   InOp& operator=(const InOp&) = delete;
+  ThreadState& state;
 };
 
 // Whether O1 casts in this thread now, and whose state says so.
@@ -149,10 +153,12 @@ struct Gate {
 
 // `in_mode`: asked by the mode's handler (the mode on this thread's stack means O1 is on).
 inline Gate gate(bool in_mode) {
-  if (g_threads_on.load(std::memory_order_relaxed) == 0 || tls.suspended > 0 || tls.in_op > 0) {
-    return {};
+  if (g_threads_on.load(std::memory_order_relaxed) == 0) return {};
+  ThreadState& tls_ = tls;
+  if (tls_.suspended > 0 || tls_.in_op > 0) return {};
+  if (tls_.active && tls_.low != at::ScalarType::Undefined) {  // thread_on()
+    return {true, true, nullptr, tls_.low, tls_.allow_banned};
   }
-  if (thread_on()) return {true, true, nullptr, tls.low, tls.allow_banned};
   const Published* handed = handed_state();
   if (!handed) return {};
   return {(in_mode || handed->active) && handed->suspended == 0, false, handed, handed->low,
