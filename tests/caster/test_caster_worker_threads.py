@@ -1,5 +1,5 @@
 """The O1 caster in the threads torch runs a thread's work on (NOTE: [Caster state in torch's
-worker threads] in csrc/caster/caster.cpp).
+worker threads] in csrc/caster/state.cpp).
 
 torch hands such threads the caller's ``at::ThreadLocalState``: autograd's device threads (CUDA
 backward, hence checkpoint recomputation) and at::launch's inter-op pool (TorchScript forks). The

@@ -1,12 +1,17 @@
-"""The O1 caster's Python side: a ``TorchFunctionMode`` whose ``__torch_function__`` is peak's C++
-handler (``peak._C.caster.torch_function``), plus the on/off plumbing ``amp.initialize`` uses.
+"""The O1 caster's Python side: turning it on and off per thread, and the state that goes with it.
 
-``enable(low_dtype)`` (called by ``amp.initialize(opt_level="O1")`` and ``amp.init``) pushes the mode
-on the *calling thread's* torch-function mode stack, so from then on every torch function, Tensor
-method and ``torch.nn.functional`` call in that thread -- the model's forward and the loss computed
-outside it, CPU and CUDA tensors alike -- is looked up in the C++ policy tables and cast as Apex's O1
-did. Other threads see no casting. ``disable()`` removes the mode and restores plain behaviour.
+``enable(low_dtype)`` (called by ``amp.initialize(opt_level="O1")`` and ``amp.init``) makes every
+listed torch function, Tensor method and ``torch.nn.functional`` call of the *calling thread* go
+through peak's C++ caster (``peak._C.caster``), which looks it up in the policy tables and casts as
+Apex's O1 did; other threads see no casting. Two dispatches reach the C++ code (``DISPATCHES``):
+"patch" (C++ wrappers in place of the listed callables) and "mode" (``CasterMode``, a
+torch-function mode whose ``__torch_function__`` is C++). ``disable()`` restores plain behaviour;
 ``disabled()`` (``amp.disable_casts()``, optimizer steps) suspends casting in this thread.
+
+This module owns the caster's Python-side state: which threads have O1 on and how, the
+process-wide patch wrappers, the default lists (loaded once), the ``register_*_function``
+registrations and this thread's ``lists.local`` frames. ``peak.amp.lists`` edits it through the
+public functions below; the torch-private hooks it installs live in ``_torch_hooks``.
 See docs/caster.md for the design.
 """
 
@@ -14,17 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _C
+from . import _torch_hooks
 
 _c = _C.caster
 
 __all__ = ["enable", "disable", "dispatch", "is_enabled", "low_dtype", "disabled", "clear_cache",
-           "cache_stats"]
+           "cache_stats", "CODES", "POLICIES", "ensure_defaults", "set_policies", "reset_lists",
+           "local_edits", "is_interceptable", "decorator", "register", "set_default_dispatch"]
 
 
 class CasterMode(TorchFunctionMode):
@@ -40,99 +48,12 @@ class CasterMode(TorchFunctionMode):
         raise RuntimeError("peak CasterMode: __torch_function__ is bound in __init__")
 
 
-def run_autograd_in_mode(mode, func, args, kwargs):
-    """Run an autograd entry point (``Tensor.backward``, ``torch.autograd.backward``,
-    ``torch.autograd.grad``) with ``mode`` on the torch-function mode stack.
+# Re-exported: autocast's list edits and the tests reach them through this module too.
+AUTOGRAD_ENTRIES = _torch_hooks.AUTOGRAD_ENTRIES
+run_autograd_in_mode = _torch_hooks.run_autograd_in_mode
 
-    torch pops a mode while its ``__torch_function__`` runs, so a plain call-through would run
-    the engine -- and with it the recomputation of ``torch.utils.checkpoint`` -- without the
-    mode: recomputed activations would not get the forward's dtypes (checkpoint then raises, or
-    the gradients differ). So the argument handling of the entry point is done here and the
-    engine is run with the mode back on the stack (as Apex's process-wide patches did). Used by
-    the O1 caster's mode dispatch and by ``peak.amp.autocast``'s list edits."""
-    kwargs = dict(kwargs or {})
-    if _engine is None or func not in _AUTOGRAD_SIGNATURES:
-        return func(*args, **kwargs)
-    a = _AUTOGRAD_SIGNATURES[func].bind(*args, **kwargs)
-    a.apply_defaults()
-    a = a.arguments
-    if func is torch.autograd.grad:
-        if a["is_grads_batched"]:
-            return func(*args, **kwargs)  # vmap over the engine: left to torch (not re-moded)
-        outputs = (a["outputs"],) if _is_one(a["outputs"]) else tuple(a["outputs"])
-        inputs = (a["inputs"],) if _is_one(a["inputs"]) else tuple(a["inputs"])
-        allow_unused = a["allow_unused"]
-        if a["materialize_grads"] and allow_unused is False:
-            return func(*args, **kwargs)  # torch's own error
-        if allow_unused is None:
-            allow_unused = a["materialize_grads"]
-        grads = _engine["make_grads"](outputs, _engine["to_tuple"](a["grad_outputs"], len(outputs)),
-                                      is_grads_batched=False)
-        retain_graph = a["create_graph"] if a["retain_graph"] is None else a["retain_graph"]
-        with _mode_pushed(mode):
-            result = _engine["run"](outputs, grads, retain_graph, a["create_graph"], inputs,
-                                    allow_unused, accumulate_grad=False)
-            if a["materialize_grads"]:
-                result = tuple(r if r is not None else torch.zeros_like(i, requires_grad=True)
-                               for r, i in zip(result, inputs))
-        return result
-    if func is torch.Tensor.backward:
-        tensors, grad_tensors = a["self"], a["gradient"]
-    else:
-        tensors = a["tensors"]
-        grad_tensors = a["grad_tensors"] if a["grad_variables"] is None else a["grad_variables"]
-    inputs = a["inputs"]
-    if inputs is not None and not _is_one(inputs) and len(inputs) == 0:
-        return func(*args, **kwargs)  # torch's own error
-    tensors = (tensors,) if _is_one(tensors) else tuple(tensors)
-    inputs = (inputs,) if _is_one(inputs) else tuple(inputs) if inputs is not None else ()
-    grads = _engine["make_grads"](tensors, _engine["to_tuple"](grad_tensors, len(tensors)),
-                                  is_grads_batched=False)
-    retain_graph = a["create_graph"] if a["retain_graph"] is None else a["retain_graph"]
-    with _mode_pushed(mode):
-        _engine["run"](tensors, grads, retain_graph, a["create_graph"], inputs,
-                       allow_unreachable=True, accumulate_grad=True)
-    return None
-
-
-def _is_one(x) -> bool:
-    return isinstance(x, torch.Tensor) or type(x).__name__ == "GradientEdge"
-
-
-class _mode_pushed:
-    def __init__(self, mode):
-        self.mode = mode
-
-    def __enter__(self):
-        torch._C._push_on_torch_function_stack(self.mode)
-
-    def __exit__(self, *exc):
-        _remove_mode(self.mode)
-
-
-def _backward_hook(mode, func, args, kwargs):
-    """The C++ handler's hook for the autograd entry points (policy "hook"): see
-    ``run_autograd_in_mode``."""
-    return run_autograd_in_mode(mode, func, args, kwargs)
-
-
-try:  # torch internals used by run_autograd_in_mode (present in 2.3 .. 2.14); else call through
-    import inspect as _inspect
-
-    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
-    from torch.autograd.graph import _engine_run_backward
-    _engine = {"make_grads": _make_grads, "to_tuple": _tensor_or_tensors_to_tuple,
-               "run": _engine_run_backward}
-    _AUTOGRAD_SIGNATURES = {f: _inspect.signature(f) for f in
-                            (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)}
-except (ImportError, ValueError, TypeError):  # pragma: no cover
-    _engine = None
-    _AUTOGRAD_SIGNATURES = {}
-
-#: The autograd entry points that get the "hook" policy (see run_autograd_in_mode).
-AUTOGRAD_ENTRIES = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-
-_c.set_hook(_backward_hook)
+# The C++ handler's hook for the autograd entry points (policy "hook").
+_c.set_hook(_torch_hooks.run_autograd_in_mode)
 
 _lock = threading.Lock()
 # Threads with O1 on (their ident -> dispatch) and the CasterMode pushed in each mode thread. The
@@ -141,25 +62,183 @@ _lock = threading.Lock()
 _on: dict = {}
 _modes: dict = {}
 
-
-def _remove_mode(mode) -> None:
-    """Take ``mode`` off this thread's torch-function mode stack (wherever it sits)."""
-    above = []
-    while torch._C._len_torch_function_stack() > 0:
-        top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
-    for m in reversed(above):
-        torch._C._push_on_torch_function_stack(m)
-
-
 #: How casts are dispatched: "patch" (default) puts a C++ wrapper in place of each listed callable
 #: in torch, torch.nn.functional, torch.Tensor and torch._VF (as Apex patched them, but gated per
 #: thread), so unlisted ops pay nothing; "mode" pushes CasterMode, which sees every call.
 DISPATCHES = ("patch", "mode")
-_state: dict = {"default": "patch"}
+_default_dispatch: dict = {"dispatch": "patch"}
 
+
+def set_default_dispatch(dispatch: str) -> None:
+    """The dispatch the next ``enable`` without an explicit one uses (``lists.set_dispatch``)."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    _default_dispatch["dispatch"] = dispatch
+
+
+# ---- the lists (tables in C++; peak.amp.lists is their public face)
+
+#: policy name -> the C++ table's code.
+CODES = {name: getattr(_c, "POLICY_" + name) for name in (
+    "lower", "fp32", "promote", "sequence_promote", "banned", "inplace_fp32", "match_self", "hook")}
+#: The policy names ``lists.add`` accepts.
+POLICIES = tuple(n for n in CODES if n != "hook")
+_defaults_loaded: dict = {"loaded": False}
+
+
+def ensure_defaults() -> None:
+    """Load Apex's O1 lists into the C++ table, once (at the first use of the lists or of O1)."""
+    if not _defaults_loaded["loaded"]:
+        _defaults_loaded["loaded"] = True
+        _load_defaults()
+
+
+def _load_defaults() -> None:
+    import torch.nn.functional as F  # noqa: PLC0415 (torch.nn is imported by then anyway)
+
+    where = {"torch": torch, "functional": F, "Tensor": torch.Tensor}
+    for owner, name, code in _c.default_entries():
+        fn = unwrap(getattr(where[owner], name, None))
+        if fn is not None and callable(fn):
+            _c.set_policy(fn, code)
+    for fn in AUTOGRAD_ENTRIES:  # see _torch_hooks.run_autograd_in_mode
+        _c.set_policy(fn, CODES["hook"])
+
+
+def set_policies(funcs, code: int) -> None:
+    """Give each of ``funcs`` (unwrapped torch callables) the policy ``code`` (0: unlisted),
+    process-wide; under the patch dispatch a newly listed function gets its wrapper now."""
+    ensure_defaults()
+    for fn in funcs:
+        _c.set_policy(fn, code)
+    if code and patched():
+        for fn in funcs:
+            _patch(fn)
+
+
+def reset_lists() -> None:
+    """Back to Apex's O1 lists: every edit and registration dropped."""
+    _undo_registrations()
+    _pending.clear()
+    _c.clear_table()
+    _defaults_loaded["loaded"] = True
+    _load_defaults()
+    if patched():
+        for fn, code in _c.table():
+            if code != CODES["hook"]:
+                _patch(fn)
+
+
+def is_interceptable(fn) -> bool:
+    """Whether calls of ``fn`` can reach the caster (a torch callable, or an autograd entry)."""
+    fn = unwrap(fn)
+    return id(fn) in index() or fn in AUTOGRAD_ENTRIES
+
+
+# This thread's open local_edits() frames (their functions), so that an O1 switched on inside
+# one patches them too.
+_local_frames = threading.local()
+
+
+@contextlib.contextmanager
+def local_edits(codes: dict):
+    """This thread's policy ``codes`` ({unwrapped callable: code, 0 for unlisted}) on top of the
+    process-wide table, inside the ``with`` block (a C++ local-edit frame)."""
+    ensure_defaults()
+    _c.push_local(codes)
+    _local_frames.__dict__.setdefault("stack", []).append(codes)
+    try:
+        if dispatch() == "patch":
+            for fn in codes:
+                _patch(fn)
+        yield
+    finally:
+        _local_frames.stack.pop()
+        _c.pop_local()
+
+
+def _local_functions() -> list:
+    return [fn for codes in getattr(_local_frames, "stack", ()) for fn in codes]
+
+
+# ---- user functions (Apex's decorators and registrations)
+
+def decorator(policy: str):
+    """The decorator that runs a function under ``policy`` while O1 casts (amp.half_function & co.)."""
+    code = CODES[policy]
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return _c.call(code, fn, args, kwargs or None)
+
+        wrapper.__peak_cast_policy__ = policy
+        return wrapper
+
+    return decorate
+
+
+_pending: list = []  # (module, name, policy), applied by the next enable (as Apex)
+_applied: list = []  # (module, name, policy, original, previous table code) to undo on disable
+
+
+def register(module, name: str, policy: str) -> None:
+    """Have the next ``enable`` patch ``module.name`` with ``policy``'s wrapper (checked by the
+    caller, ``lists.register_*_function``)."""
+    _pending.append((module, name, policy))
+
+
+_REGISTER_NAMES = {"lower": "half", "fp32": "float", "promote": "promote"}
+
+
+def _apply_registrations() -> None:
+    """Patch each registered ``module.name`` with the policy's wrapper and list the original, so that
+    the registration wins over the built-in lists (Apex: user casts run innermost)."""
+    for module, name, policy in list(_pending):  # all checked before any is applied
+        if not callable(getattr(module, name, None)):  # changed since it was registered
+            _pending.remove((module, name, policy))
+            raise TypeError(f"register_{_REGISTER_NAMES[policy]}_function: {module!r}.{name} is "
+                            f"no longer a function; that registration is dropped")
+    while _pending:
+        module, name, policy = _pending.pop(0)
+        had, own = name in vars(module), vars(module).get(name)
+        # The descriptor itself, also when a class inherits it (getattr would hand back the
+        # function a staticmethod holds, or a classmethod bound to this class).
+        raw = own
+        if isinstance(module, type):
+            try:
+                raw = inspect.getattr_static(module, name)
+            except AttributeError:  # found only through a metaclass __getattr__
+                raw = None
+        orig = getattr(module, name)
+        # A class's static/class methods stay what they are (wrapping what getattr returns would
+        # turn a staticmethod into an instance method, and bind a classmethod to this class).
+        if isinstance(raw, staticmethod):
+            new = staticmethod(decorator(policy)(raw.__func__))
+        elif isinstance(raw, classmethod):
+            new = classmethod(decorator(policy)(raw.__func__))
+            orig = raw.__func__
+        else:
+            new = decorator(policy)(orig)
+        _applied.append((module, name, policy, had, own, orig, _c.get_policy(orig)))
+        _c.set_policy(orig, CODES[policy])
+        setattr(module, name, new)
+
+
+def _undo_registrations() -> None:
+    """Restore the registered functions (O1 off: plain behaviour), keeping the registrations for
+    the next O1 initialize: Apex's patches, once made, stayed for every later initialize."""
+    while _applied:
+        module, name, policy, had, raw, orig, code = _applied.pop()
+        if had:
+            setattr(module, name, raw)  # the very object that was there (descriptor included)
+        else:
+            delattr(module, name)  # it was inherited or found through __getattr__
+        _c.set_policy(orig, code)
+        _pending.insert(0, (module, name, policy))
+
+
+# ---- on / off
 
 def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | None = None) -> None:
     """Turn O1 casting on in this thread with ``low_dtype`` (torch.float16 or torch.bfloat16) as the
@@ -168,17 +247,15 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | N
     if low_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"low_dtype must be torch.float16 or torch.bfloat16, got {low_dtype}")
     if dispatch is None:
-        dispatch = _state["default"]
+        dispatch = _default_dispatch["dispatch"]
     if dispatch not in DISPATCHES:
         raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-    from . import lists  # noqa: PLC0415 (lists imports this module)
-
     disable()
-    lists._ensure_defaults()
-    _index()  # before anything is patched
+    ensure_defaults()
+    index()  # before anything is patched
     ident = threading.get_ident()
     with _lock:
-        lists._apply_registrations()
+        _apply_registrations()
         if dispatch == "mode":
             mode = _modes[ident] = CasterMode()
             torch._C._push_on_torch_function_stack(mode)
@@ -186,10 +263,10 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | N
             for fn, code in _c.table():
                 if code != _c.POLICY_hook:
                     _patch(fn)
-            for fn in lists._local_functions():  # a lists.local block entered before O1
+            for fn in _local_functions():  # a lists.local block entered before O1
                 _patch(fn)
-        _install_rnn_check()
-        _install_checkpoint_state()
+        _torch_hooks.install_rnn_check()
+        _torch_hooks.install_checkpoint(_under_current_state)
         _on[ident] = dispatch
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
@@ -201,8 +278,6 @@ def disable() -> None:
     """Turn O1 casting off in this thread (``initialize`` calls it before a new setup). When no
     thread has O1 on any more, plain behaviour is restored exactly (wrappers and registrations
     removed); other threads' casting is not touched."""
-    from . import lists  # noqa: PLC0415
-
     _c.set_thread_active(False)  # from here on this thread's calls go straight through
     _c.set_low_dtype(None)
     _c.set_allow_banned(False)
@@ -218,51 +293,17 @@ def disable() -> None:
         last = not _on
         if last:
             _unpatch_all()
-            _remove_rnn_check()
-            _remove_checkpoint_state()
-            lists._undo_registrations()
+            _torch_hooks.remove_rnn_check()
+            _torch_hooks.remove_checkpoint()
+            _undo_registrations()
     if mode is not None:
-        _remove_mode(mode)
+        _torch_hooks.remove_mode(mode)
 
-
-# ---- nn.RNN/LSTM/GRU under O1
-
-_rnn_check: dict = {}  # "orig": RNNBase.check_input while some thread has O1 on
-_CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # what O1 casts (not float64)
-
-
-def _rnn_check_input(self, input, batch_sizes):
-    """RNNBase.check_input, without its input-vs-weight dtype check while O1 casts in this thread:
-    O1 casts the RNN op's input and weights alike (torch._VF.lstm & co. are listed), and torch
-    skips the same check under autocast for the same reason. An fp16/bf16 input (the output of a
-    cast Linear, of a previous LSTM) would otherwise be refused by the fp32 module."""
-    weights = self._flat_weights
-    w = weights[0] if weights else None
-    if (w is not None and input.dtype != w.dtype and input.dtype in _CASTABLE
-            and w.dtype in _CASTABLE and _c.is_casting()):
-        input = torch.empty(input.shape, dtype=w.dtype, device="meta")  # shape checks only
-    return _rnn_check["orig"](self, input, batch_sizes)
-
-
-def _install_rnn_check() -> None:
-    if not _rnn_check:
-        _rnn_check["orig"] = torch.nn.RNNBase.__dict__["check_input"]
-        torch.nn.RNNBase.check_input = _rnn_check_input
-
-
-def _remove_rnn_check() -> None:
-    if _rnn_check:
-        torch.nn.RNNBase.check_input = _rnn_check.pop("orig")
-
-
-# ---- torch.utils.checkpoint: recompute under the forward's caster state
-
-_checkpoint: dict = {}  # the originals replaced in torch.utils.checkpoint while O1 is on
 
 
 def _under_current_state(fn):
     """``fn``, to be run later under the caster state in effect now (NOTE: [Checkpoint
-    recomputation] in csrc/caster/caster.cpp), as torch.utils.checkpoint re-enters the forward's
+    recomputation] in csrc/caster/state.cpp), as torch.utils.checkpoint re-enters the forward's
     autocast state for the recomputation."""
     state = _c.snapshot()
     # Under the mode dispatch the casts come from a CasterMode on the stack: the recomputation
@@ -280,57 +321,10 @@ def _under_current_state(fn):
             return fn(*args, **kwargs)
         finally:
             if mode is not None:
-                _remove_mode(mode)
+                _torch_hooks.remove_mode(mode)
             _c.pop_state()
 
     return run
-
-
-class _CheckpointFunctionProxy:
-    """Stands in for torch.utils.checkpoint.CheckpointFunction while O1 is on: ``apply`` (what
-    checkpoint() calls) hands the real Function a run_function that runs under the forward's
-    state; anything else is the real Function's (no Function subclass is made at run time)."""
-
-    def __init__(self, function):
-        self._function = function
-
-    def apply(self, run_function, preserve_rng_state, *args):
-        return self._function.apply(_under_current_state(run_function), preserve_rng_state, *args)
-
-    def __getattr__(self, name):
-        return getattr(self._function, name)
-
-
-def _install_checkpoint_state() -> None:
-    """checkpoint() looks both of these up in its module at each call: the non-reentrant path
-    calls the generator (whose ``fn`` is used only to recompute), the reentrant one
-    CheckpointFunction (whose run_function runs in the forward, under the state it captures
-    itself, and again in backward)."""
-    if _checkpoint:
-        return
-    import torch.utils.checkpoint as ckpt  # noqa: PLC0415
-
-    # torch 2.14 calls _checkpoint_without_reentrant_generator_impl (the old name forwards to
-    # it); 2.13 has only the old one. Both take the function to recompute first.
-    name = ("_checkpoint_without_reentrant_generator_impl"
-            if hasattr(ckpt, "_checkpoint_without_reentrant_generator_impl")
-            else "_checkpoint_without_reentrant_generator")
-    generator = getattr(ckpt, name)
-    function = ckpt.CheckpointFunction
-
-    def checkpoint_without_reentrant_generator(fn, *args, **kwargs):
-        return generator(_under_current_state(fn), *args, **kwargs)
-
-    _checkpoint.update(module=ckpt, name=name, generator=generator, function=function)
-    setattr(ckpt, name, checkpoint_without_reentrant_generator)
-    ckpt.CheckpointFunction = _CheckpointFunctionProxy(function)
-
-
-def _remove_checkpoint_state() -> None:
-    if _checkpoint:
-        ckpt = _checkpoint.pop("module")
-        setattr(ckpt, _checkpoint.pop("name"), _checkpoint.pop("generator"))
-        ckpt.CheckpointFunction = _checkpoint.pop("function")
 
 
 # ---- patch dispatch
@@ -342,7 +336,7 @@ _RNN = ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tan
         "rnn_relu_cell")
 
 
-def _index() -> dict:
+def index() -> dict:
     """Where each callable of torch's public namespaces lives (built once, before any patching)."""
     if _sites:
         return _sites
@@ -370,7 +364,7 @@ def _index() -> dict:
 def _patch(fn) -> bool:
     """Put a C++ wrapper of ``fn`` at each place torch code looks it up. False if none is known."""
     # The index is keyed by id(): keep only the sites that still hold this very object.
-    sites = [(o, n) for o, n in _index().get(id(fn), []) if unwrap(getattr(o, n, None)) is fn]
+    sites = [(o, n) for o, n in index().get(id(fn), []) if unwrap(getattr(o, n, None)) is fn]
     if not sites:
         return False
     if id(fn) in _patched_ids:
@@ -385,6 +379,10 @@ def _patch(fn) -> bool:
         setattr(owner, name, _c.instancemethod(wrapper) if isinstance(owner, type) else wrapper)
         _patched.append((owner, name, had, prev))
     return True
+
+
+
+_index = index  # the name the tests (and earlier code) use
 
 
 def unwrap(obj):

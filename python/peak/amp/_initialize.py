@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _caster
 from ._amp_state import _amp_state, warn_or_err
+from .handle import AmpHandle
 from ._process_optimizer import inner_optimizer, master_of, process_optimizer
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -181,8 +182,6 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
         _warn_on_training_without_masters(models, properties.opt_level)
 
     if o1:
-        from .handle import AmpHandle  # noqa: PLC0415 (cycle)
-
         _caster.enable(properties.low_precision_dtype)
         _amp_state.handle = AmpHandle()
 

@@ -392,12 +392,10 @@ def _cast(value, device_type: str, dtype: torch.dtype):
 
 
 def _o1_casting() -> bool:
-    from . import _caster  # noqa: PLC0415
     return _caster.is_enabled()
 
 
 def _o1_disabled():
-    from . import _caster  # noqa: PLC0415
     return _caster.disabled()
 
 

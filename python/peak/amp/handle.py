@@ -9,7 +9,9 @@ import torch
 
 from . import _caster
 from ._amp_state import _amp_state
-from ._process_optimizer import inner_optimizer
+from ._options import O1, Properties
+from ._process_optimizer import inner_optimizer, process_optimizer
+from .loss_scaler import LossScaler
 
 _NOT_INITIALIZED = (
     "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
@@ -187,9 +189,6 @@ class AmpHandle:
         return scale_loss(loss, optimizer, loss_id=loss_id)
 
     def _register(self, optimizer) -> None:
-        from ._process_optimizer import process_optimizer  # noqa: PLC0415
-        from .loss_scaler import LossScaler  # noqa: PLC0415
-
         if self._default_device is None:
             # put the scaler state next to the parameters (amp.init() saw no model)
             device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
@@ -247,13 +246,11 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
         DeprecationWarning, stacklevel=2)
     if not enabled:
         return NoOpHandle()
-    from .frontend import O1, Properties, _reset_global_state  # noqa: PLC0415
-    from .loss_scaler import LossScaler  # noqa: PLC0415
-
     properties = O1()(Properties())
     properties.loss_scale = loss_scale
     properties.low_precision_dtype = torch.float16
-    _reset_global_state()
+    _caster.disable()  # what initialize does first, too
+    _amp_state.reset()
     _amp_state.verbosity = 2 if verbose else 1
     _amp_state.opt_properties = properties
     _amp_state.loss_scalers = [LossScaler(properties.loss_scale)]

@@ -27,12 +27,8 @@ Edits act at once, in every thread, whether O1 is on or not (they persist across
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import threading
 
 import torch
-import torch.nn.functional as F
 
 from .. import _C
 from . import _caster
@@ -43,31 +39,10 @@ __all__ = ["POLICIES", "add", "remove", "local", "policy_of", "entries", "reset"
            "half_function", "float_function", "promote_function", "register_half_function",
            "register_float_function", "register_promote_function"]
 
-_CODES = {name: getattr(_c, "POLICY_" + name) for name in (
-    "lower", "fp32", "promote", "sequence_promote", "banned", "inplace_fp32", "match_self", "hook")}
+_CODES = _caster.CODES
 _NAMES = {code: name for name, code in _CODES.items()}
 #: The policy names ``add`` accepts.
-POLICIES = tuple(n for n in _CODES if n != "hook")
-_WHERE = {"torch": torch, "functional": F, "Tensor": torch.Tensor}
-_loaded = False
-
-
-def _ensure_defaults() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        _load_defaults()
-
-
-def _load_defaults() -> None:
-    for where, name, code in _c.default_entries():
-        fn = _unwrap(getattr(_WHERE[where], name, None))
-        if fn is not None and callable(fn):
-            _c.set_policy(fn, code)
-    for fn in _caster.AUTOGRAD_ENTRIES:  # see _caster.run_autograd_in_mode
-        _c.set_policy(fn, _CODES["hook"])
-
-
+POLICIES = _caster.POLICIES
 _unwrap = _caster.unwrap
 
 
@@ -94,8 +69,7 @@ def _check_callable(fn, arg: str = "func") -> None:
 def _check_interceptable(fn, arg: str = "func") -> None:
     """Only torch's own callables are looked up in the lists: a Python function of the user's (or
     a module class) never reaches the caster, so listing it would silently do nothing."""
-    fn = _unwrap(fn)
-    if id(fn) in _caster._index() or fn in _caster.AUTOGRAD_ENTRIES:
+    if _caster.is_interceptable(fn):
         return
     raise TypeError(
         f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
@@ -116,13 +90,7 @@ def add(policy: str, *funcs) -> None:
     for fn in funcs:
         _check_callable(fn)
         _check_interceptable(fn)
-    funcs = [_unwrap(fn) for fn in funcs]
-    _ensure_defaults()
-    for fn in funcs:
-        _c.set_policy(fn, code)
-    if _caster.patched():
-        for fn in funcs:
-            _caster._patch(fn)
+    _caster.set_policies([_unwrap(fn) for fn in funcs], code)
 
 
 def remove(*funcs) -> None:
@@ -130,20 +98,19 @@ def remove(*funcs) -> None:
     if not funcs:
         raise TypeError("lists.remove(*funcs): pass at least one function, "
                         "e.g. lists.remove(torch.nn.functional.softmax)")
-    _ensure_defaults()
+    _caster.ensure_defaults()
     funcs = [_unwrap(fn) for fn in funcs]
     for fn in funcs:
         _check_callable(fn)
         if _c.get_policy(fn) == 0:
             raise ValueError(f"{fn!r} is on no O1 list; lists.policy_of(func) tells where a function is")
-    for fn in funcs:
-        _c.set_policy(fn, 0)
+    _caster.set_policies(funcs, 0)
 
 
 def policy_of(func) -> str | None:
     """The policy name of ``func`` in this thread (``local`` edits first), or None if unlisted."""
     _check_callable(func)
-    _ensure_defaults()
+    _caster.ensure_defaults()
     code = _c.effective_policy(_unwrap(func))
     return _NAMES.get(code) if code else None
 
@@ -165,56 +132,27 @@ def local(edits: dict):
         _check_callable(fn, "edits key")
         _check_interceptable(fn, "edits key")
         codes[_unwrap(fn)] = 0 if policy is None else _code(policy)
-    _ensure_defaults()
-    _c.push_local(codes)
-    _local_edits.__dict__.setdefault("stack", []).append(codes)
-    try:
-        if _caster.dispatch() == "patch":
-            for fn in codes:
-                _caster._patch(fn)
+    with _caster.local_edits(codes):
         yield
-    finally:
-        _local_edits.stack.pop()
-        _c.pop_local()
-
-
-# This thread's open local() blocks (their functions), so that an O1 switched on inside one
-# patches them too.
-_local_edits = threading.local()
-
-
-def _local_functions() -> list:
-    return [fn for codes in getattr(_local_edits, "stack", ()) for fn in codes]
 
 
 def entries() -> dict:
     """Every listed callable and its policy name."""
-    _ensure_defaults()
+    _caster.ensure_defaults()
     return {fn: _NAMES[code] for fn, code in _c.table()}
 
 
 def reset() -> None:
     """Restore Apex's O1 lists (drops every edit, and the ``register_*_function``
     registrations)."""
-    global _loaded
-    _undo_registrations()
-    _pending.clear()
-    _c.clear_table()
-    _loaded = True
-    _load_defaults()
-    if _caster.patched():
-        for fn, code in _c.table():
-            if code != _CODES["hook"]:
-                _caster._patch(fn)
+    _caster.reset_lists()
 
 
 def set_dispatch(dispatch: str) -> None:
     """How the next O1 ``initialize`` dispatches casts: ``"patch"`` (default: C++ wrappers in place
     of the listed callables; unlisted ops pay nothing) or ``"mode"`` (a TorchFunctionMode with a
     C++ handler: sees every call, also in autograd's worker threads). See docs/caster.md."""
-    if dispatch not in _caster.DISPATCHES:
-        raise ValueError(f"dispatch must be one of {_caster.DISPATCHES}, got {dispatch!r}")
-    _caster._state["default"] = dispatch
+    _caster.set_default_dispatch(dispatch)
 
 
 def set_allow_banned(allow: bool) -> None:
@@ -229,17 +167,11 @@ def set_allow_banned(allow: bool) -> None:
 # ---- user functions (Apex's decorators and registrations)
 
 def _decorator(policy: str):
-    code = _CODES[policy]
+    cast = _caster.decorator(policy)
 
     def decorate(fn):
         _check_callable(fn, "fn")
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            return _c.call(code, fn, args, kwargs or None)
-
-        wrapper.__peak_cast_policy__ = policy
-        return wrapper
+        return cast(fn)
 
     return decorate
 
@@ -253,9 +185,6 @@ promote_function = _decorator("promote")
 promote_function.__doc__ = ("Decorator: under O1, if the floating arguments mix precisions, cast "
                             "them all to float32.")
 
-_pending: list = []  # (module, name, policy), applied by the next initialize (as Apex)
-_applied: list = []  # (module, name, policy, original, previous table code) to undo on disable
-
 
 def _register(module, name, policy: str) -> None:
     if not isinstance(name, str):
@@ -266,7 +195,7 @@ def _register(module, name, policy: str) -> None:
         raise TypeError(f"{module!r}.{name} is a {type(getattr(module, name)).__name__}, not a "
                         f"function: register_*_function takes the name of a function to cast the "
                         f"arguments of")
-    _pending.append((module, name, policy))
+    _caster.register(module, name, policy)
 
 
 def register_half_function(module, name) -> None:
@@ -282,53 +211,3 @@ def register_float_function(module, name) -> None:
 def register_promote_function(module, name) -> None:
     """Before ``amp.initialize``: under O1, promote ``module.name``'s mixed-precision arguments."""
     _register(module, name, "promote")
-
-
-_REGISTER_NAMES = {"lower": "half", "fp32": "float", "promote": "promote"}
-
-
-def _apply_registrations() -> None:
-    """Patch each registered ``module.name`` with the policy's wrapper and list the original, so that
-    the registration wins over the built-in lists (Apex: user casts run innermost)."""
-    for module, name, policy in list(_pending):  # all checked before any is applied
-        if not callable(getattr(module, name, None)):  # changed since it was registered
-            _pending.remove((module, name, policy))
-            raise TypeError(f"register_{_REGISTER_NAMES[policy]}_function: {module!r}.{name} is "
-                            f"no longer a function; that registration is dropped")
-    while _pending:
-        module, name, policy = _pending.pop(0)
-        had, own = name in vars(module), vars(module).get(name)
-        # The descriptor itself, also when a class inherits it (getattr would hand back the
-        # function a staticmethod holds, or a classmethod bound to this class).
-        raw = own
-        if isinstance(module, type):
-            try:
-                raw = inspect.getattr_static(module, name)
-            except AttributeError:  # found only through a metaclass __getattr__
-                raw = None
-        orig = getattr(module, name)
-        # A class's static/class methods stay what they are (wrapping what getattr returns would
-        # turn a staticmethod into an instance method, and bind a classmethod to this class).
-        if isinstance(raw, staticmethod):
-            new = staticmethod(_decorator(policy)(raw.__func__))
-        elif isinstance(raw, classmethod):
-            new = classmethod(_decorator(policy)(raw.__func__))
-            orig = raw.__func__
-        else:
-            new = _decorator(policy)(orig)
-        _applied.append((module, name, policy, had, own, orig, _c.get_policy(orig)))
-        _c.set_policy(orig, _CODES[policy])
-        setattr(module, name, new)
-
-
-def _undo_registrations() -> None:
-    """Restore the registered functions (O1 off: plain behaviour), keeping the registrations for
-    the next O1 initialize: Apex's patches, once made, stayed for every later initialize."""
-    while _applied:
-        module, name, policy, had, raw, orig, code = _applied.pop()
-        if had:
-            setattr(module, name, raw)  # the very object that was there (descriptor included)
-        else:
-            delattr(module, name)  # it was inherited or found through __getattr__
-        _c.set_policy(orig, code)
-        _pending.insert(0, (module, name, policy))

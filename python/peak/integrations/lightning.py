@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .. import _dtypes, amp
 from ..amp._amp_state import _amp_state
-from ..amp.frontend import _parse_loss_scale, opt_levels
+from ..amp.frontend import opt_levels, parse_loss_scale
 
 __all__ = ["AmpPrecision", "MixedPrecision"]
 
@@ -88,7 +88,7 @@ class AmpPrecision(Precision):
         self.opt_level = opt_level
         self.low_precision_dtype = _dtypes.parse_dtype(low_precision_dtype, "AmpPrecision: low_precision_dtype")
         if loss_scale is not None:
-            _parse_loss_scale(loss_scale)  # an error now rather than when fit() starts
+            parse_loss_scale(loss_scale)  # an error now rather than when fit() starts
         # the rest is checked by amp.initialize in connect(), before it changes anything
         self._initialize_kwargs = dict(
             loss_scale=loss_scale, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale,

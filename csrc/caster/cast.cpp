@@ -1,0 +1,513 @@
+// The O1 caster's casting and weight-cast cache (cast.h). See docs/caster.md.
+#include "cast.h"
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <algorithm>
+
+namespace peak::caster {
+namespace {
+
+struct MarkUsedOnBackward : torch::autograd::FunctionPreHook {
+  explicit MarkUsedOnBackward(std::shared_ptr<std::atomic<bool>> flag) : used(std::move(flag)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    used->store(true, std::memory_order_relaxed);
+    return grads;
+  }
+  std::shared_ptr<std::atomic<bool>> used;
+};
+
+// One peak.amp.lists.local block's edits. Immutable once pushed, so that published snapshots
+
+constexpr size_t kCacheCapacity = 4096;
+
+// NOTE: [Weight-cast cache lifetime]: drops what can never serve again; bounds the rest.
+void sweep_cache() {
+  ThreadState& tls_ = tls;  // one TLS lookup (see the note on `tls` in state.h)
+  for (auto it = tls_.cache.begin(); it != tls_.cache.end();) {
+    const bool dead = it->second.source.expired() ||
+                      it->second.used->load(std::memory_order_relaxed);
+    it = dead ? tls_.cache.erase(it) : std::next(it);
+  }
+  if (tls_.cache.size() >= kCacheCapacity) tls_.cache.clear();
+  tls_.next_sweep = std::min(kCacheCapacity, std::max<size_t>(64, 2 * tls_.cache.size()));
+}
+
+at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache) {
+  ThreadState& tls_ = tls;  // one TLS lookup (see the note on `tls` in state.h)
+  if (t.scalar_type() == to) return t;
+  const bool cacheable = use_cache && t.scalar_type() == at::ScalarType::Float && t.is_leaf() &&
+                         t.requires_grad() && !t.is_view() && !c10::InferenceMode::is_enabled();
+  if (!cacheable) {
+    ++tls_.casts;
+    return t.to(to);
+  }
+  CacheKey key{t.unsafeGetTensorImpl(), to};
+  const uint32_t version = t.unsafeGetTensorImpl()->version_counter().current_version();
+  auto it = tls_.cache.find(key);
+  if (it != tls_.cache.end()) {
+    const CacheEntry& e = it->second;
+    if (!e.source.expired() && e.version == version && e.data == t.data_ptr() &&
+        !e.used->load(std::memory_order_relaxed)) {
+      ++tls_.hits;
+      return e.cast;
+    }
+    tls_.cache.erase(it);  // stale (NOTE: [Weight-cast cache lifetime])
+  }
+  ++tls_.casts;
+  at::Tensor out = t.to(to);
+  // Only a grad-mode cast is stored: one made under no_grad has no autograd history, and reusing
+  // it in a later grad-enabled forward would silently cut the weight's gradient (torch #112583).
+  if (c10::GradMode::is_enabled() && out.grad_fn()) {
+    if (tls_.cache.size() >= tls_.next_sweep) sweep_cache();
+    ++tls_.stores;
+    auto used = std::make_shared<std::atomic<bool>>(false);
+    out.grad_fn()->add_pre_hook(std::make_unique<MarkUsedOnBackward>(used));
+    tls_.cache.emplace(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(
+                                          t.getIntrusivePtr()),
+                                      version, t.data_ptr(), std::move(used), out});
+  }
+  return out;
+}
+
+// A cast rule applied to every eligible tensor found in an argument tree.
+struct Rule {
+  at::ScalarType to;
+  bool use_cache;
+};
+
+// Returns a new reference: `o` itself (incref'd) when nothing inside changed.
+PyObject* cast_tree(PyObject* o, const Rule& r) {
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (!t.defined() || !eligible(t.scalar_type()) || t.scalar_type() == r.to) {
+      Py_INCREF(o);
+      return o;
+    }
+    return THPVariable_Wrap(cast_tensor(t, r.to, r.use_cache));
+  }
+  const bool is_tuple = PyTuple_Check(o), is_list = PyList_Check(o);
+  if (is_tuple || is_list) {
+    const Py_ssize_t n = is_tuple ? PyTuple_GET_SIZE(o) : PyList_GET_SIZE(o);
+    PyObject* out = nullptr;  // created on the first change
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = is_tuple ? PyTuple_GET_ITEM(o, i) : PyList_GET_ITEM(o, i);
+      PyObject* c = cast_tree(item, r);
+      if (!c) {
+        Py_XDECREF(out);
+        return nullptr;
+      }
+      if (c != item && !out) {
+        out = is_tuple ? PyTuple_New(n) : PyList_New(n);
+        for (Py_ssize_t j = 0; j < i; ++j) {
+          PyObject* prev = is_tuple ? PyTuple_GET_ITEM(o, j) : PyList_GET_ITEM(o, j);
+          Py_INCREF(prev);
+          if (is_tuple) PyTuple_SET_ITEM(out, j, prev); else PyList_SET_ITEM(out, j, prev);
+        }
+      }
+      if (out) {
+        if (is_tuple) PyTuple_SET_ITEM(out, i, c); else PyList_SET_ITEM(out, i, c);
+      } else {
+        Py_DECREF(c);
+      }
+    }
+    if (!out) {
+      Py_INCREF(o);
+      return o;
+    }
+    if (is_tuple && !PyTuple_CheckExact(o)) {  // a namedtuple (e.g. PackedSequence): rebuild it
+      PyObject* rebuilt = PyObject_Call(reinterpret_cast<PyObject*>(Py_TYPE(o)), out, nullptr);
+      Py_DECREF(out);
+      return rebuilt;
+    }
+    return out;
+  }
+  if (PyDict_Check(o)) {
+    PyObject* out = PyDict_New();
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &k, &v)) {
+      PyObject* c = cast_tree(v, r);
+      if (!c || PyDict_SetItem(out, k, c) < 0) {
+        Py_XDECREF(c);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      Py_DECREF(c);
+    }
+    return out;
+  }
+  Py_INCREF(o);
+  return o;
+}
+
+// Walks the tree and records which eligible floating dtypes occur (bit per dtype).
+constexpr int kHalfBit = 1, kBf16Bit = 2, kFloatBit = 4;
+void collect_dtypes(PyObject* o, int& bits) {
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (!t.defined()) return;
+    switch (t.scalar_type()) {
+      case at::ScalarType::Half: bits |= kHalfBit; break;
+      case at::ScalarType::BFloat16: bits |= kBf16Bit; break;
+      case at::ScalarType::Float: bits |= kFloatBit; break;
+      default: break;
+    }
+    return;
+  }
+  if (PyTuple_Check(o)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i) collect_dtypes(PyTuple_GET_ITEM(o, i), bits);
+  } else if (PyList_Check(o)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) collect_dtypes(PyList_GET_ITEM(o, i), bits);
+  } else if (PyDict_Check(o)) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &k, &v)) collect_dtypes(v, bits);
+  }
+}
+inline bool mixed(int bits) { return bits != 0 && (bits & (bits - 1)) != 0; }
+
+// The device type of the first tensor in o (depth first), if any.
+bool first_device_type(PyObject* o, c10::DeviceType& out) {
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    if (!t.defined()) return false;
+    out = t.device().type();
+    return true;
+  }
+  if (PyTuple_Check(o)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i) {
+      if (first_device_type(PyTuple_GET_ITEM(o, i), out)) return true;
+    }
+  } else if (PyList_Check(o)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) {
+      if (first_device_type(PyList_GET_ITEM(o, i), out)) return true;
+    }
+  } else if (PyDict_Check(o)) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &k, &v)) {
+      if (first_device_type(v, out)) return true;
+    }
+  }
+  return false;
+}
+
+// NOTE: [Explicit autocast regions win]
+// Code running under O1 may open its own torch.autocast (or peak.amp.autocast) region, e.g. an
+// evaluation, teacher or baseline model in the same process, with its own dtype. Inside it the
+// user asked for torch's rules, so the caster steps aside for ops on that region's device type
+// and lets torch's autocast keys do the casting; everywhere else O1 casts as before.
+bool in_autocast_region(PyObject* args, PyObject* kwargs) {
+  if (!at::autocast::is_autocast_enabled(c10::DeviceType::CPU) &&
+      !at::autocast::is_autocast_enabled(c10::DeviceType::CUDA) &&
+      !at::autocast::is_autocast_enabled(c10::DeviceType::XPU)) {
+    return false;  // the common case: one TLS read per device type
+  }
+  c10::DeviceType type = c10::DeviceType::CPU;
+  if (!first_device_type(args, type) && !(kwargs && first_device_type(kwargs, type))) {
+    return false;
+  }
+  return at::autocast::is_autocast_enabled(type);
+}
+
+const char kBannedMessage[] =
+    "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It "
+    "requires that the output of the previous function be already a FloatTensor. \n\n"
+    "Most models have a Sigmoid right before BCELoss. In that case, you can use\n"
+    "    torch.nn.BCEWithLogitsLoss (torch.nn.functional.binary_cross_entropy_with_logits)\n"
+    "to combine Sigmoid+BCELoss into a single layer that is compatible with amp.\n"
+    "Another option is to add\n"
+    "    amp.register_float_function(torch, 'sigmoid')\n"
+    "before calling `amp.initialize()`.\n"
+    "If you _really_ know what you are doing, you can disable this warning by passing "
+    "allow_banned=True to `amp.init()` (or peak.amp.lists.set_allow_banned(True)).";
+
+PyObject* func_name(PyObject* func) {
+  PyObject* n = PyObject_GetAttrString(func, "__qualname__");
+  if (!n) {
+    PyErr_Clear();
+    n = PyObject_Repr(func);
+  }
+  return n;
+}
+
+// The dtype of an `out=` argument (a tensor, or the first of a tuple/list), if eligible.
+bool out_dtype(PyObject* out, at::ScalarType& dtype) {
+  if ((PyTuple_Check(out) || PyList_Check(out)) && PySequence_Size(out) > 0) {
+    out = PyTuple_Check(out) ? PyTuple_GET_ITEM(out, 0) : PyList_GET_ITEM(out, 0);
+  }
+  if (!THPVariable_Check(out)) return false;
+  const at::Tensor& t = THPVariable_Unpack(out);
+  if (!t.defined() || !eligible(t.scalar_type())) return false;
+  dtype = t.scalar_type();
+  return true;
+}
+
+// torch.Tensor.cpu (on Apex's fp32 list for CUDA tensors; a CPU tensor's .cpu() is itself).
+bool is_cpu_of_cpu_tensor(PyObject* func, PyObject* args) {
+  // TensorBase's descriptor: the one the tables hold (torch.Tensor's attribute may be our wrapper).
+  static PyObject* tensor_cpu = [] {
+    PyObject* c = PyImport_ImportModule("torch._C");
+    PyObject* base = c ? PyObject_GetAttrString(c, "TensorBase") : nullptr;
+    PyObject* cpu = base ? PyObject_GetAttrString(base, "cpu") : nullptr;
+    Py_XDECREF(base);
+    Py_XDECREF(c);
+    if (!cpu) PyErr_Clear();
+    return cpu;
+  }();
+  if (func != tensor_cpu || PyTuple_GET_SIZE(args) == 0) return false;
+  PyObject* self = PyTuple_GET_ITEM(args, 0);
+  return THPVariable_Check(self) && THPVariable_Unpack(self).is_cpu();
+}
+
+// Calls func(*args, **kwargs) with every eligible tensor cast to the dtype of `out=` (the caller
+// chose the result's dtype), and `out` itself left alone: casting it would make the op write
+// into a temporary copy, and the caller's buffer would never see the result.
+PyObject* call_into_out(PyObject* func, PyObject* args, PyObject* kwargs, PyObject* out) {
+  at::ScalarType to;
+  if (!out_dtype(out, to)) return PyObject_Call(func, args, kwargs);
+  const Rule rule{to, false};
+  PyObject* new_args = cast_tree(args, rule);
+  if (!new_args) return nullptr;
+  PyObject* new_kwargs = PyDict_New();
+  PyObject *k, *v;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(kwargs, &pos, &k, &v)) {
+    PyObject* c = v == out ? (Py_INCREF(v), v) : cast_tree(v, rule);
+    if (!c || PyDict_SetItem(new_kwargs, k, c) < 0) {
+      Py_XDECREF(c);
+      Py_DECREF(new_kwargs);
+      Py_DECREF(new_args);
+      return nullptr;
+    }
+    Py_DECREF(c);
+  }
+  PyObject* result;
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    result = PyObject_Call(func, new_args, new_kwargs);
+  }
+  Py_DECREF(new_args);
+  Py_DECREF(new_kwargs);
+  return result;
+}
+
+}  // namespace
+
+// (cast.h)
+PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs, const Gate& g) {
+  const at::ScalarType low = g.low;
+  const bool own_state = g.own;
+  PyObject* out = kwargs ? PyDict_GetItemString(kwargs, "out") : nullptr;  // borrowed
+  if (out && out != Py_None && p != Policy::kBanned) return call_into_out(func, args, kwargs, out);
+  if (p == Policy::kFp32 && is_cpu_of_cpu_tensor(func, args)) {
+    return PyObject_Call(func, args, kwargs);
+  }
+  if (p == Policy::kBanned) {
+    if (!g.allow_banned) {
+      int bits = 0;
+      collect_dtypes(args, bits);
+      if (kwargs) collect_dtypes(kwargs, bits);
+      if (bits & (kHalfBit | kBf16Bit)) {
+        PyErr_SetString(PyExc_NotImplementedError, kBannedMessage);
+        return nullptr;
+      }
+    }
+    p = Policy::kFp32;
+  }
+  PyObject* new_args = nullptr;
+  PyObject* new_kwargs = nullptr;
+  Rule rule{at::ScalarType::Float, false};
+  bool cast_all = true;  // apply `rule` to args and kwargs
+  switch (p) {
+    case Policy::kLower: rule = {low, own_state}; break;
+    case Policy::kFp32: rule = {at::ScalarType::Float, false}; break;
+    case Policy::kPromote: {
+      int bits = 0;
+      collect_dtypes(args, bits);
+      if (kwargs) collect_dtypes(kwargs, bits);
+      cast_all = mixed(bits);
+      break;
+    }
+    case Policy::kSequencePromote: {
+      cast_all = false;
+      if (PyTuple_GET_SIZE(args) > 0) {
+        PyObject* seq = PyTuple_GET_ITEM(args, 0);
+        int bits = 0;
+        if (PyTuple_Check(seq) || PyList_Check(seq)) collect_dtypes(seq, bits);
+        if (mixed(bits)) {
+          PyObject* c = cast_tree(seq, rule);
+          if (!c) return nullptr;
+          new_args = PyTuple_New(PyTuple_GET_SIZE(args));
+          PyTuple_SET_ITEM(new_args, 0, c);
+          for (Py_ssize_t i = 1; i < PyTuple_GET_SIZE(args); ++i) {
+            PyObject* a = PyTuple_GET_ITEM(args, i);
+            Py_INCREF(a);
+            PyTuple_SET_ITEM(new_args, i, a);
+          }
+        }
+      }
+      break;
+    }
+    case Policy::kInplaceFp32:
+    case Policy::kMatchSelf: {
+      PyObject* self = PyTuple_GET_SIZE(args) > 0 ? PyTuple_GET_ITEM(args, 0) : nullptr;
+      if (!self || !THPVariable_Check(self)) {
+        cast_all = false;
+        break;
+      }
+      const at::ScalarType st = THPVariable_Unpack(self).scalar_type();
+      if (p == Policy::kInplaceFp32 && is_low(st)) {
+        PyObject* n = func_name(func);
+        PyErr_Format(PyExc_NotImplementedError,
+                     "Cannot call in-place function %S on %s tensors under O1 (it is on the fp32 "
+                     "list): call the out-of-place version, or run it under amp.disable_casts()",
+                     n, st == at::ScalarType::Half ? "fp16" : "bf16");
+        Py_XDECREF(n);
+        return nullptr;
+      }
+      if (p == Policy::kMatchSelf && !eligible(st)) {
+        cast_all = false;
+        break;
+      }
+      rule = {p == Policy::kMatchSelf ? st : at::ScalarType::Float, false};
+      // Cast every argument after self.
+      const Py_ssize_t n = PyTuple_GET_SIZE(args);
+      new_args = PyTuple_New(n);
+      Py_INCREF(self);
+      PyTuple_SET_ITEM(new_args, 0, self);
+      for (Py_ssize_t i = 1; i < n; ++i) {
+        PyObject* c = cast_tree(PyTuple_GET_ITEM(args, i), rule);
+        if (!c) {
+          Py_DECREF(new_args);
+          return nullptr;
+        }
+        PyTuple_SET_ITEM(new_args, i, c);
+      }
+      if (kwargs) {
+        new_kwargs = cast_tree(kwargs, rule);
+        if (!new_kwargs) {
+          Py_DECREF(new_args);
+          return nullptr;
+        }
+      }
+      cast_all = false;
+      break;
+    }
+    default: cast_all = false; break;
+  }
+  if (cast_all) {
+    new_args = cast_tree(args, rule);
+    if (!new_args) return nullptr;
+    if (kwargs) {
+      new_kwargs = cast_tree(kwargs, rule);
+      if (!new_kwargs) {
+        Py_DECREF(new_args);
+        return nullptr;
+      }
+    }
+  }
+  PyObject* result;
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    result = PyObject_Call(func, new_args ? new_args : args, new_kwargs ? new_kwargs : kwargs);
+  }
+  Py_XDECREF(new_args);
+  Py_XDECREF(new_kwargs);
+  return result;
+}
+
+// __torch_function__(func, types, args=(), kwargs=None), installed as a staticmethod of the mode.
+PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (n < 2 || n > 4) {
+    PyErr_SetString(PyExc_TypeError,
+                    "peak caster __torch_function__(func, types, args=(), kwargs=None): wrong "
+                    "number of arguments");
+    return nullptr;
+  }
+  PyObject* func = a[0];
+  PyObject* args = n > 2 ? a[2] : nullptr;
+  PyObject* kwargs = n > 3 && a[3] != Py_None ? a[3] : nullptr;
+  if (kwargs && PyDict_GET_SIZE(kwargs) == 0) kwargs = nullptr;
+  PyObject* empty = nullptr;
+  if (!args || args == Py_None) {
+    empty = PyTuple_New(0);
+    args = empty;
+  }
+  const Gate g = gate(/*in_mode=*/true);
+  const Policy p = g.casting ? effective_policy(func, g.handed) : Policy::kNone;
+  PyObject* result;
+  if (p == Policy::kNone || !PyTuple_Check(args) ||
+      (p != Policy::kHook && in_autocast_region(args, kwargs))) {
+    result = PyObject_Call(func, args, kwargs);
+  } else if (p == Policy::kHook) {
+    if (!g_hook) {
+      result = PyObject_Call(func, args, kwargs);
+    } else {
+      PyObject* kw = kwargs ? kwargs : Py_None;
+      result = PyObject_CallFunctionObjArgs(g_hook, mode ? mode : Py_None, func, args, kw, nullptr);
+    }
+  } else {
+    const InOp in_op;
+    result = apply_policy(p, func, args, kwargs, g);
+  }
+  Py_XDECREF(empty);
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
+// The "patch" dispatch: a builtin standing in for a listed torch callable (self = the original).
+// Casting off (or not in this thread): one vectorcall through; on: the table's policy.
+PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  if (g_threads_on.load(std::memory_order_relaxed) == 0) {
+    return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  }
+  const Gate g = gate(/*in_mode=*/false);
+  if (!g.casting) return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  const Policy p = effective_policy(orig, g.handed);
+  if (p == Policy::kNone || p == Policy::kHook) {
+    return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  }
+  PyObject* args = PyTuple_New(nargs);
+  if (!args) return nullptr;
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    Py_INCREF(a[i]);
+    PyTuple_SET_ITEM(args, i, a[i]);
+  }
+  PyObject* kwargs = nullptr;
+  if (kwnames && PyTuple_GET_SIZE(kwnames) > 0) {
+    kwargs = PyDict_New();
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kwnames); ++i) {
+      if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), a[nargs + i]) < 0) {
+        Py_DECREF(kwargs);
+        Py_DECREF(args);
+        return nullptr;
+      }
+    }
+  }
+  PyObject* result;
+  if (in_autocast_region(args, kwargs)) {
+    result = PyObject_Call(orig, args, kwargs);
+  } else {
+    const InOp in_op;
+    result = apply_policy(p, orig, args, kwargs, g);
+  }
+  Py_DECREF(args);
+  Py_XDECREF(kwargs);
+  return result;
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace peak::caster

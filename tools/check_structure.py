@@ -1,0 +1,229 @@
+"""The structure measures of issue #15, printed and checked (``make lint``, tests/test_structure.py).
+
+1. no import cycle between the modules of python/peak (imports parsed with ast, the ones inside
+   functions included: a lazy import is still a dependency);
+2. no module of python/peak/amp reads a private name (``_x``) of another peak module;
+3. no file in python/peak or csrc over MAX_LINES lines;
+4. python/peak/amp plus the scaling core at most AMP_BUDGET lines.
+
+Exit status 1 when a check fails. ``--known FILE`` (repeatable) tolerates an over-long file that
+is being reduced elsewhere: it is still printed, marked "known".
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "python" / "peak"
+MAX_LINES = 600
+AMP_BUDGET = 3400
+# The scaling core counted with python/peak/amp (whichever of these exist).
+SCALING_CORE = ("python/peak/scaling.py", "python/peak/fp16_utils/fp16_optimizer.py")
+# Private names other modules may read: the compiled extension (peak._C) and Apex's
+# ``amp._amp_state`` (Apex scripts use that very name, so it cannot lose its underscore).
+PRIVATE_ALLOWED = {"_C", "_amp_state"}
+SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".cu", ".cuh"}
+# Modules that exist only after the build (the compiled extension, the generated build facts):
+# importing them is importing a leaf, not the package they sit in.
+BUILT_MODULES = ("peak._C", "peak._build_info")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_modules() -> dict[str, Path]:
+    modules = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    for name in BUILT_MODULES:
+        modules.setdefault(name, None)
+    return modules
+
+
+def _resolve(current: str, is_package: bool, level: int, module: str | None) -> str:
+    base = current.split(".")
+    if not is_package:
+        base = base[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]):
+    """(imported peak module, names taken from it, line) for every import in the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "peak":
+                    yield alias.name, [], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = _resolve(name, is_package, node.level, node.module)
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "peak":
+                continue
+            names = []
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                if sub in modules:  # `from . import lists`: a module, not a name in one
+                    yield sub, [], node.lineno
+                else:
+                    names.append(alias.name)
+            if names:
+                yield target, names, node.lineno
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if path is None:  # a built module: imports nothing of peak's
+            graph[name] = set()
+            continue
+        deps = set()
+        for target, _names, _line in imports_of(name, path, modules):
+            # importing peak.a.b runs peak.a's __init__ first, but that is not a dependency of
+            # the importer's code on peak.a: only the module itself is counted.
+            if target in modules and target != name:
+                deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def private_reads(modules: dict[str, Path], scope: str = "peak.amp") -> list[str]:
+    """``from .x import _name`` and ``x._name`` where x is another peak module, in ``scope``."""
+    found = []
+    for name, path in modules.items():
+        if path is None or not (name == scope or name.startswith(scope + ".")):
+            continue
+        aliases: dict[str, str] = {}  # local name -> peak module
+        for target, names, line in imports_of(name, path, modules):
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and n not in PRIVATE_ALLOWED:
+                    found.append(f"{path.relative_to(ROOT)}:{line}: from {target} import {n}")
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = _resolve(name, path.name == "__init__.py", node.level, node.module)
+                for alias in node.names:
+                    if f"{target}.{alias.name}" in modules:
+                        aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("peak") and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and node.attr not in PRIVATE_ALLOWED
+                    and aliases[node.value.id] != name):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: "
+                             f"{node.value.id}.{node.attr}")
+    return found
+
+
+def line_count(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def long_files() -> list[tuple[str, int]]:
+    files = [p for d in (PACKAGE, ROOT / "csrc") for p in d.rglob("*")
+             if p.is_file() and p.suffix in SOURCE_SUFFIXES]
+    counts = [(str(p.relative_to(ROOT)), line_count(p)) for p in files]
+    return sorted((c for c in counts if c[1] > MAX_LINES), key=lambda c: -c[1])
+
+
+def amp_lines() -> tuple[int, list[tuple[str, int]]]:
+    files = sorted((PACKAGE / "amp").rglob("*.py"))
+    files += [ROOT / f for f in SCALING_CORE if (ROOT / f).exists()]
+    counts = [(str(p.relative_to(ROOT)), line_count(p)) for p in files]
+    return sum(c for _, c in counts), counts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--known", action="append", default=[],
+                        help="an over-long file being reduced elsewhere (printed, not failed)")
+    parser.add_argument("--amp-budget-known", action="store_true",
+                        help="report the amp + scaling line budget without failing on it")
+    args = parser.parse_args(argv)
+    failed = False
+    modules = package_modules()
+
+    cycles = find_cycles(import_graph(modules))
+    print(f"import cycles in python/peak: {len(cycles)}")
+    for c in cycles:
+        print("  cycle:", " <-> ".join(c))
+    failed |= bool(cycles)
+
+    private = private_reads(modules)
+    print(f"private names of other modules read in python/peak/amp: {len(private)}")
+    for p in private:
+        print("  ", p)
+    failed |= bool(private)
+
+    long = long_files()
+    print(f"files over {MAX_LINES} lines in python/peak and csrc: {len(long)}")
+    for f, n in long:
+        known = f in args.known
+        print(f"  {n:6d}  {f}{'  (known: being reduced elsewhere)' if known else ''}")
+        failed |= not known
+
+    total, counts = amp_lines()
+    print(f"python/peak/amp + scaling core: {total} lines (target <= {AMP_BUDGET})")
+    for f, n in counts:
+        print(f"  {n:6d}  {f}")
+    if total > AMP_BUDGET:
+        print("  over budget" + (" (known)" if args.amp_budget_known else ""))
+        failed |= not args.amp_budget_known
+
+    print("structure: " + ("FAILED" if failed else "ok"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
