@@ -600,3 +600,19 @@ def test_fused_state_dict_round_trip_is_identical(name):
     for k in sd["state"]:
         for key, value in sd["state"][k].items():
             assert torch.equal(again["state"][k][key], value)
+
+
+def test_o2_with_a_fused_optimizer_without_masters_keeps_none():
+    """FusedSGD(master_weights=False, stochastic_rounding=True) under O2: amp must not hand it
+    fp32 masters (its step then refused them); the bf16 weights are stepped directly."""
+    model = make_mlp()
+    opt = FusedSGD(model.parameters(), lr=0.1, master_weights=False, stochastic_rounding=True)
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                verbosity=0)
+    x, y = data(0)
+    before = _weights(model)
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as s:
+        s.backward()
+    opt.step()
+    assert all("master_param" not in opt.state[p] for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(model)))

@@ -132,7 +132,7 @@ class AmpOptimizerState:
         if self.fused:
             for p in params:
                 original = fp32_originals.pop(id(p), None) if fp32_originals else None
-                if original is not None and p.dtype in _LOW:
+                if original is not None and p.dtype in _LOW and self.optimizer._wants_master(p):
                     # the exact fp32 weights from before the cast become the optimizer's master
                     self.optimizer.state[p]["master_param"] = original
                 self.fused_params.append(p)
