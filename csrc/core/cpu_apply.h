@@ -59,6 +59,24 @@ inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
 
 inline void store_tile(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
 
+// NOTE: [Remainder masters] (host_device.h): the 16 bits ride in a float's low half.
+inline void load_tile(const Remainder16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t widened = bits[i];
+    std::memcpy(dst + i, &widened, 4);
+  }
+}
+
+inline void store_tile(const float* src, Remainder16* dst, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, 4);
+    out[i] = static_cast<uint16_t>(bits);
+  }
+}
+
 inline void store_tile(const float* src, c10::BFloat16* dst, int64_t n) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   for (int64_t i = 0; i < n; ++i) {

@@ -30,7 +30,8 @@ class FusedSGD(FusedOptimizer):
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
                  set_grad_none=True, *, maximize=False, master_weights=None,
                  stochastic_rounding=False, max_grad_norm=0.0, capturable=False,
-                 store_unscaled_grads=True):
+                 store_unscaled_grads=True, store_param_remainders=False,
+                 momentum_dtype=torch.float32, moment_rounding="stochastic"):
         # Apex's FusedSGD arguments, in Apex's positions; its two variants are not provided.
         if wd_after_momentum:
             raise NotImplementedError(
@@ -47,8 +48,10 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, max_grad_norm=float(max_grad_norm))
+        lean = dict(store_param_remainders=store_param_remainders, momentum_dtype=momentum_dtype,
+                    moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
-                         store_unscaled_grads, capturable)
+                         store_unscaled_grads, capturable, lean=lean)
 
     def _state_keys_for(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
@@ -67,6 +70,7 @@ class FusedSGD(FusedOptimizer):
                                   group["nesterov"], group["maximize"], grad_scale, found_inf,
                                   stochastic_rounding_seed=self._rounding_seed(group, params),
                                   store_unscaled_grads=self._step_store_grads,
+                                  **self._moment_args(group, states),
                                   **self._clip_args(group, lr.device))
 
     def _complete_loaded_state(self, p, state):
@@ -87,7 +91,9 @@ class FusedAdam(FusedOptimizer):
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
                  master_weights=None, stochastic_rounding=False, max_grad_norm=0.0,
                  set_grad_none=True, capturable=False, materialize_master_grads=True,
-                 store_unscaled_grads=True):
+                 store_unscaled_grads=True, store_param_remainders=False,
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                 moment_rounding="stochastic"):
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("epsilon value", eps, lo=0.0)
         _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
@@ -99,8 +105,13 @@ class FusedAdam(FusedOptimizer):
                         bias_correction=bias_correction, maximize=maximize,
                         max_grad_norm=float(max_grad_norm))
         _check_materialize(materialize_master_grads)
+        if amsgrad and (exp_avg_dtype != torch.float32 or exp_avg_sq_dtype != torch.float32):
+            raise ValueError("amsgrad=True keeps fp32 moments: leave exp_avg_dtype and "
+                             "exp_avg_sq_dtype at torch.float32, or set amsgrad=False")
+        lean = dict(store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
+                    exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
-                         store_unscaled_grads, capturable)
+                         store_unscaled_grads, capturable, lean=lean)
 
     def _state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -131,6 +142,7 @@ class FusedAdam(FusedOptimizer):
             grad_scale, found_inf,
             stochastic_rounding_seed=self._rounding_seed(group, params),
             store_unscaled_grads=self._step_store_grads,
+            **self._moment_args(group, states),
             **self._clip_args(group, lr.device))
 
     def _complete_loaded_state(self, p, state):
@@ -149,7 +161,14 @@ class FusedLAMB(FusedOptimizer):
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
                  set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, *,
                  master_weights=None, capturable=False, materialize_master_grads=True,
-                 store_unscaled_grads=True):
+                 store_unscaled_grads=True, exp_avg_dtype=torch.float32,
+                 exp_avg_sq_dtype=torch.float32, moment_rounding="stochastic",
+                 store_param_remainders=False):
+        if store_param_remainders:
+            raise ValueError("FusedLAMB keeps fp32 masters (its trust ratio takes the norm of the "
+                             "fp32 weights): store_param_remainders=True is for FusedAdam and "
+                             "FusedSGD. bf16 moments (exp_avg_dtype, exp_avg_sq_dtype) are "
+                             "available here")
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         _check_hyper("learning rate", lr, lo=0.0)
@@ -163,8 +182,11 @@ class FusedLAMB(FusedOptimizer):
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         use_nvlamb=use_nvlamb)
         _check_materialize(materialize_master_grads)
+        lean = dict(exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
+                    moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, set_grad_none=set_grad_none,
-                         store_unscaled_grads=store_unscaled_grads, capturable=capturable)
+                         store_unscaled_grads=store_unscaled_grads, capturable=capturable,
+                         lean=lean)
 
     _state_keys = ("exp_avg", "exp_avg_sq")
 
@@ -180,4 +202,5 @@ class FusedLAMB(FusedOptimizer):
             [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
             group["eps"], group["weight_decay"], group["adam_w_mode"], group["grad_averaging"],
             group["bias_correction"], group["max_grad_norm"], group["use_nvlamb"], norm,
-            grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)
+            grad_scale, found_inf, store_unscaled_grads=self._step_store_grads,
+            **self._moment_args(group, states))
