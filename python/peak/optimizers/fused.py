@@ -24,7 +24,9 @@ class FusedSGD(FusedOptimizer):
     ``stochastic_rounding=True`` (with ``master_weights=False``) rounds bf16 weights stepped
     directly up or down at random, in proportion (see "Stochastic rounding" in docs/core.md).
     ``max_grad_norm > 0`` clips by the global norm of all the optimizer's gradients inside the
-    step, as ``torch.nn.utils.clip_grad_norm_`` would (see "Clipping inside the step")."""
+    step, as ``torch.nn.utils.clip_grad_norm_`` would (see "Clipping inside the step").
+    ``store_param_remainders``, ``momentum_dtype`` (the buffer's storage) and ``moment_rounding``
+    as :class:`FusedAdam`'s lean options."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
@@ -85,7 +87,15 @@ class FusedAdam(FusedOptimizer):
     / ``AdamW``; ``amsgrad``, ``bias_correction`` and ``set_grad_none`` as Apex's FusedAdam.
     The arguments are in torch.optim.Adam's order and ``adam_w_mode`` defaults to False (torch's
     Adam); Apex's FusedAdam defaults to AdamW: pass ``adam_w_mode=True`` for Apex's behaviour.
-    ``master_weights``, ``stochastic_rounding`` and ``max_grad_norm`` as for :class:`FusedSGD`."""
+    ``master_weights``, ``stochastic_rounding`` and ``max_grad_norm`` as for :class:`FusedSGD`.
+
+    Lean state (see "Lean optimizer state" in docs/core.md): ``store_param_remainders=True``
+    keeps the master of each bf16 parameter as the 16 low bits its bf16 weight drops (exact fp32
+    masters in 2 bytes; the weight is the master rounded to nearest with ties away from zero);
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``torch.float32`` or ``torch.bfloat16``) choose the
+    moments' storage, rounded stochastically (``moment_rounding="stochastic"``, the default) or
+    to nearest even (``"nearest"``). All of them with a bf16 model: 10 bytes per parameter for
+    weights, gradients and optimizer state, against 16 for fp32 state."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
@@ -155,7 +165,9 @@ class FusedAdam(FusedOptimizer):
 class FusedLAMB(FusedOptimizer):
     """LAMB as Apex's FusedLAMB: Adam moments on globally norm-clipped gradients, then a
     per-tensor trust ratio ``||w|| / ||update||`` (applied when ``weight_decay != 0`` or
-    ``use_nvlamb``). ``max_grad_norm=0`` disables clipping."""
+    ``use_nvlamb``). ``max_grad_norm=0`` disables clipping. ``exp_avg_dtype``,
+    ``exp_avg_sq_dtype`` and ``moment_rounding`` as :class:`FusedAdam`'s (LAMB keeps fp32 masters:
+    its trust ratio takes the norm of the fp32 weights)."""
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
