@@ -83,14 +83,17 @@ constexpr unsigned grad_list_if(bool store_grad) { return store_grad ? 1u : 0u; 
 // nearest returns the old value: v neither decays nor follows a gradient that shrinks, and the
 // steps come out too small (docs/core.md shows the effect on a training run). Rounding up with
 // probability equal to the dropped fraction keeps v right on average.
-template <typename MasterT = float, typename ExpAvgT = float, typename ExpAvgSqT = float>
+// Stochastic: bf16 moments are rounded stochastically by the functor (else to nearest even by
+// the store). A template constant, as `Rounded` is: the variant without it computes no random bits.
+template <typename MasterT = float, typename ExpAvgT = float, typename ExpAvgSqT = float,
+          bool Stochastic = false>
 struct StateStorage {
   using Master = MasterT;
   using ExpAvg = ExpAvgT;    // SGD: the momentum buffer
   using ExpAvgSq = ExpAvgSqT;
   static constexpr bool remainder = std::is_same_v<MasterT, Remainder16>;
-  static constexpr bool round_exp_avg = std::is_same_v<ExpAvgT, c10::BFloat16>;
-  static constexpr bool round_exp_avg_sq = std::is_same_v<ExpAvgSqT, c10::BFloat16>;
+  static constexpr bool round_exp_avg = Stochastic && std::is_same_v<ExpAvgT, c10::BFloat16>;
+  static constexpr bool round_exp_avg_sq = Stochastic && std::is_same_v<ExpAvgSqT, c10::BFloat16>;
   static constexpr bool rounds_moments = round_exp_avg || round_exp_avg_sq;
 };
 using FullPrecisionState = StateStorage<>;
@@ -118,20 +121,22 @@ PEAK_HD void store_master(float* v, int k_param, int k_master, float w) {
   }
 }
 
-// Stochastic rounding of bf16 moments (NOTE: [Lean optimizer state]); `on` false: the store
-// rounds to nearest even. Each moment has its own key, so its bits are independent of the
-// other's and of the weights'.
+// Stochastic rounding of bf16 moments (NOTE: [Lean optimizer state]). One hash per element
+// serves both moments (exp_avg takes its low 16 bits, exp_avg_sq its high 16): a function of
+// the element's index, its raw gradient and a key from the seed and the tensor's step count, as
+// for the weights (NOTE: [Stochastic rounding to bf16]): stateless, so a resumed run and every
+// launcher give the same bits. The seed is mixed apart from the weights' rounding seed.
 struct MomentRounding {
-  StochasticRounding exp_avg, exp_avg_sq;
-  PEAK_HD void set_seed(bool on, uint32_t seed) {
-    exp_avg.on = exp_avg_sq.on = on;
-    exp_avg.seed = mix32(seed ^ 0x9E3779B9u);
-    exp_avg_sq.seed = mix32(seed ^ 0x7F4A7C15u);
+  uint32_t seed = 0;
+  uint32_t key = 0;  // per tensor: seed and step count
+
+  PEAK_HD void set_seed(uint32_t s) { seed = mix32(s ^ 0x9E3779B9u); }
+  PEAK_HD void load_step(float step) { key = mix32(seed ^ mix32(float_bits(step))); }
+  PEAK_HD uint32_t random(float grad, int64_t index) const {
+    return mix32(float_bits(grad) ^ key ^ (static_cast<uint32_t>(index) * 0x9E3779B9u));
   }
-  PEAK_HD void load_step(float step) {
-    exp_avg.load_step(step);
-    exp_avg_sq.load_step(step);
-  }
+  PEAK_HD static float low(float x, uint32_t r) { return stochastic_round_bf16(x, r); }
+  PEAK_HD static float high(float x, uint32_t r) { return stochastic_round_bf16(x, r >> 16); }
 };
 
 // The list storage types of an optimizer launch, in list order, as a tuple type.
@@ -222,16 +227,10 @@ struct AdamOp : OpDefaults {
     const float denom = sqrtf(second) * inv_bias_correction2_sqrt + eps;
     w = w - step_size * (m / denom);
     // The moments as computed (the next step's are rounded from what is stored, not from these).
-    if constexpr (Storage::round_exp_avg) {
-      v[kExpAvg] = moment_rounding.exp_avg.round(m, v[kGrad], index);
-    } else {
-      v[kExpAvg] = m;
-    }
-    if constexpr (Storage::round_exp_avg_sq) {
-      v[kExpAvgSq] = moment_rounding.exp_avg_sq.round(vsq, v[kGrad], index);
-    } else {
-      v[kExpAvgSq] = vsq;
-    }
+    [[maybe_unused]] uint32_t random = 0;
+    if constexpr (Storage::rounds_moments) random = moment_rounding.random(v[kGrad], index);
+    v[kExpAvg] = Storage::round_exp_avg ? MomentRounding::low(m, random) : m;
+    v[kExpAvgSq] = Storage::round_exp_avg_sq ? MomentRounding::high(vsq, random) : vsq;
     if constexpr (HasMaster) {
       store_master<Storage>(v, kParam, kWeight, w);
     } else if constexpr (Rounded) {
@@ -292,7 +291,7 @@ struct SgdOp : OpDefaults {
     if constexpr (HasMomentum) {
       const float buf = first_step ? g : fmaf(one_minus_dampening, g, momentum * v[kMomentum]);
       if constexpr (rounds_momentum) {
-        v[kMomentum] = moment_rounding.exp_avg.round(buf, v[kGrad], index);
+        v[kMomentum] = MomentRounding::low(buf, moment_rounding.random(v[kGrad], index));
       } else {
         v[kMomentum] = buf;
       }
@@ -367,16 +366,10 @@ struct LambStage1Op : OpDefaults {
     const float vsq = fmaf(one_minus_beta2, g * g, beta2_f * v[kExpAvgSq]);
     float update = (m / bias_correction1) / (sqrtf(vsq / bias_correction2) + eps);
     if (adam_w && weight_decay != 0.0f) update = fmaf(weight_decay, w, update);
-    if constexpr (Storage::round_exp_avg) {
-      v[kExpAvg] = moment_rounding.exp_avg.round(m, v[kGrad], index);
-    } else {
-      v[kExpAvg] = m;
-    }
-    if constexpr (Storage::round_exp_avg_sq) {
-      v[kExpAvgSq] = moment_rounding.exp_avg_sq.round(vsq, v[kGrad], index);
-    } else {
-      v[kExpAvgSq] = vsq;
-    }
+    [[maybe_unused]] uint32_t random = 0;
+    if constexpr (Storage::rounds_moments) random = moment_rounding.random(v[kGrad], index);
+    v[kExpAvg] = Storage::round_exp_avg ? MomentRounding::low(m, random) : m;
+    v[kExpAvgSq] = Storage::round_exp_avg_sq ? MomentRounding::high(vsq, random) : vsq;
     v[kUpdate] = update;
     if constexpr (StoreGrad) v[kGrad] = v[kGrad] / grad_scale.value;
   }

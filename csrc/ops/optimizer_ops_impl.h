@@ -105,21 +105,26 @@ inline void check_state_list(const OptimizerArgs& a, const NamedList& l, bool bf
 
 // The storage of a variant's master and moment lists as a StateStorage type (fp32 masters or
 // int16 remainders; fp32 or bf16 moments), handed to f as a value of that type.
+// `stochastic`: bf16 moments are rounded stochastically (moment_rounding_seed given).
 template <typename F>
 void with_state_storage(at::ScalarType master, at::ScalarType exp_avg, at::ScalarType exp_avg_sq,
-                        F&& f) {
+                        bool stochastic, F&& f) {
   auto moments = [&](auto master_t) {
-    using M = decltype(master_t);
+    using M = std::remove_cvref_t<decltype(master_t)>;
+    using B = c10::BFloat16;
     const bool bf1 = exp_avg == at::kBFloat16, bf2 = exp_avg_sq == at::kBFloat16;
-    if (bf1 && bf2) {
-      f(StateStorage<M, c10::BFloat16, c10::BFloat16>{});
-    } else if (bf1) {
-      f(StateStorage<M, c10::BFloat16, float>{});
-    } else if (bf2) {
-      f(StateStorage<M, float, c10::BFloat16>{});
-    } else {
-      f(StateStorage<M, float, float>{});
-    }
+    with_bool(stochastic && (bf1 || bf2), [&](auto sr) {
+      constexpr bool S = std::remove_cvref_t<decltype(sr)>::value;
+      if (bf1 && bf2) {
+        f(StateStorage<M, B, B, S>{});
+      } else if (bf1) {
+        f(StateStorage<M, B, float, S>{});
+      } else if (bf2) {
+        f(StateStorage<M, float, B, S>{});
+      } else if constexpr (!S) {
+        f(StateStorage<M, float, float>{});
+      }
+    });
   };
   if (master == at::kShort) {
     moments(Remainder16{});
@@ -139,7 +144,7 @@ inline MomentRounding moment_rounding_from(const OptimizerArgs& a,
   if (!seed) return r;
   TORCH_CHECK(*seed >= 0 && *seed <= 0xFFFFFFFFLL, a.name,
               ": moment_rounding_seed must be in [0, 2**32), got ", *seed);
-  r.set_seed(true, static_cast<uint32_t>(*seed));
+  r.set_seed(static_cast<uint32_t>(*seed));
   return r;
 }
 
@@ -296,7 +301,7 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
       optimizer_lists(a, {exp_avgs, exp_avg_sqs, amsgrad ? max_exp_avg_sqs : at::TensorList{}});
   with_weight_store(a, rounding, [&](auto has_master, auto rounded) {
    with_state_storage(list_dtype(a.masters), list_dtype(exp_avgs), list_dtype(exp_avg_sqs),
-                      [&](auto storage) {
+                      moment_rounding_seed.has_value(), [&](auto storage) {
     using Storage = decltype(storage);
     constexpr bool kLean = Storage::remainder || Storage::rounds_moments;
     with_bool(amsgrad, [&](auto ams) {
@@ -351,7 +356,7 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
   const auto lists = optimizer_lists(a, {momentum_buffers});
   with_weight_store(a, rounding, [&](auto has_master, auto rounded) {
    with_state_storage(list_dtype(a.masters), list_dtype(momentum_buffers), at::kFloat,
-                      [&](auto storage) {
+                      moment_rounding_seed.has_value(), [&](auto storage) {
     using Storage = decltype(storage);
     with_bool(momentum != 0.0, [&](auto has_momentum) {
      if constexpr ((Storage::round_exp_avg && !std::remove_cvref_t<decltype(has_momentum)>::value) ||
@@ -408,7 +413,8 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   std::vector<at::Tensor> updates;
   updates.reserve(a.params.size());
   for (const at::Tensor& p : a.params) updates.push_back(at::empty_like(p, p.options().dtype(at::kFloat)));
-  with_state_storage(at::kFloat, list_dtype(exp_avgs), list_dtype(exp_avg_sqs), [&](auto storage) {
+  with_state_storage(at::kFloat, list_dtype(exp_avgs), list_dtype(exp_avg_sqs),
+                     moment_rounding_seed.has_value(), [&](auto storage) {
    if constexpr (decltype(storage)::remainder) {
      return;  // (not instantiated: LAMB keeps fp32 masters, checked above)
    } else {

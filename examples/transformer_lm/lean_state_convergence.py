@@ -8,6 +8,8 @@ with peak.optimizers.FusedAdam (AdamW), changing only the optimizer's storage:
     remainder+bf16        remainder masters, bf16 moments rounded stochastically (the default)
     bf16 moments          fp32 masters, bf16 moments (stochastic)
     remainder+bf16 (RNE)  the naive variant: bf16 moments rounded to nearest even
+    bf16 moments (RNE)    the same with fp32 masters
+    fp32 state, seed + 1  the baseline with another seed: the spread of an unchanged setup
 
 Gradients are clipped inside the step (max_grad_norm=1.0: NOTE: [Clipping inside the step]), the
 same arithmetic for every storage; clipping through amp.master_params would clip fp32 master
@@ -43,11 +45,16 @@ CONFIGS = {
     "remainder+bf16": dict(store_param_remainders=True, **LEAN),
     "bf16 moments": dict(LEAN),
     "remainder+bf16 (RNE)": dict(store_param_remainders=True, moment_rounding="nearest", **LEAN),
+    "bf16 moments (RNE)": dict(moment_rounding="nearest", **LEAN),
+    # The spread of an unchanged setup: the baseline with another seed (weights and data order).
+    "fp32 state, seed + 1": dict(seed_offset=1),
 }
 
 
 def train(name, kw, args, data):
-    torch.manual_seed(args.seed)
+    kw = dict(kw)
+    seed = args.seed + kw.pop("seed_offset", 0)
+    torch.manual_seed(seed)
     chars, train_data, val_data = data
     model = TinyGPT(len(chars), args.context, args.d_model, args.n_layers, args.n_heads)
     opt = FusedAdam(model.parameters(), lr=args.lr, weight_decay=0.01, adam_w_mode=True,
@@ -57,7 +64,7 @@ def train(name, kw, args, data):
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps)
                                                                    / args.steps)))
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(seed)
     losses = []
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -107,13 +114,15 @@ def main():
              f"seed {args.seed}. Final loss: mean training loss of the last 50 steps.",
              "",
              "| configuration | state B/param | final loss | vs fp32 state | val loss | "
-             "weights equal to fp32 state's (elements) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "vs fp32 state | first step whose loss differs | final weights equal (elements) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, (losses, val, bpp, weights) in runs.items():
         final = sum(losses[-50:]) / 50
         same = sum(int((a == b).sum()) for a, b in zip(weights, base_weights))
+        first = next((i for i, (a, b) in enumerate(zip(losses, base_losses)) if a != b), None)
         lines.append(f"| {name} | {bpp:.2f} | {final:.4f} | {100 * (final / base_final - 1):+.2f}% "
-                     f"| {val:.4f} | {100 * same / n_params:.1f}% |")
+                     f"| {val:.4f} | {100 * (val / base_val - 1):+.2f}% | "
+                     f"{'-' if first is None else first} | {100 * same / n_params:.1f}% |")
     table = "\n".join(lines)
     print(table)
     with open(args.out + ".md", "w") as f:

@@ -164,6 +164,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _wants_remainder(self, p: Tensor, group: dict | None = None) -> bool:
         """p's master is kept as a 16-bit remainder (NOTE: [Remainder masters])."""
         if group is None:
+            if not any(g.get("store_param_remainders", False) for g in self.param_groups):
+                return False  # (the common case, without a search for p's group)
             group = self._group_of(p)
         if not group.get("store_param_remainders", False) or not self._wants_master(p):
             return False
