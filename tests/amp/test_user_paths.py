@@ -50,6 +50,13 @@ def _train(level, dtype, make_opt, use_closure, steps=4):
     model = make_mlp()
     opt = make_opt(model.parameters())
     model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=dtype, verbosity=0)
+    losses = _amp_steps(model, opt, steps, use_closure)
+    return _weights(model), torch.stack([loss.detach() for loss in losses])
+
+
+def _amp_steps(model, opt, steps, use_closure):
+    """Training steps with scale_loss inside a closure, passed to step() (as Lightning does) or
+    called first; returns the losses."""
     losses = []
     for i in range(steps):
         x, y = data(i)
@@ -66,7 +73,7 @@ def _train(level, dtype, make_opt, use_closure, steps=4):
         else:
             losses.append(closure())
             opt.step()
-    return _weights(model), torch.stack([loss.detach() for loss in losses])
+    return losses
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -265,21 +272,7 @@ def test_wrapped_optimizer_trains_like_the_inner_one(wrap, level, name):
         if wrapped:
             opt = wrap(opt)
         model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
-        for i in range(3):
-            x, y = data(i)
-
-            def closure():
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x).float(), y)
-                with amp.scale_loss(loss, opt) as s:
-                    s.backward()
-                return loss
-
-            if use_closure:
-                opt.step(closure)
-            else:
-                closure()
-                opt.step()
+        _amp_steps(model, opt, 3, use_closure)
         clip = list(amp.master_params(opt))
         return _weights(model), opt.state_dict(), [p.dtype for p in clip]
 
