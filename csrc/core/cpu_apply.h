@@ -103,6 +103,24 @@ inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
 
 inline void store_tile(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
 
+// NOTE: [Remainder masters] (host_device.h): the 16 bits ride in a float's low half.
+inline void load_tile(const Remainder16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t widened = bits[i];
+    std::memcpy(dst + i, &widened, 4);
+  }
+}
+
+inline void store_tile(const float* src, Remainder16* dst, int64_t n) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, 4);
+    out[i] = static_cast<uint16_t>(bits);
+  }
+}
+
 inline void store_tile(const float* src, c10::BFloat16* dst, int64_t n) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   for (int64_t i = 0; i < n; ++i) {
@@ -132,8 +150,50 @@ inline void store_tile(const float* src, c10::Half* dst, int64_t n) {
   for (; i < n; ++i) out[i] = float_to_half(src[i]);
 }
 
+// NOTE: [CPU inline conversions]
+// bf16 and remainder lists are converted inside the element loop (a shift and a rounding the
+// loop vectoriser handles), not staged through a float tile: a lean optimizer step has up to
+// five such lists, and a tile pass each way per list cost more than the bytes they save. fp16
+// lists keep the tiles (F16C/AVX-512 conversions). Same bits either way (the tile functions
+// above and these round alike).
 template <typename T>
-constexpr bool kStagedType = !std::is_same_v<T, float>;
+constexpr bool kInlineType = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, Remainder16>;
+template <typename T>
+constexpr bool kStagedType = !std::is_same_v<T, float> && !kInlineType<T>;
+
+inline float widen_inline(const c10::BFloat16* src, int64_t i) {
+  return bits_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(src)[i]) << 16);
+}
+inline float widen_inline(const Remainder16* src, int64_t i) {
+  return bits_float(reinterpret_cast<const uint16_t*>(src)[i]);
+}
+inline void narrow_inline(c10::BFloat16* dst, int64_t i, float x) {
+  const uint32_t bits = float_bits(x);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+  reinterpret_cast<uint16_t*>(dst)[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+}
+inline void narrow_inline(Remainder16* dst, int64_t i, float x) {
+  reinterpret_cast<uint16_t*>(dst)[i] = static_cast<uint16_t>(float_bits(x));
+}
+
+// Element i of a chunk's list (tile or memory), and its store.
+template <typename T>
+inline float read_element(void* base, const float* p, int64_t off, int64_t i) {
+  if constexpr (kInlineType<T>) {
+    return widen_inline(static_cast<const T*>(base) + off, i);
+  } else {
+    return p[i];
+  }
+}
+template <typename T>
+inline void write_element(void* base, float* p, int64_t off, int64_t i, float x) {
+  if constexpr (kInlineType<T>) {
+    narrow_inline(static_cast<T*>(base) + off, i, x);
+  } else {
+    p[i] = x;
+  }
+}
 
 // NOTE: [CPU lanes]
 // A float sum (the l2norm) is a reduction the compiler may not reorder, so it would not
@@ -165,7 +225,9 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
   for (int64_t off = begin; off < end; off += kTile) {
     const int64_t n = end - off < kTile ? end - off : kTile;
     // fp32 lists are used where they lie; fp16/bf16 lists are converted through a float tile.
-    float* p[Depth] = {(kStagedType<T> ? tile[D] : reinterpret_cast<float*>(base[D]) + off)...};
+    float* p[Depth] = {(kStagedType<T>   ? tile[D]
+                        : kInlineType<T> ? nullptr
+                                         : reinterpret_cast<float*>(base[D]) + off)...};
     ((((Op::read_mask >> D) & 1u) && kStagedType<T>
           ? load_tile(static_cast<const T*>(base[D]) + off, tile[D], n)
           : (void)0),
@@ -180,17 +242,22 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
       for (; i + L <= n; i += L) {
 #pragma GCC unroll 16
         for (int l = 0; l < L; ++l) {
-          float v[Depth] = {(((Op::read_mask >> D) & 1u) ? p[D][i + l] : 0.0f)...};
+          float v[Depth] = {
+              (((Op::read_mask >> D) & 1u) ? read_element<T>(base[D], p[D], off, i + l) : 0.0f)...};
           apply_op(op, v, lanes[l], off + i + l);
-          ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i + l] = v[D]) : (void)0), ...);
+          ((((Op::write_mask >> D) & 1u) ? write_element<T>(base[D], p[D], off, i + l, v[D])
+                                         : (void)0),
+           ...);
         }
       }
     }
 #pragma GCC ivdep
     for (; i < n; ++i) {
-      float v[Depth] = {(((Op::read_mask >> D) & 1u) ? p[D][i] : 0.0f)...};
+      float v[Depth] = {
+          (((Op::read_mask >> D) & 1u) ? read_element<T>(base[D], p[D], off, i) : 0.0f)...};
       apply_op(op, v, lanes[0], off + i);
-      ((((Op::write_mask >> D) & 1u) ? (void)(p[D][i] = v[D]) : (void)0), ...);
+      ((((Op::write_mask >> D) & 1u) ? write_element<T>(base[D], p[D], off, i, v[D]) : (void)0),
+       ...);
     }
     ((((Op::write_mask >> D) & 1u) && kStagedType<T>
           ? store_tile(tile[D], static_cast<T*>(base[D]) + off, n)

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <cmath>
+#include <tuple>
+#include <type_traits>
 
 #include "elementwise_ops.h"
 #include "stochastic_rounding.h"
@@ -68,22 +70,109 @@ struct OptimizerScalars {
 // template constant, so the variant without it stores nothing.
 constexpr unsigned grad_list_if(bool store_grad) { return store_grad ? 1u : 0u; }
 
+// NOTE: [Lean optimizer state]
+// The storage of an optimizer's own lists is a template argument of its functor, so one functor
+// serves every choice (no copy per dtype): fp32 masters or remainders (NOTE: [Remainder
+// masters] in host_device.h), and each moment in fp32 or bf16. The functor still sees float
+// values: the launchers widen bf16 moments exactly and round them back on store (to nearest
+// even), except where the functor rounds a moment itself, stochastically (`MomentRounding`),
+// so that the stored value is already a bf16 value and the store is exact.
+//
+// Why stochastic: a bf16 exp_avg_sq updated as beta2 * v + (1 - beta2) * g^2 with beta2 = 0.999
+// changes by 0.1% per step, less than half a bf16 ulp (2^-9 = 0.2% relative), so round to
+// nearest returns the old value: v neither decays nor follows a gradient that shrinks, and the
+// steps come out too small (docs/core.md shows the effect on a training run). Rounding up with
+// probability equal to the dropped fraction keeps v right on average.
+// Stochastic: bf16 moments are rounded stochastically by the functor (else to nearest even by
+// the store). A template constant, as `Rounded` is: the variant without it computes no random bits.
+template <typename MasterT = float, typename ExpAvgT = float, typename ExpAvgSqT = float,
+          bool Stochastic = false>
+struct StateStorage {
+  using Master = MasterT;
+  using ExpAvg = ExpAvgT;    // SGD: the momentum buffer
+  using ExpAvgSq = ExpAvgSqT;
+  static constexpr bool remainder = std::is_same_v<MasterT, Remainder16>;
+  static constexpr bool round_exp_avg = Stochastic && std::is_same_v<ExpAvgT, c10::BFloat16>;
+  static constexpr bool round_exp_avg_sq = Stochastic && std::is_same_v<ExpAvgSqT, c10::BFloat16>;
+  static constexpr bool rounds_moments = round_exp_avg || round_exp_avg_sq;
+};
+using FullPrecisionState = StateStorage<>;
+
+// The fp32 weight a step starts from: the master (fp32, or rebuilt from the bf16 weight and its
+// remainder) or the weight itself.
+template <typename Storage, bool HasMaster>
+PEAK_HD float load_weight(const float* v, int k_param, int k_weight) {
+  if constexpr (HasMaster && Storage::remainder) {
+    return master_from_remainder(v[k_param], v[k_weight]);
+  } else {
+    return v[k_weight];
+  }
+}
+
+// Stores the stepped master: as fp32 and its rounding to the model's dtype (by the launcher's
+// store), or split into the bf16 weight and the remainder.
+template <typename Storage>
+PEAK_HD void store_master(float* v, int k_param, int k_master, float w) {
+  if constexpr (Storage::remainder) {
+    split_master(w, v[k_param], v[k_master]);
+  } else {
+    v[k_master] = w;
+    v[k_param] = w;
+  }
+}
+
+// Stochastic rounding of bf16 moments (NOTE: [Lean optimizer state]). One hash per element
+// serves both moments (exp_avg takes its low 16 bits, exp_avg_sq its high 16): a function of
+// the element's index, its raw gradient and a key from the seed and the tensor's step count, as
+// for the weights (NOTE: [Stochastic rounding to bf16]): stateless, so a resumed run and every
+// launcher give the same bits. The seed is mixed apart from the weights' rounding seed.
+struct MomentRounding {
+  uint32_t seed = 0;
+  uint32_t key = 0;  // per tensor: seed and step count
+
+  PEAK_HD void set_seed(uint32_t s) { seed = mix32(s ^ 0x9E3779B9u); }
+  PEAK_HD void load_step(float step) { key = mix32(seed ^ mix32(float_bits(step))); }
+  PEAK_HD uint32_t random(float grad, int64_t index) const {
+    return mix32(float_bits(grad) ^ key ^ (static_cast<uint32_t>(index) * 0x9E3779B9u));
+  }
+  PEAK_HD static float low(float x, uint32_t r) { return stochastic_round_bf16(x, r); }
+  PEAK_HD static float high(float x, uint32_t r) { return stochastic_round_bf16(x, r >> 16); }
+};
+
+// The list storage types of an optimizer launch, in list order, as a tuple type.
+template <typename... T>
+using ListTypes = std::tuple<T...>;
+template <bool Cond, typename T>
+using ListIf = std::conditional_t<Cond, std::tuple<T>, std::tuple<>>;
+template <typename... Tuples>
+using ConcatLists = decltype(std::tuple_cat(std::declval<Tuples>()...));
+
 // `Rounded`: bf16 weights stepped without masters, stochastically rounded. A template
 // parameter, not a flag read per element: as a flag the vectorised loop computed the random
 // bits of every element and then threw them away (most of an fp32 step's time).
-template <bool HasMaster, bool Amsgrad, bool Rounded = false, bool StoreGrad = false>
+// Storage: NOTE: [Lean optimizer state] (max_exp_avg_sq is stored as exp_avg_sq is).
+template <bool HasMaster, bool Amsgrad, bool Rounded = false, bool StoreGrad = false,
+          typename Storage = FullPrecisionState>
 struct AdamOp : OpDefaults {
   static_assert(!(HasMaster && Rounded), "stochastic rounding is for weights without masters");
   static constexpr int kGrad = 0, kParam = 1;
-  static constexpr int kWeight = HasMaster ? 2 : 1;  // the fp32 weight stepped
+  static constexpr int kWeight = HasMaster ? 2 : 1;  // the fp32 weight stepped (or remainder)
   static constexpr int kExpAvg = kWeight + 1, kExpAvgSq = kWeight + 2, kMaxExpAvgSq = kWeight + 3;
   static constexpr int depth = kExpAvgSq + 1 + (Amsgrad ? 1 : 0);
-  static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
+  // Without a remainder the model weight is only written; with one it holds the high half.
+  static constexpr unsigned read_mask =
+      all_lists(depth) & ~(HasMaster && !Storage::remainder ? (1u << kParam) : 0u);
   static constexpr unsigned write_mask =
       (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
   static constexpr int tensor_scalars = 1;  // the step count
-  static constexpr bool indexed = Rounded;  // stochastic rounding's random bits
+  // Stochastic rounding's random bits (of the weights, or of bf16 moments).
+  static constexpr bool indexed = Rounded || Storage::rounds_moments;
+  static constexpr bool remainder_master = HasMaster && Storage::remainder;
   using State = NoState;
+  template <typename T>
+  using Lists = ConcatLists<ListTypes<T, T>, ListIf<HasMaster, typename Storage::Master>,
+                            ListTypes<typename Storage::ExpAvg, typename Storage::ExpAvgSq>,
+                            ListIf<Amsgrad, typename Storage::ExpAvgSq>>;
 
   OptimizerScalars s;
   // Hyperparameters as doubles, like torch's Python floats; the element math uses float values
@@ -101,6 +190,7 @@ struct AdamOp : OpDefaults {
   float step_size = 0.0f, inv_bias_correction2_sqrt = 1.0f;
   // bf16 weights without masters only (NOTE: [Stochastic rounding to bf16]).
   StochasticRounding rounding;
+  MomentRounding moment_rounding;  // bf16 moments only
 
   PEAK_HD void load_scalars() {
     s.load();
@@ -119,11 +209,12 @@ struct AdamOp : OpDefaults {
     step_size = static_cast<float>(s.lr.value / bc1);
     inv_bias_correction2_sqrt = static_cast<float>(1.0 / sqrt(bc2));
     if constexpr (Rounded) rounding.load_step(*p[0]);
+    if constexpr (Storage::rounds_moments) moment_rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
   PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
-    float w = v[kWeight];
+    float w = load_weight<Storage, HasMaster>(v, kParam, kWeight);
     const float g = fmaf(l2, w, sign * (v[kGrad] * s.grad_factor));
     w = w * decay_factor;
     const float m = fmaf(one_minus_beta1, g - v[kExpAvg], v[kExpAvg]);  // lerp, as torch
@@ -135,33 +226,44 @@ struct AdamOp : OpDefaults {
     }
     const float denom = sqrtf(second) * inv_bias_correction2_sqrt + eps;
     w = w - step_size * (m / denom);
-    v[kExpAvg] = m;
-    v[kExpAvgSq] = vsq;
-    v[kWeight] = w;
-    // The model's copy, rounded once to its dtype on store (or stochastically, then exact).
-    if constexpr (Rounded) {
-      v[kParam] = rounding.round(w, v[kGrad], index);
+    // The moments as computed (the next step's are rounded from what is stored, not from these).
+    [[maybe_unused]] uint32_t random = 0;
+    if constexpr (Storage::rounds_moments) random = moment_rounding.random(v[kGrad], index);
+    v[kExpAvg] = Storage::round_exp_avg ? MomentRounding::low(m, random) : m;
+    v[kExpAvgSq] = Storage::round_exp_avg_sq ? MomentRounding::high(vsq, random) : vsq;
+    if constexpr (HasMaster) {
+      store_master<Storage>(v, kParam, kWeight, w);
+    } else if constexpr (Rounded) {
+      // The model's copy, rounded stochastically, then stored exactly.
+      v[kWeight] = rounding.round(w, v[kGrad], index);
     } else {
-      v[kParam] = w;
+      v[kWeight] = w;  // (rounded once to its dtype on store)
     }
     if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;  // after the rounding's bits
   }
 };
 
-// Rounded, StoreGrad: as AdamOp.
-template <bool HasMaster, bool HasMomentum, bool Rounded = false, bool StoreGrad = false>
+// Rounded, StoreGrad, Storage: as AdamOp (Storage::ExpAvg is the momentum buffer's).
+template <bool HasMaster, bool HasMomentum, bool Rounded = false, bool StoreGrad = false,
+          typename Storage = FullPrecisionState>
 struct SgdOp : OpDefaults {
   static_assert(!(HasMaster && Rounded), "stochastic rounding is for weights without masters");
   static constexpr int kGrad = 0, kParam = 1;
   static constexpr int kWeight = HasMaster ? 2 : 1;
   static constexpr int kMomentum = kWeight + 1;
   static constexpr int depth = kWeight + 1 + (HasMomentum ? 1 : 0);
-  static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
+  static constexpr unsigned read_mask =
+      all_lists(depth) & ~(HasMaster && !Storage::remainder ? (1u << kParam) : 0u);
   static constexpr unsigned write_mask =
       (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
   static constexpr int tensor_scalars = 1;  // the step count: the first step seeds the momentum
-  static constexpr bool indexed = Rounded;  // stochastic rounding's random bits
+  static constexpr bool rounds_momentum = HasMomentum && Storage::round_exp_avg;
+  static constexpr bool indexed = Rounded || rounds_momentum;  // stochastic rounding's bits
+  static constexpr bool remainder_master = HasMaster && Storage::remainder;
   using State = NoState;
+  template <typename T>
+  using Lists = ConcatLists<ListTypes<T, T>, ListIf<HasMaster, typename Storage::Master>,
+                            ListIf<HasMomentum, typename Storage::ExpAvg>>;
 
   OptimizerScalars s;
   float momentum = 0.0f, weight_decay = 0.0f;
@@ -170,6 +272,7 @@ struct SgdOp : OpDefaults {
   bool first_step = false;
   float one_minus_dampening = 1.0f;
   StochasticRounding rounding;  // bf16 weights without masters only
+  MomentRounding moment_rounding;  // a bf16 momentum buffer only (its exp_avg key)
 
   PEAK_HD void load_scalars() {
     s.load();
@@ -178,23 +281,29 @@ struct SgdOp : OpDefaults {
   PEAK_HD void load_tensor_scalars(const float* const* p) {
     first_step = *p[0] <= 1.0f;
     if constexpr (Rounded) rounding.load_step(*p[0]);
+    if constexpr (rounds_momentum) moment_rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
   PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
-    float w = v[kWeight];
+    float w = load_weight<Storage, HasMaster>(v, kParam, kWeight);
     float g = fmaf(weight_decay, w, (maximize ? -1.0f : 1.0f) * (v[kGrad] * s.grad_factor));
     if constexpr (HasMomentum) {
       const float buf = first_step ? g : fmaf(one_minus_dampening, g, momentum * v[kMomentum]);
-      v[kMomentum] = buf;
+      if constexpr (rounds_momentum) {
+        v[kMomentum] = MomentRounding::low(buf, moment_rounding.random(v[kGrad], index));
+      } else {
+        v[kMomentum] = buf;
+      }
       g = nesterov ? fmaf(momentum, buf, g) : buf;
     }
     w = fmaf(-s.lr.value, g, w);
-    v[kWeight] = w;
-    if constexpr (Rounded) {
-      v[kParam] = rounding.round(w, v[kGrad], index);
+    if constexpr (HasMaster) {
+      store_master<Storage>(v, kParam, kWeight, w);
+    } else if constexpr (Rounded) {
+      v[kWeight] = rounding.round(w, v[kGrad], index);
     } else {
-      v[kParam] = w;
+      v[kWeight] = w;
     }
     if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;  // after the rounding's bits
   }
@@ -202,14 +311,20 @@ struct SgdOp : OpDefaults {
 
 // LAMB, as Apex's FusedLAMB (stage 1: moments and the raw update; stage 2: the per-tensor trust
 // ratio from the norms of the weights and of the update, computed between the stages).
-template <bool StoreGrad = false>  // as AdamOp
+// StoreGrad, Storage (its moments only: LAMB keeps fp32 masters): as AdamOp.
+template <bool StoreGrad = false, typename Storage = FullPrecisionState>
 struct LambStage1Op : OpDefaults {
+  static_assert(!Storage::remainder, "LAMB's trust ratio reads fp32 weights");
   static constexpr int kGrad = 0, kWeight = 1, kExpAvg = 2, kExpAvgSq = 3, kUpdate = 4;
   static constexpr int depth = 5;
   static constexpr unsigned read_mask = 0b01111;
   static constexpr unsigned write_mask = 0b11100 | grad_list_if(StoreGrad);
   static constexpr int tensor_scalars = 1;  // the step count
+  static constexpr bool indexed = Storage::rounds_moments;
   using State = NoState;
+  // T: the gradients'; W: the weights stepped (the masters, or the params without them).
+  template <typename T, typename W>
+  using Lists = ListTypes<T, W, typename Storage::ExpAvg, typename Storage::ExpAvgSq, float>;
 
   StepScalar grad_scale;
   StepScalar found_inf;
@@ -221,6 +336,7 @@ struct LambStage1Op : OpDefaults {
   float grad_divisor = 1.0f;  // grad_scale times the clipping factor
   float bias_correction1 = 1.0f, bias_correction2 = 1.0f;
   float beta1_f = 0.9f, beta2_f = 0.999f, beta3 = 0.1f, one_minus_beta2 = 0.001f;
+  MomentRounding moment_rounding;  // bf16 moments only
 
   PEAK_HD void load_scalars() {
     beta1_f = static_cast<float>(beta1);
@@ -238,10 +354,11 @@ struct LambStage1Op : OpDefaults {
     const double step = *p[0];
     bias_correction1 = bias_correction ? static_cast<float>(1.0 - pow(beta1, step)) : 1.0f;
     bias_correction2 = bias_correction ? static_cast<float>(1.0 - pow(beta2, step)) : 1.0f;
+    if constexpr (Storage::rounds_moments) moment_rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return found_inf.value != 0.0f; }
 
-  PEAK_HD void operator()(float* v, State&) const {
+  PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
     float g = v[kGrad] / grad_divisor;
     const float w = v[kWeight];
     if (!adam_w && weight_decay != 0.0f) g = fmaf(weight_decay, w, g);
@@ -249,8 +366,10 @@ struct LambStage1Op : OpDefaults {
     const float vsq = fmaf(one_minus_beta2, g * g, beta2_f * v[kExpAvgSq]);
     float update = (m / bias_correction1) / (sqrtf(vsq / bias_correction2) + eps);
     if (adam_w && weight_decay != 0.0f) update = fmaf(weight_decay, w, update);
-    v[kExpAvg] = m;
-    v[kExpAvgSq] = vsq;
+    [[maybe_unused]] uint32_t random = 0;
+    if constexpr (Storage::rounds_moments) random = moment_rounding.random(v[kGrad], index);
+    v[kExpAvg] = Storage::round_exp_avg ? MomentRounding::low(m, random) : m;
+    v[kExpAvgSq] = Storage::round_exp_avg_sq ? MomentRounding::high(vsq, random) : vsq;
     v[kUpdate] = update;
     if constexpr (StoreGrad) v[kGrad] = v[kGrad] / grad_scale.value;
   }

@@ -252,7 +252,9 @@ class AmpOptimizerState:
                 for p in self.fused_params:
                     if p.grad is None:
                         continue
-                    if opt._wants_master(p):
+                    # (A master kept as a remainder has no fp32 tensor: its bf16 param's
+                    # gradient is unscaled in place, exactly, as an fp32 param's is.)
+                    if opt._wants_master(p) and not opt._wants_remainder(p):
                         state = opt.state[p]
                         if "master_param" not in state:
                             state["master_param"] = p.detach().to(torch.float32, copy=True)

@@ -7,11 +7,18 @@ Used alone they are ordinary torch optimizers (fp32 models: no masters; fp16/bf1
 fp32 masters in ``optimizer.state[p]["master_param"]``, saved by ``state_dict()``). With
 ``peak.amp.GradScaler`` or ``amp.initialize(..., opt_level="O2")`` the unscale and the overflow
 skip happen inside the step. ``LARC`` wraps any optimizer (Apex's ``apex.parallel.LARC``).
+
+Lean state (bf16 models): ``store_param_remainders=True`` keeps each master as the 16 bits the
+bf16 weight drops, and ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (SGD: ``momentum_dtype``) may be
+``torch.bfloat16``: 10 bytes per parameter instead of 16; ``memory_report(model, optimizer)``
+shows where they go. See "Lean optimizer state" in docs/core.md.
 """
-from ._base import FusedOptimizer, export_fp32_state_dict
+from ._base import FusedOptimizer, export_fp32_state_dict, join_remainder, split_master
+from ._memory import MemoryReport, memory_report
 from .fused import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedMixedPrecisionLamb,
                     FusedNovoGrad, FusedSGD)
 from .larc import LARC
 
 __all__ = ["FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB", "FusedMixedPrecisionLamb",
-           "FusedAdagrad", "FusedNovoGrad", "LARC", "FusedOptimizer", "export_fp32_state_dict"]
+           "FusedAdagrad", "FusedNovoGrad", "LARC", "FusedOptimizer", "export_fp32_state_dict",
+           "memory_report", "MemoryReport", "join_remainder", "split_master"]

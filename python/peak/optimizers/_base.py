@@ -13,10 +13,50 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-# State entries kept in fp32 whatever the parameter's dtype (torch's Optimizer.load_state_dict
-# would cast them to the parameter's dtype: we restore them ourselves).
+# State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
+# Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
+# fp32, or the lean storage a group asks for (see "Lean optimizer state" in docs/core.md).
 FP32_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                   "sum", "master_param")
+                   "sum", "master_param", "master_param_remainder")
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+REMAINDER_KEY = "master_param_remainder"
+LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
+             "moment_rounding")
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
+    """The fp32 master held as a bf16 ``weight`` and its int16 ``remainder`` (the low 16 bits; a
+    negative remainder means the weight was rounded up): NOTE: [Remainder masters]."""
+    high = weight.view(torch.int16).to(torch.int32) & 0xFFFF
+    low = remainder.to(torch.int32) & 0xFFFF
+    high = (high - (low >> 15)) & 0xFFFF
+    bits = (high.to(torch.int64) << 16) | low.to(torch.int64)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`join_remainder`: (bf16 weight, int16 remainder) with the weight the
+    master rounded half away from zero in magnitude (round to nearest, ties up in magnitude)."""
+    bits = master.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    bits = bits & 0xFFFFFFFF
+    low = bits & 0xFFFF
+    high = ((bits >> 16) + (low >> 15)) & 0xFFFF
+    as_int16 = lambda x: torch.where(x >= 2**15, x - 2**16, x).to(torch.int16)  # noqa: E731
+    return as_int16(high).view(torch.bfloat16), as_int16(low)
+
+
+def _check_moment_dtype(name, value):
+    if value not in _MOMENT_DTYPES:
+        raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, got {value!r} "
+                         "(8-bit block-quantized moments are not provided yet)")
+
+
+def _check_moment_rounding(value):
+    if value not in ("stochastic", "nearest"):
+        raise ValueError(f"moment_rounding must be 'stochastic' (bf16 moments rounded up or down "
+                         f"at random, in proportion; the default) or 'nearest', got {value!r}")
 
 
 def _check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
@@ -45,7 +85,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, master_weights: bool | None = None,
                  stochastic_rounding: bool = False, set_grad_none: bool = True,
-                 store_unscaled_grads: bool = True, capturable: bool = False):
+                 store_unscaled_grads: bool = True, capturable: bool = False,
+                 lean: dict | None = None):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None (auto), True or False, got "
                              f"{master_weights!r}")
@@ -75,9 +116,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         # capturable (torch's and Apex's name): peak's step always keeps its counts and scalars
         # on the device and never syncs with the host, which is what capturable=True asks for;
         # False is accepted for the same step. Kept in the groups, as torch keeps it.
+        # Lean state (store_param_remainders, moment dtypes, moment_rounding): per group, so
+        # that checkpoints carry it; see "Lean optimizer state" in docs/core.md.
+        lean = dict(lean or {})
+        if lean:
+            if not isinstance(lean.get("store_param_remainders", False), bool):
+                raise ValueError("store_param_remainders must be True or False, got "
+                                 f"{lean['store_param_remainders']!r}")
+            if lean.get("store_param_remainders") and master_weights is False:
+                raise ValueError("store_param_remainders=True keeps the masters of bf16 weights as "
+                                 "16-bit remainders; it needs master weights: leave "
+                                 "master_weights=None (or True)")
+            for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
+                if key in lean:
+                    _check_moment_dtype(key, lean[key])
+            _check_moment_rounding(lean.get("moment_rounding", "stochastic"))
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
                         stochastic_rounding_seed=torch.initial_seed() % 2**32,
-                        capturable=capturable)
+                        capturable=capturable, **lean)
         super().__init__(params, defaults)
         # What a param group of ours holds (torch's __setstate__ adds 'differentiable' and others
         # to self.defaults later; they are not copied into loaded groups).
@@ -105,6 +161,35 @@ class FusedOptimizer(torch.optim.Optimizer):
                             f"parameters; got a {p.dtype} parameter")
         return self.master_weights is not False
 
+    def _wants_remainder(self, p: Tensor, group: dict | None = None) -> bool:
+        """p's master is kept as a 16-bit remainder (NOTE: [Remainder masters])."""
+        if group is None:
+            if not any(g.get("store_param_remainders", False) for g in self.param_groups):
+                return False  # (the common case, without a search for p's group)
+            group = self._group_of(p)
+        if not group.get("store_param_remainders", False) or not self._wants_master(p):
+            return False
+        if p.dtype != torch.bfloat16:
+            raise TypeError(
+                f"{type(self).__name__}(store_param_remainders=True) keeps bf16 weights' masters as "
+                f"the 16 bits the weight drops; this group has a {p.dtype} parameter, which has "
+                "no exact 16-bit remainder. Use a bfloat16 model, or keep fp32 masters "
+                "(store_param_remainders=False), or step without masters "
+                "(master_weights=False, with stochastic_rounding=True for bf16)")
+        return True
+
+    def _group_of(self, p: Tensor) -> dict:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    def _state_dtype(self, group: dict, key: str) -> torch.dtype:
+        """The storage dtype of a moment ``key`` in ``group`` (fp32 unless the group asks)."""
+        if key in ("exp_avg", "momentum_buffer"):
+            return group.get("momentum_dtype" if key == "momentum_buffer" else "exp_avg_dtype",
+                             torch.float32)
+        if key == "exp_avg_sq":
+            return group.get("exp_avg_sq_dtype", torch.float32)
+        return torch.float32
+
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self.state[p]
         if "step" not in state:
@@ -113,12 +198,35 @@ class FusedOptimizer(torch.optim.Optimizer):
         # warm-up from 0, amsgrad), and its state then starts here, as torch's would.
         for key in self._state_keys_for(group):
             if key not in state:
-                state[key] = torch.zeros_like(p, dtype=torch.float32,
+                state[key] = torch.zeros_like(p, dtype=self._state_dtype(group, key),
                                               memory_format=torch.preserve_format)
                 self._state_started(state, key)
-        if self._wants_master(p) and "master_param" not in state:
+        if self._wants_remainder(p, group):
+            if REMAINDER_KEY not in state:
+                master = state.pop("master_param", None)  # (amp O2's exact fp32 original)
+                if master is None:
+                    state[REMAINDER_KEY] = torch.zeros_like(p, dtype=torch.int16)
+                else:
+                    self._set_from_master(p, state, master)
+        elif self._wants_master(p) and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True)
         return state
+
+    @staticmethod
+    def _set_from_master(p: Tensor, state: dict, master: Tensor) -> None:
+        """Keep an fp32 ``master`` as p's remainder, p its rounding (NOTE: [Remainder masters])."""
+        weight, remainder = split_master(master.to(p.device))
+        with torch.no_grad():
+            p.copy_(weight.view(p.shape))
+        state[REMAINDER_KEY] = torch.empty_like(p, dtype=torch.int16).copy_(
+            remainder.view(p.shape))
+
+    @staticmethod
+    def _master_list_entry(state: dict):
+        """What the kernel's master_params list holds for a parameter: its fp32 master or its
+        int16 remainder (None: no master)."""
+        master = state.get("master_param")
+        return master if master is not None else state.get(REMAINDER_KEY)
 
     def _state_keys_for(self, group: dict) -> tuple[str, ...]:
         return self._state_keys
@@ -129,7 +237,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def master_params(self):
         """The fp32 weights the optimizer steps: the master copy where there is one, else the
         parameter itself (for gradient clipping on the values being updated)."""
-        for group in self.param_groups:
+        for group in self.param_groups:  # (remainders: the bf16 param, half of its master)
             for p in group["params"]:
                 yield self.state[p].get("master_param", p) if p in self.state else p
 
@@ -215,7 +323,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                     f"{p.dtype}; {type(self).__name__} reads gradients in the "
                                     f"parameter's dtype")
                 state = self._init_state(p, group)
-                master = state.get("master_param")
+                master = self._master_list_entry(state)
                 if master is not None and master.grad is not None:
                     buckets[(p.device, p.dtype, _MASTER_GRADS)].append(p)
                 else:
@@ -233,7 +341,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 grads = [self._grad_like_param(p) for p in params]
                 self._launch(group, params, grads,
-                             [s["master_param"] for s in states] if kind else [],
+                             [self._master_list_entry(s) for s in states] if kind else [],
                              states, lr_t, gs, fi)
                 if self._step_store_grads:
                     for p, g in zip(params, grads):
@@ -284,6 +392,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             return None
         return int(group["stochastic_rounding_seed"])
 
+    def _moment_args(self, group: dict, states: list) -> dict:
+        """The kernel's moment_rounding_seed for a bucket: stochastic rounding of bf16 moments
+        unless the group asks for round to nearest (NOTE: [Lean optimizer state])."""
+        lean = any(t.dtype == torch.bfloat16 for s in states[:1] for k, t in s.items()
+                   if k in MOMENT_KEYS)
+        if not lean or group.get("moment_rounding", "stochastic") != "stochastic":
+            return {}
+        # Its own key, apart from the weights' stochastic rounding (mixed in by the kernel).
+        return {"moment_rounding_seed": int(group["stochastic_rounding_seed"])}
+
     def _clip_args(self, group: dict, device) -> dict:
         """The kernel's clipping arguments for one bucket (NOTE: [Clipping inside the step])."""
         max_norm = float(group.get("max_grad_norm", 0.0))
@@ -329,7 +447,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 group = {k: v for k, v in group.items() if k != "step"}
             groups.append(group)
         stripped["param_groups"] = groups
+        # The storage of the state is this optimizer's choice, not the checkpoint's: a checkpoint
+        # saved with fp32 state loads into a lean optimizer (and back), converted below.
+        storage = [{k: g[k] for k in LEAN_KEYS if k in g} for g in self.param_groups]
         super().load_state_dict(stripped)
+        for group, own in zip(self.param_groups, storage):
+            group.update(own)
         own_keys = getattr(self, "_group_keys", tuple(self.defaults))
         for group in self.param_groups:  # a torch.optim checkpoint lacks our own options
             self._translate_torch_group(group)
@@ -344,13 +467,42 @@ class FusedOptimizer(torch.optim.Optimizer):
             if p is None:
                 continue
             state = self.state[p]
+            group = self._group_of(p)
             for key, value in entries.items():
+                if key in ("master_param", REMAINDER_KEY):
+                    continue  # below: the masters follow this optimizer's choice
                 if isinstance(value, Tensor):
                     value = value.reshape(()) if key == "step" and value.numel() == 1 else value
-                    state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+                    # Moments in this group's storage: fp32 -> bf16 rounds to nearest even,
+                    # bf16 -> fp32 is exact; same dtype is a bit-for-bit copy.
+                    state[key] = value.to(device=p.device, dtype=self._state_dtype(group, key),
+                                          copy=True)
                 else:  # a Python number (older torch 'step', Apex's group step)
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
+            self._load_master(p, state, group, entries)
             self._complete_loaded_state(p, state)
+
+    def _load_master(self, p: Tensor, state: dict, group: dict, entries: dict) -> None:
+        """A saved master into this optimizer's form: a remainder as it is, or rebuilt into an
+        fp32 master with p's current (bf16) value, which must be the weight saved with it (load
+        the model's state_dict too); an fp32 master as it is, or split into p's rounding (ties
+        rounded up in magnitude, NOTE: [Remainder masters]) and a remainder."""
+        state.pop("master_param", None)
+        state.pop(REMAINDER_KEY, None)
+        master = entries.get("master_param")
+        remainder = entries.get(REMAINDER_KEY)
+        if remainder is not None:
+            remainder = remainder.to(device=p.device, dtype=torch.int16)
+            if self._wants_remainder(p, group):
+                state[REMAINDER_KEY] = remainder.clone()
+                return
+            master = join_remainder(p.detach(), remainder)
+        if master is None:
+            return  # _complete_loaded_state starts from the weights
+        if self._wants_remainder(p, group):
+            self._set_from_master(p, state, master)
+        elif self._wants_master(p):
+            state["master_param"] = master.to(device=p.device, dtype=torch.float32, copy=True)
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""
@@ -361,7 +513,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         if state["step"].dim() != 0:
             state["step"] = state["step"].reshape(())
-        if self._wants_master(p) and "master_param" not in state:
+        if self._wants_remainder(p):
+            if REMAINDER_KEY not in state:
+                state[REMAINDER_KEY] = torch.zeros_like(p, dtype=torch.int16)
+        elif self._wants_master(p) and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True)
 
 
@@ -386,6 +541,8 @@ def _masters_of(optimizer) -> dict[int, Tensor]:
             st = optimizer.state.get(p, {})
             if "master_param" in st:
                 masters[id(p)] = st["master_param"]
+            elif REMAINDER_KEY in st:  # the exact fp32 master, rebuilt from weight and remainder
+                masters[id(p)] = join_remainder(p.detach(), st[REMAINDER_KEY])
     return masters
 
 

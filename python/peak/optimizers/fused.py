@@ -25,13 +25,16 @@ class FusedSGD(FusedOptimizer):
     ``stochastic_rounding=True`` (with ``master_weights=False``) rounds bf16 weights stepped
     directly up or down at random, in proportion (see "Stochastic rounding" in docs/core.md).
     ``max_grad_norm > 0`` clips by the global norm of all the optimizer's gradients inside the
-    step, as ``torch.nn.utils.clip_grad_norm_`` would (see "Clipping inside the step")."""
+    step, as ``torch.nn.utils.clip_grad_norm_`` would (see "Clipping inside the step").
+    ``store_param_remainders``, ``momentum_dtype`` (the buffer's storage) and ``moment_rounding``
+    as :class:`FusedAdam`'s lean options."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
                  set_grad_none=True, *, maximize=False, master_weights=None,
                  stochastic_rounding=False, max_grad_norm=0.0, capturable=False,
-                 store_unscaled_grads=True):
+                 store_unscaled_grads=True, store_param_remainders=False,
+                 momentum_dtype=torch.float32, moment_rounding="stochastic"):
         # Apex's FusedSGD arguments, in Apex's positions; its two variants are not provided.
         if wd_after_momentum:
             raise NotImplementedError(
@@ -48,8 +51,10 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, max_grad_norm=float(max_grad_norm))
+        lean = dict(store_param_remainders=store_param_remainders, momentum_dtype=momentum_dtype,
+                    moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
-                         store_unscaled_grads, capturable)
+                         store_unscaled_grads, capturable, lean=lean)
 
     def _state_keys_for(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
@@ -68,6 +73,7 @@ class FusedSGD(FusedOptimizer):
                                   group["nesterov"], group["maximize"], grad_scale, found_inf,
                                   stochastic_rounding_seed=self._rounding_seed(group, params),
                                   store_unscaled_grads=self._step_store_grads,
+                                  **self._moment_args(group, states),
                                   **self._clip_args(group, lr.device))
 
     def _complete_loaded_state(self, p, state):
@@ -82,13 +88,23 @@ class FusedAdam(FusedOptimizer):
     / ``AdamW``; ``amsgrad``, ``bias_correction`` and ``set_grad_none`` as Apex's FusedAdam.
     The arguments are in torch.optim.Adam's order and ``adam_w_mode`` defaults to False (torch's
     Adam); Apex's FusedAdam defaults to AdamW: pass ``adam_w_mode=True`` for Apex's behaviour.
-    ``master_weights``, ``stochastic_rounding`` and ``max_grad_norm`` as for :class:`FusedSGD`."""
+    ``master_weights``, ``stochastic_rounding`` and ``max_grad_norm`` as for :class:`FusedSGD`.
+
+    Lean state (see "Lean optimizer state" in docs/core.md): ``store_param_remainders=True``
+    keeps the master of each bf16 parameter as the 16 low bits its bf16 weight drops (exact fp32
+    masters in 2 bytes; the weight is the master rounded to nearest with ties away from zero);
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``torch.float32`` or ``torch.bfloat16``) choose the
+    moments' storage, rounded stochastically (``moment_rounding="stochastic"``, the default) or
+    to nearest even (``"nearest"``). All of them with a bf16 model: 10 bytes per parameter for
+    weights, gradients and optimizer state, against 16 for fp32 state."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
                  master_weights=None, stochastic_rounding=False, max_grad_norm=0.0,
                  set_grad_none=True, capturable=False, materialize_master_grads=True,
-                 store_unscaled_grads=True):
+                 store_unscaled_grads=True, store_param_remainders=False,
+                 exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                 moment_rounding="stochastic"):
         _check_hyper("learning rate", lr, lo=0.0)
         _check_hyper("epsilon value", eps, lo=0.0)
         _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
@@ -100,8 +116,13 @@ class FusedAdam(FusedOptimizer):
                         bias_correction=bias_correction, maximize=maximize,
                         max_grad_norm=float(max_grad_norm))
         _check_materialize(materialize_master_grads)
+        if amsgrad and (exp_avg_dtype != torch.float32 or exp_avg_sq_dtype != torch.float32):
+            raise ValueError("amsgrad=True keeps fp32 moments: leave exp_avg_dtype and "
+                             "exp_avg_sq_dtype at torch.float32, or set amsgrad=False")
+        lean = dict(store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
+                    exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
-                         store_unscaled_grads, capturable)
+                         store_unscaled_grads, capturable, lean=lean)
 
     def _state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -132,6 +153,7 @@ class FusedAdam(FusedOptimizer):
             grad_scale, found_inf,
             stochastic_rounding_seed=self._rounding_seed(group, params),
             store_unscaled_grads=self._step_store_grads,
+            **self._moment_args(group, states),
             **self._clip_args(group, lr.device))
 
     def _complete_loaded_state(self, p, state):
@@ -144,13 +166,22 @@ class FusedAdam(FusedOptimizer):
 class FusedLAMB(FusedOptimizer):
     """LAMB as Apex's FusedLAMB: Adam moments on globally norm-clipped gradients, then a
     per-tensor trust ratio ``||w|| / ||update||`` (applied when ``weight_decay != 0`` or
-    ``use_nvlamb``). ``max_grad_norm=0`` disables clipping."""
+    ``use_nvlamb``). ``max_grad_norm=0`` disables clipping. ``exp_avg_dtype``,
+    ``exp_avg_sq_dtype`` and ``moment_rounding`` as :class:`FusedAdam`'s (LAMB keeps fp32 masters:
+    its trust ratio takes the norm of the fp32 weights)."""
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
                  set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, *,
                  master_weights=None, capturable=False, materialize_master_grads=True,
-                 store_unscaled_grads=True):
+                 store_unscaled_grads=True, exp_avg_dtype=torch.float32,
+                 exp_avg_sq_dtype=torch.float32, moment_rounding="stochastic",
+                 store_param_remainders=False):
+        if store_param_remainders:
+            raise ValueError("FusedLAMB keeps fp32 masters (its trust ratio takes the norm of the "
+                             "fp32 weights): store_param_remainders=True is for FusedAdam and "
+                             "FusedSGD. bf16 moments (exp_avg_dtype, exp_avg_sq_dtype) are "
+                             "available here")
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         _check_hyper("learning rate", lr, lo=0.0)
@@ -164,8 +195,11 @@ class FusedLAMB(FusedOptimizer):
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         use_nvlamb=use_nvlamb)
         _check_materialize(materialize_master_grads)
+        lean = dict(exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
+                    moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, set_grad_none=set_grad_none,
-                         store_unscaled_grads=store_unscaled_grads, capturable=capturable)
+                         store_unscaled_grads=store_unscaled_grads, capturable=capturable,
+                         lean=lean)
 
     _state_keys = ("exp_avg", "exp_avg_sq")
 
@@ -181,7 +215,8 @@ class FusedLAMB(FusedOptimizer):
             [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
             group["eps"], group["weight_decay"], group["adam_w_mode"], group["grad_averaging"],
             group["bias_correction"], group["max_grad_norm"], group["use_nvlamb"], norm,
-            grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)
+            grad_scale, found_inf, store_unscaled_grads=self._step_store_grads,
+            **self._moment_args(group, states))
 
 
 class FusedAdamW(FusedAdam):
