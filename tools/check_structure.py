@@ -1,10 +1,13 @@
-"""The structure measures of issue #15, printed and checked (``make lint``, tests/test_structure.py).
+"""The structure measures of issue #15, printed and checked (``make lint``, tests/build/test_structure.py).
 
 1. no import cycle between the modules of python/peak (imports parsed with ast, the ones inside
    functions included: a lazy import is still a dependency);
 2. no module of python/peak/amp reads a private name (``_x``) of another peak module;
 3. no file in python/peak or csrc over MAX_LINES lines;
-4. python/peak/amp plus the scaling core at most AMP_BUDGET lines.
+4. python/peak/amp plus the scaling core at most AMP_BUDGET lines;
+5. the C++ op layer: one TORCH_LIBRARY(peak) block; nothing in csrc/ops or csrc/core includes
+   csrc/bindings; the test-only twins (peak_emulated, peak._C.emulated) only in csrc/testing,
+   which CMake builds only under PEAK_TEST_TWINS; torch.ops.peak called only by peak/ops.py.
 
 Exit status 1 when a check fails. ``--known FILE`` (repeatable) tolerates an over-long file that
 is being reduced elsewhere: it is still printed, marked "known".
@@ -184,6 +187,34 @@ def amp_lines() -> tuple[int, list[tuple[str, int]]]:
     return sum(c for _, c in counts), counts
 
 
+def op_layer_problems() -> list[str]:
+    """What breaks measure 5 (empty when the op layer is as designed)."""
+    problems = []
+    csrc = ROOT / "csrc"
+    sources = [p for p in sorted(csrc.rglob("*")) if p.suffix in SOURCE_SUFFIXES]
+    blocks = [str(p.relative_to(ROOT)) for p in sources
+              for line in p.read_text().splitlines() if line.startswith("TORCH_LIBRARY(peak,")]
+    if len(blocks) != 1:
+        problems.append(f"TORCH_LIBRARY(peak, ...) blocks: {blocks} (want exactly one)")
+    for p in sources:
+        rel = p.relative_to(csrc)
+        text = p.read_text()
+        if rel.parts[0] in ("ops", "core") and "bindings/" in "".join(
+                line for line in text.splitlines() if line.startswith("#include")):
+            problems.append(f"csrc/{rel} includes from csrc/bindings")
+        if rel.parts[0] != "testing" and ("TORCH_LIBRARY(peak_emulated" in text
+                                          or "struct EmulatedExec" in text):
+            problems.append(f"csrc/{rel} holds test-only twin code (belongs in csrc/testing)")
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    guarded = cmake.split("if(PEAK_TEST_TWINS)", 1)
+    if "csrc/testing/emulated" in guarded[0] or len(guarded) < 2:
+        problems.append("CMakeLists.txt builds csrc/testing outside if(PEAK_TEST_TWINS)")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "ops.py" and "torch.ops.peak" in path.read_text():
+            problems.append(f"{path.relative_to(ROOT)} calls torch.ops.peak (peak.ops is the way in)")
+    return problems
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--known", action="append", default=[],
@@ -220,6 +251,13 @@ def main(argv=None) -> int:
     if total > AMP_BUDGET:
         print("  over budget" + (" (known)" if args.amp_budget_known else ""))
         failed |= not args.amp_budget_known
+
+    problems = op_layer_problems()
+    print(f"C++ op layer (one TORCH_LIBRARY block, ops apart from bindings, test twins apart): "
+          f"{len(problems)} problems")
+    for p in problems:
+        print("  ", p)
+    failed |= bool(problems)
 
     print("structure: " + ("FAILED" if failed else "ok"))
     return 1 if failed else 0

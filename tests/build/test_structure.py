@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import check_structure  # noqa: E402
@@ -33,6 +33,10 @@ def test_no_private_names_read_across_amp_modules():
 def test_no_long_files_but_the_known_ones():
     long = dict(check_structure.long_files())
     assert set(long) <= set(KNOWN_LONG), long
+
+
+def test_op_layer_is_one_library_apart_from_bindings_and_test_twins():
+    assert check_structure.op_layer_problems() == []
 
 
 def test_script_prints_the_measures():
