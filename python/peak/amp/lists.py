@@ -149,10 +149,15 @@ def reset() -> None:
 
 
 def set_dispatch(dispatch: str) -> None:
-    """How the next O1 ``initialize`` dispatches casts: ``"patch"`` (default: C++ wrappers in place
-    of the listed callables; unlisted ops pay nothing) or ``"mode"`` (a TorchFunctionMode with a
-    C++ handler: sees every call, also in autograd's worker threads). See docs/caster.md."""
-    _caster.set_default_dispatch(dispatch)
+    """Kept for scripts written for earlier peak: O1 has one dispatch, ``"patch"`` (C++ wrappers
+    in place of the listed callables; unlisted ops pay nothing), so this accepts only that.
+    The ``"mode"`` dispatch was removed (docs/caster.md, "One dispatch")."""
+    if dispatch == "mode":
+        raise ValueError("lists.set_dispatch('mode'): the TorchFunctionMode dispatch was removed; "
+                         "O1 always uses the patch dispatch, which casts the same ops at lower "
+                         "cost. Delete the set_dispatch call (see docs/caster.md, 'One dispatch')")
+    if dispatch != "patch":
+        raise ValueError(f"dispatch must be 'patch' (O1's only dispatch), got {dispatch!r}")
 
 
 def set_allow_banned(allow: bool) -> None:
