@@ -10,6 +10,10 @@
 
 namespace peak::caster {
 
+// `t` cast to `to` (a new tensor, visible to autograd); with `use_cache`, an fp32 leaf that
+// requires grad goes through this thread's weight-cast cache (cache.cpp).
+at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache);
+
 // Cast the arguments as `p` says and call `func` with torch's autocast keys excluded (so
 // torch.autocast, if also on, does not re-cast this op). New reference or nullptr.
 // `g`: whose state casts (its low dtype, allow_banned; its own state may use the cache).

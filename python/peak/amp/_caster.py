@@ -335,15 +335,19 @@ def index() -> dict:
         return _sites
     import torch.nn.functional as F  # noqa: PLC0415
 
-    # Not torch._C._nn: F's builtins (F.linear, F.gelu) live there too, and pickle finds a
-    # builtin by its __module__ (torch._C._nn): patching it there would make a model that holds
-    # F.gelu (e.g. an activation module) unpicklable while O1 is on.
-    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse]
+    # torch._C._nn last, and only for what lives nowhere else (F.interpolate calls
+    # torch._C._nn.upsample_nearest2d): F's builtins (F.linear, F.gelu) live there too, and pickle
+    # finds a builtin by its __module__ (torch._C._nn): patching them there would make a model that
+    # holds F.gelu (e.g. an activation module) unpicklable while O1 is on.
+    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse,
+              torch._C._nn]
     for owner in owners:
         for name in dir(owner):
             try:
                 obj = getattr(owner, name)
             except Exception:  # noqa: BLE001 (some attributes raise on access)
+                continue
+            if owner is torch._C._nn and id(obj) in _sites:
                 continue
             if callable(obj) and not isinstance(obj, type):
                 _sites.setdefault(id(obj), []).append((owner, name))
