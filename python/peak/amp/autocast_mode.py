@@ -33,63 +33,7 @@ __all__ = ["autocast", "custom_fwd", "custom_bwd", "TORCH_AUTOCAST_LISTS",
            "TORCH_AUTOCAST_LIST_CHANGES"]
 
 
-def _cuda_lists() -> dict:
-    """torch's CUDA lists (which also serve XPU, MTIA, MAIA), read from torch's own header
-    (``AT_FORALL_*`` in ATen/autocast_mode.h, expanded by peak._C), plus the three ops registered
-    outside those macros (cuDNN's convolutions and the banned ``binary_cross_entropy``)."""
-    lists = {policy: tuple(ops) for policy, ops in _C.caster.torch_autocast_lists().items()}
-    lists["lower_precision_fp"] += ("cudnn_convolution", "cudnn_convolution_transpose")
-    lists["banned"] = ("binary_cross_entropy",)
-    return lists
-
-
-#: torch 2.13's autocast op lists (aten op[.overload] names), by device type and cast policy.
-#: The CUDA lists are torch's own (its header); the CPU lists exist only inside ATen's
-#: autocast_mode.cpp, which torch does not expose, so they are copied here from it. The
-#: dispatcher tells which ops have an autocast kernel but not their policy: tests/torch_dialect
-#: checks both tables against the kernels registered on AutocastCPU / AutocastCUDA.
-TORCH_AUTOCAST_LISTS = {
-    "cpu": {
-        "lower_precision_fp": (
-            'conv1d', 'conv1d.padding', 'conv2d', 'conv2d.padding', 'conv3d', 'conv3d.padding',
-            'bmm', 'mm', 'linalg_vecdot', 'baddbmm', 'addmm', '_addmm_activation', 'addbmm',
-            'linear', '_convolution.deprecated', 'matmul', 'conv_tbc', 'mkldnn_rnn_layer',
-            'conv_transpose1d', 'conv_transpose2d.input', 'conv_transpose3d.input', 'prelu',
-            'scaled_dot_product_attention', '_native_multi_head_attention',
-        ),
-        "fp32": (
-            '_grid_sampler_2d_cpu_fallback', '_lu_with_info', 'adaptive_avg_pool3d',
-            'adaptive_max_pool3d', 'avg_pool3d', 'binary_cross_entropy',
-            'binary_cross_entropy_with_logits', 'cdist', 'cholesky', 'cholesky_inverse',
-            'cholesky_solve', 'cosine_embedding_loss', 'cross_entropy_loss', 'ctc_loss.IntList',
-            'ctc_loss.Tensor', 'fake_quantize_per_tensor_affine', 'fft_fft', 'fft_fft2', 'fft_fftn',
-            'fft_hfft', 'fft_ifft', 'fft_ifft2', 'fft_ifftn', 'fft_ihfft', 'fft_irfft',
-            'fft_irfft2', 'fft_irfftn', 'fft_rfft', 'fft_rfft2', 'fft_rfftn',
-            'fractional_max_pool2d', 'fractional_max_pool3d', 'geqrf', 'grid_sampler',
-            'grid_sampler_2d', 'grid_sampler_3d', 'hinge_embedding_loss', 'huber_loss', 'inverse',
-            'kl_div', 'l1_loss', 'linalg_cholesky', 'linalg_cholesky_ex', 'linalg_cond',
-            'linalg_cond.p_str', 'linalg_eig', 'linalg_eigh', 'linalg_eigvals', 'linalg_eigvalsh',
-            'linalg_householder_product', 'linalg_inv', 'linalg_inv_ex', 'linalg_lstsq',
-            'linalg_matrix_rank', 'linalg_matrix_rank.atol_rtol_float',
-            'linalg_matrix_rank.atol_rtol_tensor', 'linalg_matrix_rank.tol_tensor', 'linalg_qr',
-            'linalg_solve', 'linalg_svd', 'linalg_svdvals', 'linalg_tensorinv',
-            'linalg_tensorsolve', 'lu_solve', 'margin_ranking_loss', 'max_pool3d', 'max_unpool2d',
-            'max_unpool3d', 'mse_loss', 'multi_margin_loss', 'multilabel_margin_loss',
-            'multilabel_margin_loss_forward', 'nanquantile', 'nanquantile.scalar', 'nll_loss',
-            'nll_loss2d', 'orgqr', 'ormqr', 'pinverse', 'poisson_nll_loss', 'polar', 'prod',
-            'prod.dim_int', 'qr', 'quantile', 'quantile.scalar', 'reflection_pad1d',
-            'reflection_pad2d', 'replication_pad1d', 'replication_pad2d', 'replication_pad3d',
-            'smooth_l1_loss', 'soft_margin_loss', 'stft', 'stft.center', 'svd', 'trace',
-            'triangular_solve', 'triplet_margin_loss', 'view_as_complex',
-        ),
-        "promote": (
-            'stack', 'cat', 'index_copy',
-        ),
-    },
-    "cuda": _cuda_lists(),
-}
-
-#: How other supported torch releases differ from the 2.13 lists above (read off their dispatchers;
+#: How other supported torch releases differ from the 2.13 lists (read off their dispatchers;
 #: tests/torch_dialect checks it): ops added to / removed from each device's autocast set.
 TORCH_AUTOCAST_LIST_CHANGES = {
     (2, 14): {
@@ -97,6 +41,49 @@ TORCH_AUTOCAST_LIST_CHANGES = {
         "cuda": {"added": ("_cudnn_rnn", "linalg_matrix_sqrth"), "removed": ()},
     },
 }
+
+#: The CPU lists' lower-precision and promote ops. torch keeps its CPU lists inside ATen's
+#: autocast_mode.cpp and exposes only which ops have an AutocastCPU kernel (the dispatcher), not
+#: their policy: these two are named here, and every other op with a kernel is fp32.
+_CPU_NOT_FP32 = {
+    "lower_precision_fp": (
+        "conv1d", "conv1d.padding", "conv2d", "conv2d.padding", "conv3d", "conv3d.padding",
+        "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "_addmm_activation", "addbmm",
+        "linear", "_convolution.deprecated", "matmul", "conv_tbc", "mkldnn_rnn_layer",
+        "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "prelu",
+        "scaled_dot_product_attention", "_native_multi_head_attention",
+    ),
+    "promote": ("stack", "cat", "index_copy"),
+}
+
+
+def _torch_lists() -> dict:
+    """torch 2.13's autocast op lists (aten ``op[.overload]`` names) by device type and policy.
+    CUDA's (which also serve XPU, MTIA, MAIA) come from torch's own header (``AT_FORALL_*`` in
+    ATen/autocast_mode.h, expanded by peak._C) plus the three ops registered outside those
+    macros; CPU's fp32 list is the dispatcher's AutocastCPU ops but ``_CPU_NOT_FP32``'s, as
+    torch 2.13 registered them (another release's recorded changes undone)."""
+    cuda = {policy: tuple(ops) for policy, ops in _C.caster.torch_autocast_lists().items()}
+    cuda["lower_precision_fp"] += ("cudnn_convolution", "cudnn_convolution_transpose")
+    cuda["banned"] = ("binary_cross_entropy",)
+    version = tuple(int(v) for v in torch.__version__.split(".")[:2])
+    changes = TORCH_AUTOCAST_LIST_CHANGES.get(version, {}).get("cpu", {})
+    registered = {name[len("aten::"):] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("aten::")
+                  and torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCPU")}
+    registered = (registered - set(changes.get("added", ()))) | set(changes.get("removed", ()))
+    named = {op for ops in _CPU_NOT_FP32.values() for op in ops}
+    cpu = {**_CPU_NOT_FP32, "fp32": tuple(sorted(registered - named))}
+    return {"cpu": cpu, "cuda": cuda}
+
+
+def __getattr__(name: str):
+    """``TORCH_AUTOCAST_LISTS`` (see ``_torch_lists``), read from torch on first use."""
+    if name == "TORCH_AUTOCAST_LISTS":
+        lists = globals()["TORCH_AUTOCAST_LISTS"] = _torch_lists()
+        return lists
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Operator methods that run the op of another name: "matmul" also covers ``a @ b``.
 _DUNDERS = {"matmul": ("__matmul__", "__rmatmul__"), "add": ("__add__", "__radd__"),

@@ -22,9 +22,6 @@ from .loss_scaler import LossScaler
 from ._options import (LOW_DTYPES, O0, O1, O2, O3, Properties,  # noqa: F401
                        opt_levels, parse_loss_scale)
 
-_parse_loss_scale = parse_loss_scale  # the name peak.amp.frontend had
-
-
 
 def _print_options(properties) -> None:
     for k, v in properties.options.items():
