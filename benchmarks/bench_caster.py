@@ -5,8 +5,8 @@
 (a) overhead every op pays, on ops in no list (relu, neg) and on a listed op whose arguments need
     no cast (add of two fp32 tensors: the promote policy looks, finds one dtype, calls through);
     tiny tensors (8 elements). Contenders: no casting, peak O1 (C++ wrappers in place of the
-    listed callables), a pure-Python TorchFunctionMode that only calls through. Overhead = time per call minus the no-mode time; target: peak's overhead
-    at most half the Python mode's.
+    listed callables), a pure-Python TorchFunctionMode that only calls through. Overhead = time
+    per call minus the no-mode time; target: peak's overhead at most half the Python mode's.
 (b) listed ops on tiny fp32 tensors: linear (input and Parameter weight cast to the low dtype,
     weight from the cast cache) and softmax (fp32 input: no cast) under peak O1 vs torch.autocast
     ("cpu", dtype) doing the same casts; target within 1.25x.

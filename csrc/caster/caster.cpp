@@ -177,7 +177,8 @@ at::ScalarType low_from_obj(py::handle dtype) {
 
 // torch's CUDA autocast lists, from the macros of its own header (ATen/autocast_mode.h), as
 // aten "op" / "op.overload" names by policy.
-#define PEAK_OP_NAME(op, ...) (std::string(#op) + (sizeof(#__VA_ARGS__) > 1 ? "." #__VA_ARGS__ : ""))
+#define PEAK_OP_NAME(op, ...) \
+  (std::string(#op) + (sizeof(#__VA_ARGS__) > 1 ? "." #__VA_ARGS__ : ""))
 #define PEAK_LOWER(...) lists["lower_precision_fp"].push_back(PEAK_OP_NAME(__VA_ARGS__));
 #define PEAK_FP32(...) lists["fp32"].push_back(PEAK_OP_NAME(__VA_ARGS__));
 #define PEAK_SET_OPT(...) lists["fp32_set_opt_dtype"].push_back(PEAK_OP_NAME(__VA_ARGS__));

@@ -31,8 +31,8 @@ _c = _C.caster
 
 __all__ = ["enable", "disable", "is_enabled", "low_dtype", "disabled", "clear_cache",
            "cache_stats", "CODES", "POLICIES", "ensure_defaults", "set_policies", "reset_lists",
-           "push_edits", "pop_edits", "local_edits", "open_edits", "functions_named", "is_interceptable",
-           "decorator", "register", "patched", "unwrap", "index"]
+           "push_edits", "pop_edits", "local_edits", "open_edits", "functions_named",
+           "is_interceptable", "decorator", "register", "patched", "unwrap", "index"]
 
 _lock = threading.Lock()
 _on: set = set()  # idents of the threads with O1 on
@@ -99,8 +99,8 @@ def is_interceptable(fn) -> bool:
 
 # ---- list-edit frames (this thread's; C++ frames on top of the process-wide table)
 
-_frames = threading.local()
-_INPUT_ONLY = ("batch_norm", "instance_norm")  # .stack: this thread's open frames, (codes, device_type)
+_frames = threading.local()  # .stack: this thread's open frames, (codes, device_type)
+_INPUT_ONLY = ("batch_norm", "instance_norm")  # region edits cast only their input
 
 
 def _stack() -> list:
@@ -121,10 +121,7 @@ def push_edits(codes: dict, device_type: str | None = None) -> None:
     _stack().append((codes, device_type))
     if device_type is not None or threading.get_ident() in _on:
         with _lock:
-            if device_type is not None:
-                _holds["n"] += 1
-            for fn in codes:
-                _patch(fn)
+            _hold(codes, counted=device_type is not None)
 
 
 def pop_edits() -> None:
@@ -238,8 +235,8 @@ def _undo_registrations() -> None:
 # ---- on / off
 
 def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
-    """Turn O1 casting on in this thread with ``low_dtype`` (torch.float16 or torch.bfloat16) as the
-    lower precision; ``allow_banned=True`` lets banned functions run (in fp32) instead of raising."""
+    """Turn O1 casting on in this thread with ``low_dtype`` (torch.float16 or torch.bfloat16) as
+    the lower precision; ``allow_banned=True`` lets banned functions run (in fp32), not raise."""
     if low_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"low_dtype must be torch.float16 or torch.bfloat16, got {low_dtype}")
     disable()
@@ -305,8 +302,9 @@ def _under_current_state(fn):
 
 # ---- the wrappers (callers hold _lock)
 
-def _hold(funcs=(), table: bool = False) -> None:
-    _holds["n"] += 1
+def _hold(funcs=(), table: bool = False, counted: bool = True) -> None:
+    """Patch ``funcs`` (and the whole table); ``counted``: as a holder, until ``_release()``."""
+    _holds["n"] += counted
     if table and not _holds["table"]:
         for fn, _code in _c.table():
             _patch(fn)
