@@ -23,8 +23,9 @@ PACKAGE = ROOT / "python" / "peak"
 MAX_LINES = 600
 AMP_BUDGET = 3400  # issue 15's target for python/peak/amp + the scaling core
 # Where amp stands now: the check fails above it, so amp cannot grow back while it is brought
-# down to AMP_BUDGET. Lower it with every reduction (never raise it to make room).
-AMP_CEILING = 3871
+# down to AMP_BUDGET. Lower it with every reduction (never raise it to make room). (3,868 on the
+# issue-15 O1 branch, plus the 2 lines main's issue-16 merge adds to _process_optimizer.py.)
+AMP_CEILING = 3870
 # The scaling core counted with python/peak/amp: peak/scaling.py. FP16_Optimizer
 # (fp16_utils/fp16_optimizer.py) is one of its front doors, as GradScaler and LossScaler are (those
 # two are counted because they live in amp), not part of the core.
