@@ -4,7 +4,8 @@
    functions included: a lazy import is still a dependency);
 2. no module of python/peak/amp reads a private name (``_x``) of another peak module;
 3. no file in python/peak or csrc over MAX_LINES lines;
-4. python/peak/amp plus the scaling core at most AMP_BUDGET lines;
+4. python/peak/amp plus the scaling core at most AMP_CEILING lines, printed against issue 15's
+   target AMP_BUDGET;
 5. the C++ op layer: one TORCH_LIBRARY(peak) block; nothing in csrc/ops or csrc/core includes
    csrc/bindings; the test-only twins (peak_emulated, peak._C.emulated) only in csrc/testing,
    which CMake builds only under PEAK_TEST_TWINS; torch.ops.peak called only by peak/ops.py.
@@ -23,9 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python" / "peak"
 MAX_LINES = 600
-AMP_BUDGET = 3400
-# The scaling core counted with python/peak/amp (whichever of these exist).
-SCALING_CORE = ("python/peak/scaling.py", "python/peak/fp16_utils/fp16_optimizer.py")
+AMP_BUDGET = 3400  # issue 15's target for python/peak/amp + the scaling core
+# Where amp stands now: the check fails above it, so amp cannot grow back while it is brought
+# down to AMP_BUDGET. Lower it with every reduction (never raise it to make room). (3,868 on the
+# issue-15 O1 branch, plus the 2 lines main's issue-16 merge adds to _process_optimizer.py.)
+AMP_CEILING = 3870
+# The scaling core counted with python/peak/amp: peak/scaling.py. FP16_Optimizer
+# (fp16_utils/fp16_optimizer.py) is one of its front doors, as GradScaler and LossScaler are (those
+# two are counted because they live in amp), not part of the core.
+SCALING_CORE = ("python/peak/scaling.py",)
 # Private names other modules may read: the compiled extension (peak._C) and Apex's
 # ``amp._amp_state`` (Apex scripts use that very name, so it cannot lose its underscore).
 PRIVATE_ALLOWED = {"_C", "_amp_state"}
@@ -219,8 +226,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--known", action="append", default=[],
                         help="an over-long file being reduced elsewhere (printed, not failed)")
-    parser.add_argument("--amp-budget-known", action="store_true",
-                        help="report the amp + scaling line budget without failing on it")
     args = parser.parse_args(argv)
     failed = False
     modules = package_modules()
@@ -245,12 +250,15 @@ def main(argv=None) -> int:
         failed |= not known
 
     total, counts = amp_lines()
-    print(f"python/peak/amp + scaling core: {total} lines (target <= {AMP_BUDGET})")
+    print(f"python/peak/amp + scaling core: {total} lines (ceiling {AMP_CEILING}, "
+          f"target <= {AMP_BUDGET})")
     for f, n in counts:
         print(f"  {n:6d}  {f}")
-    if total > AMP_BUDGET:
-        print("  over budget" + (" (known)" if args.amp_budget_known else ""))
-        failed |= not args.amp_budget_known
+    if total > AMP_CEILING:
+        print(f"  over the ceiling by {total - AMP_CEILING}: amp grew; bring it back down")
+        failed = True
+    elif total > AMP_BUDGET:
+        print(f"  {total - AMP_BUDGET} lines over issue 15's target (under the ceiling)")
 
     problems = op_layer_problems()
     print(f"C++ op layer (one TORCH_LIBRARY block, ops apart from bindings, test twins apart): "
