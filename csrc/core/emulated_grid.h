@@ -21,7 +21,7 @@ struct GridShape {
 
 template <typename Op, typename... T>
 void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
-           Op op, const BlockSink& sink, GridShape shape) {
+           Op op, const BlockSink& sink, GridShape shape, int64_t* vectorised_blocks = nullptr) {
   using State = typename Op::State;
   const std::vector<Launch> launches =
       plan_launches(lists.numels, chunk_size, {shape.max_tensors, shape.max_blocks});
@@ -30,6 +30,9 @@ void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64
   for (const Launch& launch : launches) {
     fill_metadata(launch, lists, meta);  // the kernel argument
     for (int block = 0; block < static_cast<int>(launch.blocks.size()); ++block) {
+      if (vectorised_blocks != nullptr && block_vectorises<Op, T...>(meta, block, chunk_size)) {
+        ++*vectorised_blocks;  // NOTE: [Aligned vector access]: which path the tests took
+      }
       State block_state{};
       for (int thread = 0; thread < shape.threads_per_block; ++thread) {
         State thread_state{};

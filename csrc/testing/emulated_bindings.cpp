@@ -15,6 +15,9 @@ void register_bindings(py::module_& parent) {
   emu.def("set_grid_shape", &peak::emulated_ops::set_grid_shape, py::arg("max_tensors"),
           py::arg("max_blocks"), py::arg("threads"),
           "Launch limits and block size of torch.ops.peak_emulated.* (0: the CUDA values)");
+  emu.def("take_vectorised_blocks", &take_vectorised_blocks,
+          "How many emulated blocks took the aligned vector path on this thread since the last "
+          "call (NOTE: [Aligned vector access])");
   emu.def(
       "multi_tensor_scale_",
       [](std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, at::Tensor scale,

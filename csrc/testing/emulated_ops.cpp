@@ -18,6 +18,9 @@ namespace {
 
 // The grid shape the peak_emulated ops use (0: the real CUDA launcher's value).
 thread_local emulated::GridShape g_emulated_shape{0, 0, 0};
+// Blocks that took the vector path (NOTE: [Aligned vector access]), over all emulated launches of
+// this thread since the last reset.
+thread_local int64_t g_vectorised_blocks = 0;
 
 struct EmulatedExec : HostExecBase {
   emulated::GridShape shape = g_emulated_shape;
@@ -34,13 +37,19 @@ struct EmulatedExec : HostExecBase {
     TORCH_CHECK(s.max_blocks >= 1 && s.max_blocks <= kMaxBlocksPerLaunch,
                 "emulated grid: max_blocks must be in [1, ", kMaxBlocksPerLaunch, "]");
     TORCH_CHECK(s.threads_per_block >= 1, "emulated grid: threads_per_block must be >= 1");
-    emulated::apply<Op, T...>(lists, chunk_size, op, sink, s);
+    emulated::apply<Op, T...>(lists, chunk_size, op, sink, s, &g_vectorised_blocks);
   }
 };
 
 }  // namespace
 
 namespace emulated_ops {
+
+int64_t take_vectorised_blocks() {
+  const int64_t n = g_vectorised_blocks;
+  g_vectorised_blocks = 0;
+  return n;
+}
 
 void set_grid_shape(int64_t max_tensors, int64_t max_blocks, int64_t threads) {
   g_emulated_shape = {static_cast<int>(max_tensors), static_cast<int>(max_blocks),

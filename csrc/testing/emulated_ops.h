@@ -28,6 +28,9 @@ std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tenso
                                           int64_t chunk_size, int64_t max_tensors,
                                           int64_t max_blocks, int64_t threads);
 
+// Blocks of the emulated launches on this thread that took the vector path since the last call.
+int64_t take_vectorised_blocks();
+
 // Adds the submodule `emulated` (the functions above) to peak._C.
 void register_bindings(pybind11::module_& parent);
 

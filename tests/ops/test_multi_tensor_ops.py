@@ -296,6 +296,53 @@ def test_grid_and_cpu_agree_bitwise(dtype):
         assert torch.equal(a, b)
 
 
+def _views_at(offset, sizes, dtype, seed):
+    """Tensors of `sizes` as contiguous views `offset` elements into one flat buffer each (Apex's
+    flattened-parameter layout): offset 0 keeps torch's alignment, an odd offset breaks it."""
+    out = []
+    for t in make_tensors(sizes, dtype, "cpu", seed=seed):
+        buf = torch.zeros(t.numel() + offset + 8, dtype=dtype)
+        view = buf[offset:offset + t.numel()]
+        view.copy_(t)
+        out.append(view)
+    return out
+
+
+# NOTE: [Aligned vector access]: the grid's blocks move four elements per list at once when every
+# list's slice is aligned; misaligned views and the last n % 4 elements take the per-element path.
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("x_offset,out_offset,vectorised", [(0, 0, True), (1, 1, False),
+                                                            (0, 3, False), (4, 4, True)])
+def test_grid_vector_path_and_element_path_give_cpu_bits(dtype, x_offset, out_offset, vectorised):
+    # sizes: multiples of 4, a tail of 1-3 elements, fewer than 4 elements, several chunks
+    sizes = [4 * CHUNK, CHUNK + 3, 2, 3, 2 * CHUNK + 1, 7, 0, CHUNK - 1]
+    xs = _views_at(x_offset, sizes, dtype, seed=13)
+    outs_cpu = [torch.empty_like(x, dtype=torch.float32) for x in xs]
+    outs_grid = _views_at(out_offset, sizes, torch.float32, seed=14)
+    ops.multi_tensor_axpby_(xs, xs, outs_cpu, 0.3, -0.6, ops.new_found_inf(), chunk_size=CHUNK)
+    _C.emulated.take_vectorised_blocks()
+    _C.emulated.multi_tensor_axpby_(xs, xs, outs_grid, torch.tensor([0.3]), torch.tensor([-0.6]),
+                                    ops.new_found_inf(), 3, CHUNK, 3, 4, 5)
+    took = _C.emulated.take_vectorised_blocks()
+    # aligned lists vectorise every block of at least 4 elements: 4 + 1 + 2 + 1 + 1 blocks
+    assert took == (9 if vectorised else 0)
+    for a, b, x in zip(outs_cpu, outs_grid, xs):
+        assert torch.equal(a, b)
+        assert_close_to_reference(b, x.double() * 0.3 - x.double() * 0.6, torch.float32)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_grid_vector_path_flags_non_finite_in_a_group_and_in_the_tail(offset):
+    sizes = [CHUNK + 3]
+    for index in (5, CHUNK + 1):  # inside a 4-element group / in the chunk's 1-3 element tail
+        xs = _views_at(offset, sizes, torch.bfloat16, seed=15)
+        xs[0][index] = math.inf
+        flag = ops.new_found_inf()
+        _C.emulated.multi_tensor_scale_(xs, [torch.empty(CHUNK + 3)], torch.tensor([2.0]), flag,
+                                        CHUNK, *Backend("grid_real")._grid(2))
+        assert flag.item() == 1.0
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_cuda_equals_cpu(dtype):

