@@ -55,3 +55,17 @@ def test_missing_build_says_how_to_build(monkeypatch):
     monkeypatch.delattr(peak, "_build_info", raising=False)
     with pytest.raises(ImportError, match=r"not built.*pip install --no-build-isolation"):
         _extension.load_extension()
+
+
+def test_subpackages_load_on_first_use():
+    """`import peak; peak.amp.GradScaler(...)` as `import torch; torch.amp...`: the subpackages
+    are attributes of peak that load when first used (and not before: `import peak` stays
+    light); a name that is not one of them is an AttributeError naming it."""
+    code = ("import sys, peak; assert 'peak.amp' not in sys.modules; "
+            "print(peak.amp.GradScaler.__module__, peak.optimizers.FusedAdam.__name__); "
+            "assert 'peak.amp' in sys.modules\n"
+            "try:\n    peak.nonexistent\nexcept AttributeError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["peak.amp.grad_scaler FusedAdam",
+                                     "module 'peak' has no attribute 'nonexistent'"]

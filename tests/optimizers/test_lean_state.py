@@ -3,6 +3,7 @@ checkpoints, the memory report, and amp/GradScaler with them. See "Lean optimize
 docs/core.md for what is promised: each test below checks one of those promises."""
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -428,8 +429,22 @@ def test_fp16_model_with_remainders_names_the_alternatives():
 
 def test_bad_lean_arguments():
     p = [torch.zeros(3, requires_grad=True)]
-    with pytest.raises(ValueError, match="exp_avg_dtype must be torch.float32 or torch.bfloat16"):
+    with pytest.raises(ValueError, match="exp_avg_dtype must be one of torch.float32, "
+                                         "torch.bfloat16, or one of the strings"):
         FusedAdam(p, exp_avg_dtype=torch.float16)
+    # dtype strings, as everywhere peak takes a dtype
+    opt = FusedAdam(p, exp_avg_dtype="bf16", exp_avg_sq_dtype="float32")
+    assert opt.param_groups[0]["exp_avg_dtype"] is torch.bfloat16
+    assert opt.param_groups[0]["exp_avg_sq_dtype"] is torch.float32
+    # remainders asked for fp32 parameters: nothing to store, said once at the first step
+    q = torch.nn.Parameter(torch.ones(3))
+    q.grad = torch.ones(3)
+    lean32 = FusedAdam([q], store_param_remainders=True)
+    with pytest.warns(UserWarning, match="parameters are all float32"):
+        lean32.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lean32.step()
     with pytest.raises(ValueError, match="moment_rounding must be 'stochastic'"):
         FusedAdam(p, moment_rounding="up")
     with pytest.raises(ValueError, match="needs master weights"):

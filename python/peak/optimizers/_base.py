@@ -8,10 +8,13 @@ in fp16/bf16 with master weights. So ``optimizer.state_dict()`` carries the mast
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import defaultdict
 
 import torch
 from torch import Tensor
+
+from peak._dtypes import parse_dtype
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
 # Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
@@ -45,12 +48,6 @@ def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     high = ((bits >> 16) + (low >> 15)) & 0xFFFF
     as_int16 = lambda x: torch.where(x >= 2**15, x - 2**16, x).to(torch.int16)  # noqa: E731
     return as_int16(high).view(torch.bfloat16), as_int16(low)
-
-
-def _check_moment_dtype(name, value):
-    if value not in _MOMENT_DTYPES:
-        raise ValueError(f"{name} must be torch.float32 or torch.bfloat16, got {value!r} "
-                         "(8-bit block-quantized moments are not provided yet)")
 
 
 def _check_moment_rounding(value):
@@ -128,8 +125,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                                  "16-bit remainders; it needs master weights: leave "
                                  "master_weights=None (or True)")
             for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
-                if key in lean:
-                    _check_moment_dtype(key, lean[key])
+                if key in lean:  # dtype strings ("bf16") as everywhere peak takes a dtype
+                    lean[key] = parse_dtype(lean[key], key, _MOMENT_DTYPES, allow_none=False)
             _check_moment_rounding(lean.get("moment_rounding", "stochastic"))
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
                         stochastic_rounding_seed=torch.initial_seed() % 2**32,
@@ -201,6 +198,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state[key] = torch.zeros_like(p, dtype=self._state_dtype(group, key),
                                               memory_format=torch.preserve_format)
                 self._state_started(state, key)
+        if (group.get("store_param_remainders", False) and p.dtype == torch.float32
+                and not getattr(self, "_warned_fp32_remainders", False)
+                and all(q.dtype == torch.float32 for q in group["params"])):
+            self._warned_fp32_remainders = True
+            warnings.warn(
+                f"{type(self).__name__}(store_param_remainders=True) steps a group whose "
+                "parameters are all float32: they are their own masters, so nothing is stored as "
+                "remainders and the state is not leaner. Cast the model to bfloat16 (or use "
+                "amp.initialize(..., opt_level='O2', cast_model_type=torch.bfloat16)) before the "
+                "first step", stacklevel=4)
         if self._wants_remainder(p, group):
             if REMAINDER_KEY not in state:
                 master = state.pop("master_param", None)  # (amp O2's exact fp32 original)
