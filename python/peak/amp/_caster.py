@@ -197,10 +197,7 @@ def _undo_registrations() -> None:
     the next O1 initialize: Apex's patches, once made, stayed for every later initialize."""
     while _applied:
         module, name, policy, had, raw, orig, code = _applied.pop()
-        if had:
-            setattr(module, name, raw)  # the very object that was there (descriptor included)
-        else:
-            delattr(module, name)  # it was inherited or found through __getattr__
+        _restore(module, name, had, raw)  # the very object that was there (descriptor included)
         _c.set_policy(orig, code)
         _pending.insert(0, (module, name, policy))
 
@@ -353,20 +350,19 @@ def _patch(fn) -> None:
         _patched.append((owner, name, had, prev))
 
 
+def _restore(owner, name: str, had: bool, prev) -> None:
+    """Put back what ``owner.name`` was: ``prev`` if it had its own attribute, else nothing."""
+    if had:
+        setattr(owner, name, prev)
+    else:
+        delattr(owner, name)  # it was inherited or found through __getattr__
+
+
 def _unpatch_all() -> None:
     while _patched:
-        owner, name, had, prev = _patched.pop()
-        if had:
-            setattr(owner, name, prev)
-        else:
-            delattr(owner, name)
+        _restore(*_patched.pop())
     _patched_ids.clear()
     _holds["table"] = False
-
-
-def unwrap(obj):
-    """``obj``, or the torch callable behind one of the caster's wrappers."""
-    return _c.unwrap(obj)
 
 
 def patched() -> bool:
@@ -374,13 +370,14 @@ def patched() -> bool:
     return bool(_patched)
 
 
-def is_enabled() -> bool:
-    """True when O1 casts in this thread now."""
-    return _c.is_casting()
-
-
-def low_dtype() -> torch.dtype | None:
-    return _c.low_dtype()
+# The C++ caster's own: ``unwrap(obj)`` (``obj``, or the torch callable behind a wrapper);
+# ``is_enabled()`` (O1 casts in this thread now); this thread's low dtype; its weight-cast cache
+# (``scale_loss`` exit clears it, as Apex) and the cache's counters (hits, casts, stores, size).
+unwrap = _c.unwrap
+is_enabled = _c.is_casting
+low_dtype = _c.low_dtype
+clear_cache = _c.clear_cache
+cache_stats = _c.cache_stats
 
 
 @contextlib.contextmanager
@@ -391,13 +388,3 @@ def disabled():
         yield
     finally:
         _c.resume()
-
-
-def clear_cache() -> None:
-    """Drop this thread's weight-cast cache (``scale_loss`` exit does it, as Apex)."""
-    _c.clear_cache()
-
-
-def cache_stats() -> dict:
-    """This thread's weight-cast cache counters: hits, casts, stores, size."""
-    return _c.cache_stats()

@@ -166,18 +166,12 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     the same objects come back (mutated in place), as ``model`` / ``(model, optimizer)`` in the
     shape passed in.
 
-    peak additions:
-
-    * ``cast_model_type=torch.bfloat16`` (O2/O3) casts the model to bf16 instead of fp16.
-    * Every dtype argument also takes the strings of ``peak._dtypes.DTYPE_NAMES`` (``"bf16"``,
-      ``"fp16"``, ``"fp32"``, ...).
-    * ``low_precision_dtype`` (keyword only; ``torch.float16`` or ``torch.bfloat16``, or a string:
-      ``"fp16"``, ``"float16"``, ``"half"``, ``"bf16"``, ``"bfloat16"``): the lower
-      precision of the run at any opt_level -- O1's casts, O2/O3's model type (unless
-      ``cast_model_type`` says otherwise); O0 ignores it.  Default: fp16, as Apex.
-    * With bf16 the levels that default to dynamic loss scaling (O1, O2) default to a static
-      scale of 1.0 instead (bf16 has fp32's range); pass ``loss_scale="dynamic"`` to scale anyway.
-    * CPU models are accepted (Apex required CUDA).
+    peak additions (docs/amp_api.md, "Low-precision dtype"): ``low_precision_dtype`` (keyword
+    only; ``torch.float16``/``torch.bfloat16`` or ``"fp16"``/``"bf16"``; default fp16, as Apex),
+    the run's lower precision at any opt_level (O1's casts, O2/O3's model type); with bf16, O1
+    and O2 default to a static loss scale of 1.0 (pass ``loss_scale="dynamic"`` to scale anyway);
+    ``cast_model_type=torch.bfloat16`` for O2/O3; dtype strings (``"bf16"``, ``"fp32"``, ...) for
+    every dtype argument; CPU models.
     """
     _amp_state.verbosity = verbosity
 

@@ -297,6 +297,8 @@ def disable_casts():
 class AmpHandle:
     """The O1 handle (``amp._amp_state.handle``) and what the deprecated ``amp.init()`` returns."""
 
+    has_cache = True
+
     def __init__(self, legacy: bool = False) -> None:
         self._legacy = legacy
         self._default_device = None
@@ -312,10 +314,6 @@ class AmpHandle:
 
     def _clear_cache(self) -> None:
         _caster.clear_cache()
-
-    @property
-    def has_cache(self) -> bool:
-        return True
 
     @property
     def verbose(self) -> bool:
