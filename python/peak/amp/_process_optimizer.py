@@ -45,10 +45,10 @@ def inner_optimizer(optimizer):
 class AmpOptimizerState:
     def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int,
                  wrapped: bool = False) -> None:
-        self.optimizer = optimizer
-        self.master_weights = master_weights
         from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (it imports nothing of amp)
 
+        self.optimizer = optimizer
+        self.master_weights = master_weights
         # A peak fused optimizer with master weights, not inside a wrapper (which may read the
         # gradients before the inner step, as LARC does: they must be unscaled by then).
         self.fused = master_weights and isinstance(optimizer, FusedOptimizer) and not wrapped
