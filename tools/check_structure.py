@@ -1,4 +1,5 @@
-"""The structure measures of issue #15, printed and checked (``make lint``, tests/build/test_structure.py).
+"""The structure measures of issue #15, printed and checked (``make lint``, and a test:
+tests/build/test_structure.py).
 
 1. no import cycle between the modules of python/peak (imports parsed with ast, the ones inside
    functions included: a lazy import is still a dependency);
@@ -26,9 +27,10 @@ PACKAGE = ROOT / "python" / "peak"
 MAX_LINES = 600
 AMP_BUDGET = 3400  # issue 15's target for python/peak/amp + the scaling core
 # Where amp stands now: the check fails above it, so amp cannot grow back while it is brought
-# down to AMP_BUDGET. Lower it with every reduction (never raise it to make room). (3,868 on the
-# issue-15 O1 branch, plus the 2 lines main's issue-16 merge adds to _process_optimizer.py.)
-AMP_CEILING = 3870
+# down to AMP_BUDGET. Lower it with every reduction (never raise it to make room). (3,870 before
+# the issue-15 budget branch: amp's LossScaler merged into handle.py, _options.py and amp.init
+# into frontend.py, dead code and prose moved to docs/, every line over 100 columns wrapped.)
+AMP_CEILING = 3628
 # The scaling core counted with python/peak/amp: peak/scaling.py. FP16_Optimizer
 # (fp16_utils/fp16_optimizer.py) is one of its front doors, as GradScaler and LossScaler are (those
 # two are counted because they live in amp), not part of the core.
@@ -218,7 +220,8 @@ def op_layer_problems() -> list[str]:
         problems.append("CMakeLists.txt builds csrc/testing outside if(PEAK_TEST_TWINS)")
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.name != "ops.py" and "torch.ops.peak" in path.read_text():
-            problems.append(f"{path.relative_to(ROOT)} calls torch.ops.peak (peak.ops is the way in)")
+            problems.append(f"{path.relative_to(ROOT)} calls torch.ops.peak "
+                            "(peak.ops is the way in)")
     return problems
 
 

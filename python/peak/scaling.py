@@ -1,11 +1,6 @@
 """The one loss-scaling core of peak: the scale state, the overflow flags, unscale and update.
-
-``peak.amp.GradScaler`` (torch dialect, 0-dim state created lazily), amp's per-loss
-``LossScaler`` (Apex dialect) and ``peak.fp16_utils.FP16_Optimizer`` are front doors over it,
-each with its own API and checkpoint format. The state (``LossScale``: scale, growth and
-hysteresis trackers) lives on one device and changes only there; the overflow flags
-(``OverflowFlags``, one per device) are summed on the scale's device by
-``peak.ops.update_scale_`` itself. See docs/core.md.
+``peak.amp.GradScaler``, amp's per-loss ``LossScaler`` and ``peak.fp16_utils.FP16_Optimizer`` are
+front doors over it. See docs/core.md, "The overflow flag and the loss scale".
 """
 from __future__ import annotations
 
@@ -20,11 +15,11 @@ from . import ops
 __all__ = ["group_by_device_dtype", "OverflowFlags", "sum_flags", "LossScale",
            "unscale_grads_", "core_attribute"]
 
+
 def group_by_device_dtype(*lists: Sequence[Tensor]) -> list:
-    """Split parallel tensor lists into the runs the multi-tensor kernels take: one device and
-    one dtype per list. Returns ``[(device, dtype, indices, [list0, list1, ...])]`` with the first
-    list's device and dtype, in first-seen order, original order inside a group; rows whose
-    other lists differ in dtype (fp16 gradients into fp32 or bf16 masters) form separate groups."""
+    """Split parallel tensor lists into the runs the multi-tensor kernels take (one device and
+    dtype per list): ``[(device, dtype, indices, [list0, list1, ...])]``, with the first list's
+    device and dtype, groups in first-seen order, rows in their order inside a group."""
     groups: dict = {}
     if len(lists) == 1:  # the hot path (GradScaler): a cheaper key
         for i, t in enumerate(lists[0]):
@@ -79,8 +74,7 @@ class OverflowFlags(dict):
 
 def sum_flags(flags, device: torch.device, shape: tuple[int, ...] = ()) -> Tensor:
     """Overflow flags (any devices) summed on ``device`` as a new tensor, zero when there are
-    none: for a caller that hands one flag on (torch's fused optimizers take one ``found_inf``)
-    or reads it on the host. The scale update takes the flags themselves (``update_scale_``)."""
+    none: for a caller that hands one flag on (torch's fused optimizers) or reads it."""
     flags = list(flags)
     if not flags:
         return torch.zeros(shape, dtype=torch.float32, device=device)
@@ -96,11 +90,9 @@ def unscale_grads_(grads: list[Tensor], inv_scale: Tensor | float, found_inf: Ov
                    on_group: Callable[[list[int], Tensor], None] | None = None) -> None:
     """``outputs[i] = grads[i] * inv_scale`` (in place when ``outputs`` is None), setting the flag
     of each gradient's device when a gradient holds inf/NaN: one kernel pass per (device, dtype).
-    ``check_only``: only check (nothing written; ``inv_scale`` must be 1 then). ``on_group``
-    (overflow attribution): also gets, per group, the gradients' indices and a per-gradient flag
-    vector the same pass writes. Strided slices are handled inside the kernels. ``float64``: take
-    float64 gradients in place through torch's kernel, as torch's GradScaler does (else the
-    kernels reject them with their usual error)."""
+    ``check_only``: only check (``inv_scale`` must be 1). ``on_group`` (overflow attribution):
+    also gets, per group, the gradients' indices and the per-gradient flags the same pass writes.
+    ``float64``: unscale float64 gradients in place with torch's kernel (as torch's GradScaler)."""
     lists = (grads,) if outputs is None else (grads, outputs)
     per_device_inv: dict = {}
     for device, dtype, indices, columns in group_by_device_dtype(*lists):
@@ -139,13 +131,9 @@ def _unscale_with_torch(grads: list[Tensor], inv_scale, found_inf: Tensor,
 
 
 class LossScale:
-    """The dynamic loss-scale state and its update, on one device (no host sync).
-
-    ``update()`` backs S off by ``backoff_factor`` on an overflow (after ``hysteresis``
-    overflowing updates in a row, not below ``min_scale``) and grows it by ``growth_factor``
-    after ``growth_interval`` clean updates (not above ``max_scale``): ``peak.ops.update_scale_``.
-    The tensors (shape ``(1,)`` for the Apex dialect, ``()`` for torch's GradScaler) are created
-    by ``materialize(device)``, at once when ``device`` is given; until then the ``init_*`` values
+    """The dynamic loss-scale state and its update (``peak.ops.update_scale_``), on one device.
+    The tensors (shape ``(1,)`` for the Apex dialect, ``()`` for GradScaler) are created by
+    ``materialize(device)``, at once when ``device`` is given; until then the ``init_*`` values
     stand for them. Options are kept as given: each front door checks its own."""
 
     def __init__(self, init_scale, *, growth_factor=2.0, backoff_factor=0.5,
@@ -161,7 +149,8 @@ class LossScale:
         self.shape = shape
         self.init_scale = init_scale
         self.init_growth_tracker = growth_tracker
-        self.init_hysteresis_tracker = hysteresis if hysteresis_tracker is None else hysteresis_tracker
+        self.init_hysteresis_tracker = (hysteresis if hysteresis_tracker is None
+                                        else hysteresis_tracker)
         self.scale: Tensor | None = None
         self.growth_tracker: Tensor | None = None
         self.hysteresis_tracker: Tensor | None = None

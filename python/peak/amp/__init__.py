@@ -11,9 +11,8 @@ See docs/amp_api.md for the design (master weights, bf16, checkpoints).
 """
 
 from ._amp_state import _amp_state, master_params
-from .frontend import Properties, initialize, load_state_dict, opt_levels, state_dict
-from .handle import AmpHandle, NoOpHandle, disable_casts, init, scale_loss
-from .loss_scaler import LossScaler
+from .frontend import Properties, init, initialize, load_state_dict, opt_levels, state_dict
+from .handle import AmpHandle, LossScaler, NoOpHandle, disable_casts, scale_loss
 # O1 caster (issue 4): run-time list edits and user functions, see docs/caster.md
 from . import lists
 from .lists import (float_function, half_function, promote_function, register_float_function,

@@ -1,8 +1,5 @@
-"""The global state of the Apex dialect (``_amp_state``) and its two print/error helpers.
-
-Apex's tests and many user scripts poke at ``amp._amp_state`` directly (``loss_scalers[i]._loss_scale``,
-``opt_properties``, ``allow_incoming_model_not_fp32``, ``handle._deactivate()``), so the names are kept.
-"""
+"""The global state of the Apex dialect (``amp._amp_state``: scripts poke at its Apex names, so
+they are kept), its print/error/log helpers and ``amp.master_params``."""
 
 from __future__ import annotations
 
@@ -10,10 +7,9 @@ import logging
 
 import torch
 
-# Machine-readable events (docs: "Logging").  One line per event, a fixed prefix and key=value pairs:
-#   event=skip_step step=17 loss_id=0 loss_scale=32768.0 optimizer=SGD
-# Logged at INFO, so nothing is shown unless the application configures logging.
+# Machine-readable events at INFO (docs/logging.md), one line each: key=value pairs.
 logger = logging.getLogger("peak.amp")
+LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class AmpState:
@@ -25,15 +21,15 @@ class AmpState:
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything a previous ``initialize`` set up (called at the start of ``initialize``)."""
+        """Forget what a previous ``initialize`` set up (called at the start of ``initialize``)."""
         if hasattr(self, "opt_properties"):
             del self.opt_properties
         self.loss_scalers: list = []
         self.min_loss_scale = None
         self.max_loss_scale = 2.0**24
         self.handle = None
-        # Bumped on every initialize; optimizers remember the generation they were processed in so that
-        # objects from an earlier initialize (e.g. a re-run notebook cell) are recognised as stale.
+        # Bumped on every initialize: optimizers from an earlier one (a re-run notebook cell) are
+        # recognised as stale by the generation they were processed in.
         self.generation = getattr(self, "generation", 0) + 1
 
     @property
@@ -77,8 +73,8 @@ def log_skip_step(step: int, loss_id: int, loss_scale: float, optimizer: str) ->
 
 
 def master_params(optimizer):
-    """Generator over the parameters the optimizer steps: the fp32 master weights under O2, otherwise
-    the model's own parameters (params with ``requires_grad=False`` included, as in Apex).
+    """Generator over the parameters the optimizer steps: the fp32 master weights under O2,
+    otherwise the model's own parameters (``requires_grad=False`` ones included, as in Apex).
 
     Use it for gradient clipping after ``scale_loss`` exits::
 

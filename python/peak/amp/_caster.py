@@ -1,18 +1,7 @@
-"""The O1 caster's Python side: turning it on and off per thread, and the state that goes with it.
-
-``enable(low_dtype)`` (called by ``amp.initialize(opt_level="O1")`` and ``amp.init``) makes every
-listed torch function, Tensor method and ``torch.nn.functional`` call of the *calling thread* go
-through peak's C++ caster (``peak._C.caster``), which looks it up in the policy tables and casts as
-Apex's O1 did; other threads see no casting. The caster is reached through C++ wrappers put in
-place of the listed callables (``_patch``), process-wide but gated per thread in C++.
-``disable()`` restores plain behaviour; ``disabled()`` (``amp.disable_casts()``, optimizer
-steps) suspends casting in this thread.
-
-This module owns the caster's Python-side state: which threads have O1 on, the wrappers and who
-holds them, the default lists (loaded once), the ``register_*_function`` registrations and this
-thread's list-edit frames (``lists.local``, and the region edits of ``peak.amp.autocast``).
-``peak.amp.lists`` and ``peak.amp.autocast`` use the public functions below; the torch-private
-hooks it installs live in ``_torch_hooks``. See docs/caster.md for the design.
+"""The O1 caster's Python side, and the one owner of its state: which threads have O1 on
+(``enable``/``disable``, per thread), the C++ wrappers put in place of the listed torch callables
+and who holds them, the default lists, the ``register_*_function`` registrations and this thread's
+list-edit frames (``lists.local``, ``peak.amp.autocast``'s region edits). Design: docs/caster.md.
 """
 
 from __future__ import annotations
@@ -28,11 +17,6 @@ from .. import _C
 from . import _torch_hooks
 
 _c = _C.caster
-
-__all__ = ["enable", "disable", "is_enabled", "low_dtype", "disabled", "clear_cache",
-           "cache_stats", "CODES", "POLICIES", "ensure_defaults", "set_policies", "reset_lists",
-           "push_edits", "pop_edits", "local_edits", "open_edits", "functions_named",
-           "is_interceptable", "decorator", "register", "patched", "unwrap", "index"]
 
 _lock = threading.Lock()
 _on: set = set()  # idents of the threads with O1 on
@@ -53,13 +37,13 @@ _defaults_loaded: dict = {"loaded": False}
 def ensure_defaults() -> None:
     """Load Apex's O1 lists into the C++ table, once (at the first use of the lists or of O1)."""
     if not _defaults_loaded["loaded"]:
-        _defaults_loaded["loaded"] = True
         _load_defaults()
 
 
 def _load_defaults() -> None:
     import torch.nn.functional as F  # noqa: PLC0415 (torch.nn is imported by then anyway)
 
+    _defaults_loaded["loaded"] = True
     where = {"torch": torch, "functional": F, "Tensor": torch.Tensor}
     for owner, name, code in _c.default_entries():
         fn = unwrap(getattr(where[owner], name, None))
@@ -84,7 +68,6 @@ def reset_lists() -> None:
     _undo_registrations()
     _pending.clear()
     _c.clear_table()
-    _defaults_loaded["loaded"] = True
     _load_defaults()
     if _holds["table"]:
         with _lock:
@@ -133,16 +116,6 @@ def pop_edits() -> None:
             _release()
 
 
-@contextlib.contextmanager
-def local_edits(codes: dict):
-    """``push_edits(codes)`` around the ``with`` block (``lists.local``)."""
-    push_edits(codes)
-    try:
-        yield
-    finally:
-        pop_edits()
-
-
 def open_edits(device_type: str) -> list:
     """This thread's open region edits for ``device_type``, outermost first (their codes)."""
     return [codes for codes, device in _stack() if device == device_type]
@@ -158,7 +131,7 @@ def functions_named(name: str) -> list:
 # ---- user functions (Apex's decorators and registrations)
 
 def decorator(policy: str):
-    """The decorator that runs a function under ``policy`` while O1 casts (amp.half_function & co.)."""
+    """The decorator that runs a function under ``policy`` while O1 casts (amp.half_function)."""
     code = CODES[policy]
 
     def decorate(fn):
@@ -186,8 +159,8 @@ _REGISTER_NAMES = {"lower": "half", "fp32": "float", "promote": "promote"}
 
 
 def _apply_registrations() -> None:
-    """Patch each registered ``module.name`` with the policy's wrapper and list the original, so that
-    the registration wins over the built-in lists (Apex: user casts run innermost)."""
+    """Patch each registered ``module.name`` with the policy's wrapper and list the original, so
+    that the registration wins over the built-in lists (Apex: user casts run innermost)."""
     for module, name, policy in list(_pending):  # all checked before any is applied
         if not callable(getattr(module, name, None)):  # changed since it was registered
             _pending.remove((module, name, policy))
@@ -224,10 +197,7 @@ def _undo_registrations() -> None:
     the next O1 initialize: Apex's patches, once made, stayed for every later initialize."""
     while _applied:
         module, name, policy, had, raw, orig, code = _applied.pop()
-        if had:
-            setattr(module, name, raw)  # the very object that was there (descriptor included)
-        else:
-            delattr(module, name)  # it was inherited or found through __getattr__
+        _restore(module, name, had, raw)  # the very object that was there (descriptor included)
         _c.set_policy(orig, code)
         _pending.insert(0, (module, name, policy))
 
@@ -380,21 +350,19 @@ def _patch(fn) -> None:
         _patched.append((owner, name, had, prev))
 
 
+def _restore(owner, name: str, had: bool, prev) -> None:
+    """Put back what ``owner.name`` was: ``prev`` if it had its own attribute, else nothing."""
+    if had:
+        setattr(owner, name, prev)
+    else:
+        delattr(owner, name)  # it was inherited or found through __getattr__
+
+
 def _unpatch_all() -> None:
     while _patched:
-        owner, name, had, prev = _patched.pop()
-        if had:
-            setattr(owner, name, prev)
-        else:
-            delattr(owner, name)
+        _restore(*_patched.pop())
     _patched_ids.clear()
     _holds["table"] = False
-
-
-def unwrap(obj):
-    """``obj`` itself, or the torch callable behind one of the caster's wrappers (what
-    ``torch.mm`` is while O1 is on)."""
-    return _c.unwrap(obj)
 
 
 def patched() -> bool:
@@ -402,13 +370,14 @@ def patched() -> bool:
     return bool(_patched)
 
 
-def is_enabled() -> bool:
-    """True when O1 casts in this thread now."""
-    return _c.is_casting()
-
-
-def low_dtype() -> torch.dtype | None:
-    return _c.low_dtype()
+# The C++ caster's own: ``unwrap(obj)`` (``obj``, or the torch callable behind a wrapper);
+# ``is_enabled()`` (O1 casts in this thread now); this thread's low dtype; its weight-cast cache
+# (``scale_loss`` exit clears it, as Apex) and the cache's counters (hits, casts, stores, size).
+unwrap = _c.unwrap
+is_enabled = _c.is_casting
+low_dtype = _c.low_dtype
+clear_cache = _c.clear_cache
+cache_stats = _c.cache_stats
 
 
 @contextlib.contextmanager
@@ -419,13 +388,3 @@ def disabled():
         yield
     finally:
         _c.resume()
-
-
-def clear_cache() -> None:
-    """Drop this thread's weight-cast cache (``scale_loss`` exit does it, as Apex)."""
-    _c.clear_cache()
-
-
-def cache_stats() -> dict:
-    """This thread's weight-cast cache counters: hits, casts, stores, size."""
-    return _c.cache_stats()

@@ -1,8 +1,5 @@
-"""What ``amp.initialize`` does to models: input validation, casting, forward patching, state-dict hooks.
-
-Everything is checked in ``check_inputs`` before ``process`` changes anything, so an error leaves the
-models and optimizers exactly as they were.
-"""
+"""What ``amp.initialize`` does to models: input checks (all made before ``process`` changes
+anything), casting, the patched ``forward``, the model state-dict hooks."""
 
 from __future__ import annotations
 
@@ -19,17 +16,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _caster
-from ._amp_state import _amp_state, warn_or_err
-from .handle import AmpHandle
+from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
 from ._process_optimizer import inner_optimizer, master_of, process_optimizer
 
-_LOW = (torch.float16, torch.bfloat16)
-
-# Models that went through an enabled amp.initialize (their params may be cast and forward patched).
+# Models that went through an enabled amp.initialize (params may be cast, forward patched).
 _initialized_models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-# ---------------------------------------------------------------------------------------------- checks
 def check_inputs(models, optimizers):
     """Normalize ``models``/``optimizers`` to lists and reject every bad input, changing nothing."""
     if isinstance(models, nn.Module):
@@ -47,46 +40,51 @@ def check_inputs(models, optimizers):
         optimizers_list = list(optimizers)
     else:
         hint = (" (got a tuple; pass a list)" if isinstance(optimizers, tuple) else
-                " (torch.optim.Optimizer objects, or wrappers that keep one in .optimizer or .optim and "
-                "share its param_groups)")
-        raise TypeError("optimizers must be either a single optimizer or a list of optimizers." + hint)
+                " (torch.optim.Optimizer objects, or wrappers that keep one in .optimizer or "
+                ".optim and share its param_groups)")
+        raise TypeError("optimizers must be either a single optimizer or a list of optimizers."
+                        + hint)
 
     for i, model in enumerate(models_list):
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise RuntimeError(
-                "Incoming model is an instance of {}. Parallel wrappers should only be applied to the model(s) "
-                "AFTER \nthe model(s) have been returned from amp.initialize.".format(
+                "Incoming model is an instance of {}. Parallel wrappers should only be applied to "
+                "the model(s) AFTER \nthe model(s) have been returned from amp.initialize.".format(
                     f"torch.nn.parallel.{type(model).__name__}")
-                + f" (models[{i}]: the wrapper has already registered the parameters' fp32 dtype and storage "
-                "for its gradient all-reduce, and amp.initialize would cast them and patch the inner module's "
-                "forward behind its back; see docs/distributed.md.) Pass the unwrapped model: "
-                "model, optimizer = amp.initialize(model, optimizer, opt_level=...), then "
-                "model = DistributedDataParallel(model, ...).")
+                + f" (models[{i}]: the wrapper has already registered the parameters' fp32 dtype "
+                "and storage for its gradient all-reduce, and amp.initialize would cast them and "
+                "patch the inner module's forward behind its back; see docs/distributed.md.) Pass "
+                "the unwrapped model: model, optimizer = amp.initialize(model, optimizer, "
+                "opt_level=...), then model = DistributedDataParallel(model, ...).")
         for j in range(i):
             if models_list[j] is model:
-                raise ValueError(f"models[{i}] is the same object as models[{j}]; pass each model once.")
+                raise ValueError(f"models[{i}] is the same object as models[{j}]; pass each model "
+                                 "once.")
         if model in _initialized_models:
             raise RuntimeError(
-                f"Model {type(model).__name__} (models[{i}]) was already passed through amp.initialize, which casts "
-                "its parameters and patches its forward. A given model should only be passed through "
-                "amp.initialize once: build a fresh model (e.g. re-run the cell that creates it) and pass that.")
+                f"Model {type(model).__name__} (models[{i}]) was already passed through "
+                "amp.initialize, which casts its parameters and patches its forward. A given model "
+                "should only be passed through amp.initialize once: build a fresh model (e.g. "
+                "re-run the cell that creates it) and pass that.")
 
     for i, opt in enumerate(optimizers_list):
-        for j in range(i):
-            if inner_optimizer(optimizers_list[j]) is inner_optimizer(opt):
-                raise ValueError(f"optimizers[{i}] is the same object as optimizers[{j}]; pass each optimizer once.")
         inner = inner_optimizer(opt)
+        for j in range(i):
+            if inner_optimizer(optimizers_list[j]) is inner:
+                raise ValueError(f"optimizers[{i}] is the same object as optimizers[{j}]; pass "
+                                 "each optimizer once.")
         if not hasattr(inner, "_optimizer_state_dict_post_hooks"):
             raise TypeError(
-                f"optimizers[{i}] ({type(opt).__name__}) is a torch.optim.Optimizer subclass that did not run "
-                "torch.optim.Optimizer.__init__, and amp finds no inner optimizer in it (a wrapper keeps the "
-                "torch optimizer in .optimizer or .optim and returns its param_groups). Pass the inner "
-                "optimizer to amp.initialize, then wrap the one amp returns.")
+                f"optimizers[{i}] ({type(opt).__name__}) is a torch.optim.Optimizer subclass that "
+                "did not run torch.optim.Optimizer.__init__, and amp finds no inner optimizer in "
+                "it (a wrapper keeps the torch optimizer in .optimizer or .optim and returns its "
+                "param_groups). Pass the inner optimizer to amp.initialize, then wrap the one amp "
+                "returns.")
         if hasattr(opt, "_amp_stash") or hasattr(inner, "_amp_stash"):
             raise RuntimeError(
                 "A given optimizer should only be passed through amp.initialize once. "
-                f"optimizers[{i}] ({type(opt).__name__}) already was: build a fresh optimizer over the new "
-                "model's parameters and pass that.")
+                f"optimizers[{i}] ({type(opt).__name__}) already was: build a fresh optimizer "
+                "over the new model's parameters and pass that.")
 
     if not _amp_state.allow_incoming_model_not_fp32:
         for model in models_list:
@@ -98,11 +96,11 @@ def check_inputs(models, optimizers):
             for p in group["params"]:
                 if id(p) not in model_params:
                     raise ValueError(
-                        f"optimizers[{i}] ({type(opt).__name__}), param_groups[{g}], holds a parameter of shape "
-                        f"{tuple(p.shape)} that is not a parameter of any model passed to amp.initialize. Pass "
-                        "every model whose parameters the optimizer updates, e.g. "
-                        "amp.initialize([model_a, model_b], optimizer, ...), and build the optimizer from "
-                        "model.parameters().")
+                        f"optimizers[{i}] ({type(opt).__name__}), param_groups[{g}], holds a "
+                        f"parameter of shape {tuple(p.shape)} that is not a parameter of any model "
+                        "passed to amp.initialize. Pass every model whose parameters the "
+                        "optimizer updates, e.g. amp.initialize([model_a, model_b], optimizer, "
+                        "...), and build the optimizer from model.parameters().")
     return models_list, optimizers_list
 
 
@@ -112,33 +110,34 @@ def check_sharded_optimizers(optimizers_list, properties) -> None:
     parameters, so the masters would never be stepped and training would silently stand still."""
     if not properties.master_weights:
         return
-    # Not imported here: importing torch.distributed.optim scripts torch's functional optimizers
-    # (slow, and fails under an active O1 caster). No ZeroRedundancyOptimizer exists unless its
-    # module was imported.
+    # Not imported (that scripts torch's functional optimizers: slow, and fails under O1): no
+    # ZeroRedundancyOptimizer exists unless its module was imported.
     zero_module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     if zero_module is None:
         return
     for i, opt in enumerate(optimizers_list):
         if isinstance(opt, zero_module.ZeroRedundancyOptimizer):
             raise RuntimeError(
-                f"optimizers[{i}] is a torch.distributed.optim.ZeroRedundancyOptimizer, which cannot keep "
-                f"amp's fp32 master weights (opt_level={properties.opt_level!r}, master_weights=True): its "
-                "inner optimizer steps its own shard of the parameters, so the masters would never change. "
-                "Use opt_level='O1' (fp32 weights) or 'O3' with ZeRO, or peak.amp.GradScaler with a "
-                "low-precision model and a peak.optimizers fused optimizer (optimizer_class=FusedAdam), "
-                "which keeps fp32 masters in its own sharded state; see docs/distributed.md.")
+                f"optimizers[{i}] is a torch.distributed.optim.ZeroRedundancyOptimizer, which "
+                f"cannot keep amp's fp32 master weights (opt_level={properties.opt_level!r}, "
+                "master_weights=True): its inner optimizer steps its own shard of the parameters, "
+                "so the masters would never change. Use opt_level='O1' (fp32 weights) or 'O3' "
+                "with ZeRO, or peak.amp.GradScaler with a low-precision model and a "
+                "peak.optimizers fused optimizer (optimizer_class=FusedAdam), which keeps fp32 "
+                "masters in its own sharded state; see docs/distributed.md.")
 
 
 def _check_fp32(model: nn.Module) -> None:
     for kind, items in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in items:
-            if t.is_floating_point() and t.dtype in _LOW:
+            if t.is_floating_point() and t.dtype in LOW_DTYPES:
                 what = "parameters" if kind == "param" else "buffers"
                 warn_or_err(
                     f"Found {kind} {name} with type {t.dtype}, expected torch.float32.\n"
-                    "When using amp.initialize, you do not need to call .half() or .bfloat16() on your model\n"
-                    "before passing it, no matter what optimization level you choose: pass the FP32 model "
-                    f"and let the opt_level cast it.\n(Model {what} that are deliberately low precision: set "
+                    "When using amp.initialize, you do not need to call .half() or .bfloat16() on "
+                    "your model\nbefore passing it, no matter what optimization level you "
+                    "choose: pass the FP32 model and let the opt_level cast it.\n(Model "
+                    f"{what} that are deliberately low precision: set "
                     "amp._amp_state.allow_incoming_model_not_fp32 = True before amp.initialize.)")
 
 
@@ -149,23 +148,21 @@ def first_device(models) -> torch.device:
     return torch.device("cpu")
 
 
-# ---------------------------------------------------------------------------------------------- process
 def process(models, optimizers, properties, cast_model_outputs) -> None:
     cast_type = properties.cast_model_type
     o1 = bool(properties.patch_torch_functions)
     fp32_originals: dict = {}  # id(param) -> its fp32 data before the cast (becomes the master)
     for model in models:
         if cast_type:
-            fp32_originals.update(
-                cast_model(model, cast_type, keep_batchnorm_fp32=bool(properties.keep_batchnorm_fp32)))
-            if cast_type in _LOW:
+            fp32_originals.update(cast_model(model, cast_type,
+                                             bool(properties.keep_batchnorm_fp32)))
+            if cast_type in LOW_DTYPES:
                 for module in model.modules():
                     module.register_state_dict_post_hook(_upcast_state_dict_hook)
         input_dtype = cast_type or None
         output_dtype = (cast_model_outputs or torch.float32) if cast_type else cast_model_outputs
-        device_type = first_device([model]).type if o1 else None
-        if input_dtype is not None or output_dtype is not None or device_type is not None:
-            patch_forward(model, input_dtype, output_dtype, device_type)
+        if input_dtype is not None or output_dtype is not None or o1:
+            patch_forward(model, input_dtype, output_dtype)
         if properties.master_weights:
             for module in model.modules():
                 if module._parameters:
@@ -175,15 +172,13 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
     for optimizer in optimizers:
         inner = inner_optimizer(optimizer)
         process_optimizer(inner, properties, fp32_originals, wrapped=inner is not optimizer)
-        if inner is not optimizer:
-            optimizer._amp_stash = inner._amp_stash  # scale_loss and master_params accept the wrapper
+        if inner is not optimizer:  # scale_loss and master_params accept the wrapper
+            optimizer._amp_stash = inner._amp_stash
     fp32_originals.clear()
     if properties.master_weights and not optimizers:
         _warn_on_training_without_masters(models, properties.opt_level)
-
     if o1:
         _caster.enable(properties.low_precision_dtype)
-        _amp_state.handle = AmpHandle()
 
 
 def _is_optimizer(obj) -> bool:
@@ -193,7 +188,8 @@ def _is_optimizer(obj) -> bool:
 def _warn_on_training_without_masters(models, opt_level) -> None:
     """O2 without an optimizer: no fp32 master weights exist. Inference needs none, but a backward
     reaching the cast parameters means training on them: warn then, once."""
-    params = [p for model in models for p in model.parameters() if p.requires_grad and p.dtype in _LOW]
+    params = [p for model in models for p in model.parameters()
+              if p.requires_grad and p.dtype in LOW_DTYPES]
     handles = []
 
     def warn(param) -> None:
@@ -203,11 +199,11 @@ def _warn_on_training_without_masters(models, opt_level) -> None:
             h.remove()
         handles.clear()
         warnings.warn(
-            f"amp.initialize(opt_level={opt_level!r}) was given no optimizer, so no "
-            f"fp32 master weights exist, and a gradient just reached the model's {param.dtype} parameters: "
-            "an optimizer built over them now steps low-precision weights directly (small updates round "
-            "away). Pass the optimizer to amp.initialize: "
-            "model, optimizer = amp.initialize(model, optimizer, opt_level=...).", UserWarning, stacklevel=2)
+            f"amp.initialize(opt_level={opt_level!r}) was given no optimizer, so no fp32 master "
+            f"weights exist, and a gradient just reached the model's {param.dtype} parameters: an "
+            "optimizer built over them now steps low-precision weights directly (small updates "
+            "round away). Pass the optimizer to amp.initialize: model, optimizer = "
+            "amp.initialize(model, optimizer, opt_level=...).", UserWarning, stacklevel=2)
 
     for p in params:
         handles.append(p.register_post_accumulate_grad_hook(warn))
@@ -215,9 +211,9 @@ def _warn_on_training_without_masters(models, opt_level) -> None:
 
 def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> dict:
     """Cast floating params (with their grads) and buffers to ``dtype`` in place, keeping every
-    ``_BatchNorm`` (affine or not) in fp32 when ``keep_batchnorm_fp32``.  Parameter objects keep their
-    identity, so optimizers built before ``initialize`` still hold them.  Returns the fp32 data each cast
-    parameter had, by ``id(param)``, so that master weights start as the exact fp32 weights."""
+    ``_BatchNorm`` in fp32 when ``keep_batchnorm_fp32``. Parameters keep their identity (optimizers
+    built before still hold them). Returns each cast parameter's fp32 data by ``id(param)``: the
+    master weights start as the exact fp32 weights."""
     originals = {}
     with torch.no_grad():
         for module in model.modules():
@@ -242,20 +238,20 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
 
 
 def _upcast_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
-    """``model.state_dict()`` of a low-precision model holds fp32 tensors (exact upcasts), so checkpoints
-    load into fp32 models too; loading them back into the amp model rounds back to the same values."""
+    """``model.state_dict()`` of a low-precision model holds fp32 tensors (exact upcasts), so
+    checkpoints load into fp32 models too, and back into the amp model as the same values."""
     for name in itertools.chain(module._parameters, module._buffers):
         key = prefix + name
         t = state_dict.get(key)
-        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dtype in _LOW:
+        if (isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+                and t.dtype in LOW_DTYPES):
             state_dict[key] = t.float()
 
 
 def _refresh_masters_hook(module, incompatible_keys) -> None:
-    """After ``model.load_state_dict``: a master weight that no longer rounds to its model weight is
-    re-derived from the model (the model was given new weights); one that still does is kept, so
-    loading the model and then the optimizer (which restores the exact masters) is bit-for-bit, in
-    either order."""
+    """After ``model.load_state_dict``: a master weight that no longer rounds to its model weight
+    is re-derived from it; one that still does is kept, so loading the model and the optimizer
+    (which restores the exact masters) is bit-for-bit in either order."""
     with torch.no_grad():
         for p in module._parameters.values():
             master = master_of.get(p) if p is not None else None
@@ -263,20 +259,18 @@ def _refresh_masters_hook(module, incompatible_keys) -> None:
                 master.copy_(p)
 
 
-# ---------------------------------------------------------------------------------------------- forward
 class _ForwardConfig(NamedTuple):
     input_dtype: torch.dtype | None
     output_dtype: torch.dtype | None
-    device_type: str | None  # O1: run forward in the caster region for this device type
     inner_forward: object  # an instance-level forward that was already there, else None
 
 
-def patch_forward(model, input_dtype, output_dtype, device_type) -> None:
-    """Replace ``model.forward`` (on the instance) by one that casts floating inputs to ``input_dtype``,
-    runs the original forward (under the O1 caster when ``device_type`` is set) and casts floating
-    outputs to ``output_dtype``.  Bound as a method so that ``copy.deepcopy(model)`` stays correct."""
+def patch_forward(model, input_dtype, output_dtype) -> None:
+    """Replace ``model.forward`` (on the instance) by one that casts floating inputs to
+    ``input_dtype``, runs the original forward and casts floating outputs to ``output_dtype``.
+    Bound as a method so that ``copy.deepcopy(model)`` stays correct."""
     inner = model.__dict__.get("forward")
-    model._amp_forward_config = _ForwardConfig(input_dtype, output_dtype, device_type, inner)
+    model._amp_forward_config = _ForwardConfig(input_dtype, output_dtype, inner)
     model.forward = types.MethodType(_amp_forward, model)
 
 
@@ -288,7 +282,8 @@ def _amp_forward(self, *args, **kwargs):
     inner = cfg.inner_forward
     # (O1 casts thread-wide, so the forward needs no region of its own: a context manager here
     # would also keep torch.compile from splitting the forward at a graph break.)
-    output = inner(*args, **kwargs) if inner is not None else type(self).forward(self, *args, **kwargs)
+    output = (inner(*args, **kwargs) if inner is not None
+              else type(self).forward(self, *args, **kwargs))
     if cfg.output_dtype is not None:
         output = cast_tree(output, cfg.output_dtype)
     return output
@@ -296,9 +291,9 @@ def _amp_forward(self, *args, **kwargs):
 
 def cast_tree(value, dtype):
     """Cast the floating tensors in ``value`` to ``dtype``: tensors, objects with a ``.to`` method
-    (custom batch classes; they win over the container rules, as in Apex), mappings (type kept when it
-    can be rebuilt from pairs, else a dict), lists, tuples, namedtuples and sets.  Strings, numpy arrays,
-    modules and anything else pass through unchanged."""
+    (custom batch classes; they win over the container rules, as in Apex), mappings (type kept
+    when it can be rebuilt from pairs, else a dict), lists, tuples, namedtuples and sets. Strings,
+    numpy arrays, modules and anything else pass through unchanged."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
     if value is None or isinstance(value, (str, bytes, nn.Module, int, float, bool)):

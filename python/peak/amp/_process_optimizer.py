@@ -1,9 +1,6 @@
-"""What ``amp.initialize`` does to optimizers: master weights, gradient unscaling, step skipping.
-
-Every optimizer gets ``optimizer._amp_stash`` (an ``AmpOptimizerState``) and instance-level
-``step``, ``zero_grad`` and ``add_param_group`` methods. The design (where masters live, the
-gradient data path of ``scale_loss``, fused optimizers, closures, checkpoints) is in
-docs/amp_api.md, "Master weights (O2)" and "Fused optimizers under amp".
+"""What ``amp.initialize`` does to optimizers: ``optimizer._amp_stash`` (an ``AmpOptimizerState``:
+master weights, gradient unscaling, step skipping) and instance-level ``step``, ``zero_grad`` and
+``add_param_group``. Design: docs/amp_api.md, "Master weights (O2)", "Fused optimizers under amp".
 """
 
 from __future__ import annotations
@@ -17,10 +14,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from peak import ops
 
 from . import _caster
-from ._amp_state import log_skip_step, maybe_print
-from ..scaling import group_by_device_dtype
-
-_LOW = (torch.float16, torch.bfloat16)
+from ._amp_state import LOW_DTYPES, _amp_state, log_skip_step, maybe_print
+from ..scaling import OverflowFlags, group_by_device_dtype, unscale_grads_
 
 # model parameter -> its fp32 master (used by the model's load_state_dict hook to refresh masters).
 master_of = WeakIdKeyDictionary()
@@ -47,21 +42,16 @@ def inner_optimizer(optimizer):
     return optimizer
 
 
-def _is_fused(optimizer) -> bool:
-    from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (peak.optimizers imports nothing of amp)
-    return isinstance(optimizer, FusedOptimizer)
-
-
 class AmpOptimizerState:
     def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int,
                  wrapped: bool = False) -> None:
+        from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (it imports nothing of amp)
+
         self.optimizer = optimizer
         self.master_weights = master_weights
-        # A peak fused optimizer with master weights: see "Fused optimizers" above. Not inside a
-        # wrapper: a wrapper may read the gradients before the inner step (LARC's trust ratio),
-        # so they must be unscaled by then; the masters then live in param_groups, as for any
-        # torch optimizer (Apex's design), and the fused optimizer steps them as fp32 weights.
-        self.fused = master_weights and _is_fused(optimizer) and not wrapped
+        # A peak fused optimizer with master weights, not inside a wrapper (which may read the
+        # gradients before the inner step, as LARC does: they must be unscaled by then).
+        self.fused = master_weights and isinstance(optimizer, FusedOptimizer) and not wrapped
         self.fused_params: list[torch.Tensor] = []
         self.fused_grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
         # Their global norm, when the optimizer clips (taken by the inf/NaN check's pass).
@@ -75,8 +65,8 @@ class AmpOptimizerState:
         self.generation = generation
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
         self.params_have_scaled_gradients = False
-        self.pending_skip = None  # (loss_id, scaler) of the overflow that makes the next step() a no-op
-        self.step_count = 0  # step() calls since initialize, skipped ones included (for the log line)
+        self.pending_skip = None  # (loss_id, scaler) of an overflow: the next step() is a no-op
+        self.step_count = 0  # step() calls since initialize, skipped ones included (log line)
         # Master weights: parallel lists of low-precision model params and their fp32 masters.
         self.model_low_params: list[torch.Tensor] = []
         self.masters: list[torch.Tensor] = []
@@ -95,21 +85,22 @@ class AmpOptimizerState:
 
     # ------------------------------------------------------------------ params
     def register_params(self, params, fp32_originals=None) -> list:
-        """Sort ``params`` into masters / own masters; return the list to put into the param group
-        (low-precision params replaced by their new fp32 masters).  A master is the parameter's fp32
-        data from before ``initialize`` cast it when known (``fp32_originals``), else an upcast copy."""
+        """Sort ``params`` into masters / own masters; return the list to put into the param
+        group (low-precision params replaced by their new fp32 masters): the parameter's fp32 data
+        from before ``initialize`` cast it when known (``fp32_originals``), else an upcast copy."""
         out = []
         if self.fused:
             for p in params:
                 original = fp32_originals.pop(id(p), None) if fp32_originals else None
-                if original is not None and p.dtype in _LOW and self.optimizer._wants_master(p):
-                    # the exact fp32 weights from before the cast become the optimizer's master
+                # the exact fp32 weights from before the cast become the optimizer's master
+                if (original is not None and p.dtype in LOW_DTYPES
+                        and self.optimizer._wants_master(p)):
                     self.optimizer.state[p]["master_param"] = original
                 self.fused_params.append(p)
                 out.append(p)
             return out
         for p in params:
-            if self.master_weights and p.requires_grad and p.dtype in _LOW:
+            if self.master_weights and p.requires_grad and p.dtype in LOW_DTYPES:
                 original = fp32_originals.pop(id(p), None) if fp32_originals else None
                 data = original if original is not None else p.detach().to(torch.float32, copy=True)
                 master = torch.nn.Parameter(data, requires_grad=True)
@@ -125,11 +116,11 @@ class AmpOptimizerState:
 
     def copy_masters_to_model(self) -> None:
         with torch.no_grad():
-            for device, _, _, (masters, models) in group_by_device_dtype(self.masters, self.model_low_params):
-                flag = self.copy_flags.get(device)
-                if flag is None:
-                    flag = self.copy_flags[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                ops.multi_tensor_scale_(masters, models, 1.0, flag)
+            for device, _, _, (masters, models) in group_by_device_dtype(self.masters,
+                                                                         self.model_low_params):
+                if device not in self.copy_flags:
+                    self.copy_flags[device] = ops.new_found_inf(device)
+                ops.multi_tensor_scale_(masters, models, 1.0, self.copy_flags[device])
 
     # ------------------------------------------------------------------ fused path
     def fused_grads(self):
@@ -154,10 +145,7 @@ class AmpOptimizerState:
             for p in params:
                 p.grad = None
         else:
-            with torch.no_grad():
-                for device, _, _, (group,) in group_by_device_dtype([p.grad for p in params]):
-                    ratio = (scaler.scale.to(device) / self.fused_grad_scale.to(device)).reshape(())
-                    torch._foreach_mul_(group, ratio)
+            _rescale_([p.grad for p in params], scaler.scale, self.fused_grad_scale)
         self.fused_grad_scale = None
         self.fused_grad_norm = None
 
@@ -173,12 +161,7 @@ class AmpOptimizerState:
     def fused_post_backward(self, scaler) -> None:
         self.fused_grad_norm = None
         with torch.no_grad():
-            if self.fused_set_aside is not None:
-                # Check the new gradients alone, then add the earlier ones back (at this scale).
-                for device, _, _, (group,) in group_by_device_dtype(self.fused_grads()):
-                    ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
-                self._add_back_set_aside(scaler)
-            elif self.optimizer._wants_grad_norm:
+            if self.fused_set_aside is None and self.optimizer._wants_grad_norm:
                 # The optimizer clips: the global norm's pass is the inf/NaN check as well (a
                 # non-finite gradient makes the norm non-finite): NOTE [Clipping inside the step].
                 norm = self.optimizer._global_grad_norm()
@@ -187,9 +170,10 @@ class AmpOptimizerState:
                     torch.maximum(flag, (~torch.isfinite(norm)).to(flag.dtype).reshape(flag.shape),
                                   out=flag)
                     self.fused_grad_norm = norm
-            else:
-                for device, _, _, (group,) in group_by_device_dtype(self.fused_grads()):
-                    ops.multi_tensor_check_finite_(group, scaler.found_inf_for(device))
+            else:  # after an overflow: the new gradients alone, then the earlier ones added back
+                scaler.check(self.fused_grads())
+                if self.fused_set_aside is not None:
+                    self._add_back_set_aside(scaler)
         self.fused_grad_scale = scaler.scale.clone()  # taken before the scale is updated
 
     def _add_back_set_aside(self, scaler) -> None:
@@ -207,8 +191,7 @@ class AmpOptimizerState:
             ratio = (scaler.scale.to(device) / old_scale.to(device)).reshape(1)
             ops.multi_tensor_axpby_(news, olds_, news, 1.0, ratio, ops.new_found_inf(device),
                                     check="none")
-        for device, _, _, (group,) in group_by_device_dtype(only_old):
-            torch._foreach_mul_(group, (scaler.scale.to(device) / old_scale.to(device)).reshape(()))
+        _rescale_(only_old, scaler.scale, old_scale)
 
     def fused_master_params(self):
         """The fp32 weights the fused optimizer steps, with fp32 gradients to clip (see the module
@@ -234,13 +217,10 @@ class AmpOptimizerState:
                         masters.append(master.grad)
                     else:
                         own.append(p.grad)
-                for device, _, _, (ins, outs) in group_by_device_dtype(lows, masters):
-                    inv = 1.0 if scale is None else scale.to(device).reciprocal()
-                    ops.multi_tensor_scale_(ins, outs, inv, ops.new_found_inf(device))
-                for device, _, _, (group,) in group_by_device_dtype(own):
-                    if scale is not None:
-                        ops.multi_tensor_scale_(group, group, scale.to(device).reciprocal(),
-                                                ops.new_found_inf(device))
+                inv = 1.0 if scale is None else scale.reciprocal()
+                unscale_grads_(lows, inv, OverflowFlags(), outputs=masters)
+                if scale is not None:
+                    unscale_grads_(own, inv, OverflowFlags())
             opt._masters_have_grads = True  # zero_grad() drops them
             if scale is not None:
                 self.fused_grad_scale = torch.ones_like(scale)
@@ -248,14 +228,12 @@ class AmpOptimizerState:
             self.fused_master_grads = True
         for group in opt.param_groups:
             for p in group["params"]:
-                state = opt.state.get(p)
-                master = state.get("master_param") if state else None
+                master = (opt.state.get(p) or {}).get("master_param")
                 yield master if master is not None else p
 
     def drop_master_grads(self) -> None:
         for p in self.fused_params:
-            state = self.optimizer.state.get(p)
-            master = state.get("master_param") if state else None
+            master = (self.optimizer.state.get(p) or {}).get("master_param")
             if master is not None:
                 master.grad = None
         self.fused_master_grads = False
@@ -278,46 +256,41 @@ class AmpOptimizerState:
         self.grad_stash = None
 
     def post_backward(self, scaler) -> None:
+        """Unscale the backward's gradients into the master gradients (own masters: in place),
+        adding those of earlier backward passes of the step."""
         with torch.no_grad():
-            if self.model_low_params:
-                new_in, new_out, acc_in, acc_out = [], [], [], []
-                for p, m in zip(self.model_low_params, self.masters):
-                    if p.grad is None:
-                        continue
+            rows = []  # (new gradient, earlier gradient or None, output)
+            for p, m in zip(self.model_low_params, self.masters):
+                if p.grad is not None:
                     if m.grad is None:
                         m.grad = torch.empty_like(m)
-                        new_in.append(p.grad)
-                        new_out.append(m.grad)
+                        rows.append((p.grad, None, m.grad))
                     else:
-                        acc_in.append(p.grad)
-                        acc_out.append(m.grad)
-                if new_in:
-                    scaler.unscale(new_in, new_out)
-                if acc_in:
-                    scaler.unscale_with_stashed(acc_in, acc_out, acc_out)
-
+                        rows.append((p.grad, m.grad, m.grad))
             stash = self.grad_stash or [None] * len(self.own_master_params)
-            new, acc, acc_stash = [], [], []
             for p, s in zip(self.own_master_params, stash):
                 if p.grad is None:
-                    if s is not None:
-                        p.grad = s
-                elif s is None:
-                    new.append(p.grad)
+                    p.grad = s
                 else:
-                    acc.append(p.grad)
-                    acc_stash.append(s)
+                    rows.append((p.grad, s, p.grad))
+            new = [r for r in rows if r[1] is None]
+            acc = [r for r in rows if r[1] is not None]
             if new:
-                scaler.unscale(new, new)
+                scaler.unscale([r[0] for r in new], [r[2] for r in new])
             if acc:
-                scaler.unscale_with_stashed(acc, acc_stash, acc)
-            self.grad_stash = None
+                scaler.unscale_with_stashed(*([r[i] for r in acc] for i in range(3)))
+        self.grad_stash = None
+
+
+def _rescale_(grads, new_scale: torch.Tensor, old_scale: torch.Tensor) -> None:
+    """Bring gradients that carry ``old_scale`` to ``new_scale`` (device tensors)."""
+    with torch.no_grad():
+        for device, _, _, (group,) in group_by_device_dtype(grads):
+            torch._foreach_mul_(group, (new_scale.to(device) / old_scale.to(device)).reshape(()))
 
 
 def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool = False) -> None:
     """``wrapped``: ``optimizer`` is the inner optimizer of a wrapper (see ``inner_optimizer``)."""
-    from ._amp_state import _amp_state  # noqa: PLC0415
-
     stash = AmpOptimizerState(optimizer, bool(properties.master_weights),
                               bool(properties.patch_torch_functions), _amp_state.generation,
                               wrapped=wrapped)
@@ -342,22 +315,17 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
         optimizer.register_load_state_dict_post_hook(_restore_masters_hook)
 
 
-def _reevaluates_closure(optimizer) -> bool:
-    """An optimizer that calls its closure inside ``step`` more than once (line searches)."""
-    return isinstance(optimizer, torch.optim.LBFGS)
-
-
 def _step(self, closure=None):
     stash = self._amp_stash
     loss = None
     args = ()
     if closure is not None:
-        if _reevaluates_closure(self):
+        if isinstance(self, torch.optim.LBFGS):  # calls its closure several times in step()
             if stash.master_weights or stash.pending_skip is not None:
                 raise RuntimeError(
                     f"{type(self).__name__} evaluates its closure several times inside step(); amp "
-                    "supports that only without master weights (opt_level O0, O1 or O3) and when no "
-                    "step is pending a skip after a gradient overflow. Use opt_level='O1'.")
+                    "supports that only without master weights (opt_level O0, O1 or O3) and when "
+                    "no step is pending a skip after a gradient overflow. Use opt_level='O1'.")
             args = (closure,)
         else:
             # As torch.optim's step does first thing: the gradients and the overflow state the
@@ -370,15 +338,14 @@ def _step(self, closure=None):
         loss_id, scaler = stash.pending_skip
         stash.pending_skip = None
         new_scale = scaler.loss_scale()
-        maybe_print("Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}".format(
-            loss_id, new_scale))
+        maybe_print("Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}"
+                    .format(loss_id, new_scale))
         log_skip_step(step_index, loss_id, new_scale, type(self).__name__)
         for m in stash.masters:
             m.grad = None
         if stash.fused:
             stash.drop_master_grads()
-            stash.fused_grad_scale = None
-            stash.fused_grad_norm = None
+            stash.fused_grad_scale = stash.fused_grad_norm = None
         return loss
     if stash.masters and not stash.warned_no_master_grads:
         _warn_if_backward_bypassed_amp(stash)
@@ -402,16 +369,16 @@ def _step(self, closure=None):
 def _warn_if_backward_bypassed_amp(stash) -> None:
     """O2 steps the fp32 masters, whose gradients only ``scale_loss`` fills: a plain
     ``loss.backward()`` leaves them empty and the step changes nothing (in Apex too)."""
-    if any(m.grad is not None for m in stash.masters):
-        return
-    if not any(p.grad is not None for p in stash.model_low_params):
+    if (any(m.grad is not None for m in stash.masters)
+            or not any(p.grad is not None for p in stash.model_low_params)):
         return
     stash.warned_no_master_grads = True
     warnings.warn(
-        f"{type(stash.optimizer).__name__}.step(): the model's fp16/bf16 parameters have gradients but "
-        "their fp32 master weights, which this optimizer steps under master_weights=True (O2), have "
-        "none, so this step leaves those weights unchanged. The backward pass ran outside amp: run it "
-        "as `with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`.",
+        f"{type(stash.optimizer).__name__}.step(): the model's fp16/bf16 parameters have "
+        "gradients but their fp32 master weights, which this optimizer steps under "
+        "master_weights=True (O2), have none, so this step leaves those weights unchanged. The "
+        "backward pass ran outside amp: run it as `with amp.scale_loss(loss, optimizer) as "
+        "scaled_loss: scaled_loss.backward()`.",
         UserWarning, stacklevel=3)
 
 
@@ -424,11 +391,9 @@ def _zero_grad(self, set_to_none: bool = True):
                 p.grad = None
             else:
                 p.grad.detach_().zero_()
-    stash.grad_stash = None
-    stash.params_have_scaled_gradients = False
-    stash.fused_grad_scale = None
-    stash.fused_grad_norm = None
+    stash.grad_stash = stash.fused_grad_scale = stash.fused_grad_norm = None
     stash.fused_set_aside = None
+    stash.params_have_scaled_gradients = False
     if stash.fused:
         stash.drop_master_grads()
 
@@ -441,15 +406,17 @@ def _add_param_group(self, param_group):
     if isinstance(params, torch.Tensor):
         params = [params]
     elif isinstance(params, set):
-        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
-                        "tensors in sets will change between runs. Please use a list instead.")
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but "
+                        "the ordering of tensors in sets will change between runs. Please use a "
+                        "list instead.")
     else:
         params = list(params)
     held = {id(p) for p in stash.model_low_params + stash.fused_params}
     if any(id(p) in held for p in params):
-        raise ValueError("some parameters appear in more than one parameter group (this optimizer already "
-                         "steps them through their fp32 master weights)")
-    n_masters, n_own, n_fused = len(stash.masters), len(stash.own_master_params), len(stash.fused_params)
+        raise ValueError("some parameters appear in more than one parameter group (this "
+                         "optimizer already steps them through their fp32 master weights)")
+    n_masters, n_own = len(stash.masters), len(stash.own_master_params)
+    n_fused = len(stash.fused_params)
     group = dict(param_group)
     group["params"] = stash.register_params(params)
     try:
@@ -458,12 +425,12 @@ def _add_param_group(self, param_group):
         # leave nothing half-registered
         for p in stash.model_low_params[n_masters:]:
             master_of.pop(p, None)
-        del stash.model_low_params[n_masters:], stash.masters[n_masters:], stash.own_master_params[n_own:]
-        del stash.fused_params[n_fused:]
+        del stash.model_low_params[n_masters:], stash.masters[n_masters:]
+        del stash.own_master_params[n_own:], stash.fused_params[n_fused:]
         raise
 
 
-# ---------------------------------------------------------------------------------------------- checkpoints
+# ---- checkpoints
 def _flat_params(optimizer):
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -471,7 +438,8 @@ def _flat_params(optimizer):
 def _save_masters_hook(optimizer, state_dict):
     """Add the fp32 masters, keyed by the same indices as ``state_dict["state"]``."""
     masters = {id(m) for m in optimizer._amp_stash.masters}
-    state_dict[MASTERS_KEY] = {i: p for i, p in enumerate(_flat_params(optimizer)) if id(p) in masters}
+    state_dict[MASTERS_KEY] = {i: p for i, p in enumerate(_flat_params(optimizer))
+                               if id(p) in masters}
     return state_dict
 
 
@@ -492,8 +460,9 @@ def _restore_masters_hook(optimizer):
             target = flat[i] if 0 <= i < len(flat) else None
             if target is None or id(target) not in masters or target.shape != value.shape:
                 raise RuntimeError(
-                    f"optimizer.load_state_dict: the checkpoint has an fp32 master weight for parameter {i} "
-                    "that this optimizer does not have a master for (shape or dtype differ). Restore with the "
-                    "same model, opt_level and keep_batchnorm_fp32 that wrote the checkpoint.")
+                    f"optimizer.load_state_dict: the checkpoint has an fp32 master weight for "
+                    f"parameter {i} that this optimizer does not have a master for (shape or dtype "
+                    "differ). Restore with the same model, opt_level and keep_batchnorm_fp32 that "
+                    "wrote the checkpoint.")
             target.copy_(value)
     stash.copy_masters_to_model()

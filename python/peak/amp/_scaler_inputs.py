@@ -1,6 +1,5 @@
-"""What GradScaler takes in, checked and gathered: its constructor options (with torch's errors
-and peak's), an optimizer's gradients as the kernels take them (DTensor shards, sparse values),
-and the agreement of sharded ranks on an overflow."""
+"""What GradScaler takes in: its constructor options checked (torch's errors and peak's), an
+optimizer's gradients as the kernels take them, sharded ranks' agreement on an overflow."""
 from __future__ import annotations
 
 import math
@@ -12,8 +11,7 @@ ON_MIN_SCALE = ("warn", "raise", "keep")
 
 
 class _ConfigError(ValueError, AssertionError):
-    """A bad constructor argument. torch raises AssertionError for some of these (growth/backoff
-    factors), so the error is both a ValueError and an AssertionError."""
+    """A bad constructor argument where torch raises AssertionError (growth/backoff factors)."""
 
 
 def _check_float(name: str, value, *, allow_none: bool = False) -> float | None:
@@ -23,13 +21,15 @@ def _check_float(name: str, value, *, allow_none: bool = False) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
         return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"GradScaler: {name} must be a float, got {type(value).__name__} ({value!r})")
+        raise TypeError(f"GradScaler: {name} must be a float, got {type(value).__name__} "
+                        f"({value!r})")
     return float(value)
 
 
 def _check_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"GradScaler: {name} must be an int, got {type(value).__name__} ({value!r})")
+        raise TypeError(f"GradScaler: {name} must be an int, got {type(value).__name__} "
+                        f"({value!r})")
     return int(value)
 
 

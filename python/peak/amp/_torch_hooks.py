@@ -1,11 +1,6 @@
-"""The torch-private hooks of the O1 caster, in one module: what depends on torch internals, and
-so on the torch release, lives here and nowhere else (checked against torch 2.13 and 2.14).
-
-- ``torch.nn.RNNBase.check_input``: its input-vs-weight dtype check, relaxed while O1 casts;
-- ``torch.utils.checkpoint``'s non-reentrant generator and ``CheckpointFunction``: the
-  recomputation runs under the forward's caster state.
-
-Each hook is installed by ``_caster.enable`` and removed when no thread has O1 on any more.
+"""The O1 caster's hooks into torch internals (checked against torch 2.13 and 2.14), installed
+by ``_caster.enable`` and removed when no thread has O1 on: ``RNNBase.check_input``'s dtype check
+relaxed while O1 casts; ``torch.utils.checkpoint`` recomputing under the forward's caster state.
 """
 
 from __future__ import annotations
@@ -15,9 +10,6 @@ import torch
 from .. import _C
 
 _c = _C.caster
-
-__all__ = ["install_rnn_check", "remove_rnn_check", "install_checkpoint", "remove_checkpoint"]
-
 
 # ---- nn.RNN/LSTM/GRU under O1
 

@@ -1,16 +1,7 @@
-"""``peak.amp.autocast``, ``custom_fwd`` and ``custom_bwd``: torch.amp's autocast API, plus
-per-region edits of the op lists.
-
-``autocast`` *is* ``torch.autocast`` underneath (a subclass that enters it), so
-``torch.is_autocast_enabled()``, ``torch.utils.checkpoint``, ``custom_fwd`` and the weight-cast
-cache behave exactly as with torch. ``fp32_ops=[...]`` / ``lower_ops=[...]`` move torch functions
-into torch's "fp32" or "lower precision" policy inside the region only: the region pushes a
-list-edit frame on the O1 caster's C++ state (``_caster.push_edits``), so a listed function goes
-through the caster's wrapper, which casts its eligible arguments (floating point, not float64, on
-the region's device type) to float32 or to the region's dtype and calls it with torch's autocast
-off, through the caster's one weight-cast cache. Edits act where autocast for that device type
-is on inside the region (an inner ``autocast(enabled=False)`` or ``custom_fwd(cast_inputs=...)``
-turns them off too). See docs/torch_dialect.md and docs/caster.md.
+"""``peak.amp.autocast``, ``custom_fwd`` and ``custom_bwd``: torch.amp's autocast API (``autocast``
+is a ``torch.autocast`` subclass that enters it), plus per-region edits of the op lists
+(``fp32_ops``/``lower_ops``: a list-edit frame on the O1 caster, ``_caster.push_edits``). See
+docs/torch_dialect.md and docs/caster.md.
 """
 from __future__ import annotations
 
@@ -120,7 +111,8 @@ def _edit_codes(fp32_ops, lower_ops) -> dict | None:
             continue
         if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
             raise TypeError(f"autocast: {arg} must be a list of torch functions or names, "
-                            f"got {type(entries).__name__}; wrap a single op in a list: {arg}=[...]")
+                            f"got {type(entries).__name__}; wrap a single op in a list: "
+                            f"{arg}=[...]")
         for entry in entries:
             key = _op_name(arg, entry)
             if names.setdefault(key, policy) != policy:
@@ -199,7 +191,8 @@ def _cast(value, device_type: str, dtype: torch.dtype):
     if _np is not None and isinstance(value, _np.ndarray):
         return value
     if isinstance(value, collections.abc.Mapping):
-        return {_cast(k, device_type, dtype): _cast(v, device_type, dtype) for k, v in value.items()}
+        return {_cast(k, device_type, dtype): _cast(v, device_type, dtype)
+                for k, v in value.items()}
     if isinstance(value, collections.abc.Iterable):
         iterable = (_cast(v, device_type, dtype) for v in value)
         if isinstance(value, (list, tuple)):
@@ -218,10 +211,11 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
     """``torch.amp.custom_fwd``: decorator for ``forward`` of a ``torch.autograd.Function``.
 
     ``cast_inputs=None``: ``forward`` runs under the current autocast state (and peak's list
-    edits). ``cast_inputs=dtype`` (a torch.dtype, or a string such as ``"fp32"``, ``"bf16"``): inside an autocast-enabled region, floating tensors on
-    ``device_type`` (not float64; also inside lists, tuples, dicts and other iterables) are cast
-    to ``dtype`` and ``forward`` runs with autocast (and so peak's list edits) off; outside such a
-    region it is a no-op. Records the state for ``custom_bwd`` on ``ctx``.
+    edits). ``cast_inputs=dtype`` (a torch.dtype, or a string such as ``"fp32"``, ``"bf16"``):
+    inside an autocast-enabled region, floating tensors on ``device_type`` (not float64; also
+    inside lists, tuples, dicts and other iterables) are cast to ``dtype`` and ``forward`` runs
+    with autocast (and so peak's list edits) off; outside such a region it is a no-op. Records
+    the state for ``custom_bwd`` on ``ctx``.
     """
     _check_device_type(device_type)
     if cast_inputs in (float, int, bool, complex):

@@ -1,26 +1,141 @@
-"""``amp.initialize`` and ``amp.state_dict`` / ``amp.load_state_dict``: opt_levels, properties, overrides.
+"""``amp.initialize``, the legacy ``amp.init`` and ``amp.state_dict`` / ``amp.load_state_dict``;
+Apex's opt_levels and the ``Properties`` they set.
 
-The property tables, override order, messages and verbosity output are Apex's (see
-``docs/amp_api.md``).  peak's additions: bf16 as a first-class low-precision dtype
-(``cast_model_type=torch.bfloat16`` for O2/O3, the keyword-only ``low_precision_dtype`` for any level),
-"True"/"False" strings for every boolean property, and validation of value types.
+The property tables, override order, messages and verbosity output are Apex's; peak's additions
+(bf16, ``low_precision_dtype``, "True"/"False" strings, type checks) are in docs/amp_api.md.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 
 import torch
 
 from .. import _dtypes
 from . import _caster, _initialize
-from ._amp_state import _amp_state, maybe_print, warn_or_err
-from .loss_scaler import LossScaler
-# The opt_level tables live in _options (the legacy amp.init uses them too); re-exported here,
-# where Apex scripts and peak.integrations find them.
-from ._options import (LOW_DTYPES, O0, O1, O2, O3, Properties,  # noqa: F401
-                       opt_levels, parse_loss_scale)
+from ._amp_state import LOW_DTYPES, _amp_state, maybe_print, warn_or_err
+from .handle import AmpHandle, LossScaler, NoOpHandle
+
+_OPTION_NAMES = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
+                 "keep_batchnorm_fp32", "master_weights", "loss_scale")
+
+
+def _parse_bool(name: str, value):
+    """Booleans, or the strings "True"/"False" (argparse-style scripts pass those)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value in ("True", "False"):
+        return value == "True"
+    raise (ValueError if isinstance(value, str) else TypeError)(
+        f"{name} must be True, False, the string 'True' or 'False', or None; found "
+        f"{name}={value!r}")
+
+
+class Properties:
+    """The options that govern an amp run.  Assigning an option validates it against the current
+    ``opt_level`` (Apex's checks and messages)."""
+
+    def __init__(self) -> None:
+        self.__dict__["options"] = OrderedDict(
+            enabled=False, opt_level=None, cast_model_type=None, patch_torch_functions=False,
+            keep_batchnorm_fp32=None, master_weights=None, loss_scale=1.0,
+        )
+        # peak: the low-precision dtype this run uses (fp16/bf16), or None for fp32 training.
+        self.__dict__["low_precision_dtype"] = None
+
+    def __getattr__(self, name):
+        options = self.__dict__["options"]
+        if name in options:
+            return options[name]
+        raise AttributeError(f"'Properties' object has no attribute '{name}'")
+
+    def __setattr__(self, name, value):
+        options = self.__dict__["options"]
+        if name not in options:
+            if name == "low_precision_dtype":
+                self.__dict__[name] = value
+                return
+            raise AttributeError(f"'Properties' has no option '{name}'; valid options are: "
+                                 f"{', '.join(_OPTION_NAMES)}")
+        o1 = options["opt_level"] == "O1"
+        if name == "cast_model_type":
+            if not (value is None or value is False
+                    or (isinstance(value, torch.dtype) and value.is_floating_point)):
+                raise TypeError(
+                    "cast_model_type must be a floating torch.dtype (torch.float16, "
+                    "torch.bfloat16, torch.float32), False (do not cast the model) or None; "
+                    f"found cast_model_type={value!r}")
+            if o1 and value not in (None, False, torch.float32):
+                warn_or_err(
+                    "O1 inserts casts around Torch functions rather than model weights, so with "
+                    "O1, the model weights themselves should remain FP32. If you wish to cast the "
+                    f"model to a different type, use opt_level='O2' or 'O3'. cast_model_type was "
+                    f"{value}" + (" (to run O1 in bfloat16, pass low_precision_dtype="
+                                  "torch.bfloat16 instead)" if value == torch.bfloat16 else ""))
+        elif name == "patch_torch_functions":
+            value = _parse_bool(name, value)
+            if not o1 and value:
+                warn_or_err("Currently, patch_torch_functions=True should only be set by "
+                            "selecting opt_level='O1'.")
+        elif name == "keep_batchnorm_fp32":
+            if o1 and value is not None:
+                warn_or_err("With opt_level O1, batchnorm functions are automatically patched to "
+                            "run in FP32, so keep_batchnorm_fp32 should be None. "
+                            f"keep_batchnorm_fp32 was {value}")
+            value = _parse_bool(name, value)
+        elif name == "master_weights":
+            if o1 and value is not None:
+                warn_or_err("It doesn't make sense to use master_weights with O1. With O1, your "
+                            "model weights themselves should be FP32.")
+            value = _parse_bool(name, value)
+        elif name == "loss_scale":
+            value = parse_loss_scale(value)
+        options[name] = value
+
+
+def parse_loss_scale(value):
+    if value == "dynamic":
+        return value
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("loss_scale must be a number, a numeric string such as '128.0', or "
+                         f"'dynamic'; found loss_scale={value!r}") from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"loss_scale must be a finite number > 0 (or 'dynamic'); found "
+                         f"loss_scale={value!r}")
+    return scale
+
+
+class OptLevel:
+    """An opt_level (Apex's O0..O3): ``level(properties)`` sets its defaults, in order."""
+
+    def __init__(self, brief: str, **settings) -> None:
+        self.brief = brief
+        self.settings = settings
+
+    def __call__(self, properties):
+        properties.enabled = True
+        for name, value in self.settings.items():
+            setattr(properties, name, value)
+        return properties
+
+
+O3 = OptLevel("O3:  Pure FP16 training.", opt_level="O3", cast_model_type=torch.float16,
+              patch_torch_functions=False, keep_batchnorm_fp32=False, master_weights=False,
+              loss_scale=1.0)
+O2 = OptLevel("O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n",
+              opt_level="O2", cast_model_type=torch.float16, patch_torch_functions=False,
+              keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic")
+O1 = OptLevel("O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n",
+              opt_level="O1", cast_model_type=None, patch_torch_functions=True,
+              keep_batchnorm_fp32=None, master_weights=None, loss_scale="dynamic")
+O0 = OptLevel("O0:  Pure FP32 training.\n", opt_level="O0", cast_model_type=torch.float32,
+              patch_torch_functions=False, keep_batchnorm_fp32=None, master_weights=False,
+              loss_scale=1.0)
+opt_levels = {"O3": O3, "O2": O2, "O1": O1, "O0": O0}
 
 
 def _print_options(properties) -> None:
@@ -40,44 +155,24 @@ def _check_loss_scale_bound(name, value):
     return v
 
 
-def initialize(
-    models,
-    optimizers=None,
-    enabled=True,
-    opt_level="O1",
-    cast_model_type=None,
-    patch_torch_functions=None,
-    keep_batchnorm_fp32=None,
-    master_weights=None,
-    loss_scale=None,
-    cast_model_outputs=None,
-    num_losses=1,
-    verbosity=1,
-    min_loss_scale=None,
-    max_loss_scale=2.0**24,
-    *,
-    low_precision_dtype=None,
-):
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
+               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
+               min_loss_scale=None, max_loss_scale=2.0**24, *, low_precision_dtype=None):
     """Initialize models, optimizers and the amp state for the chosen ``opt_level`` and overrides.
 
-    Apex's ``apex.amp.initialize`` with the same arguments, defaults and return shape: ``models`` is a
-    module or a list of modules, ``optimizers`` an optimizer, a list of optimizers or None; the same
-    objects come back (mutated in place), as ``model`` / ``(model, optimizer)`` in the shape passed in.
+    Apex's ``apex.amp.initialize`` with the same arguments, defaults and return shape: ``models``
+    is a module or a list of modules, ``optimizers`` an optimizer, a list of optimizers or None;
+    the same objects come back (mutated in place), as ``model`` / ``(model, optimizer)`` in the
+    shape passed in.
 
-    peak additions:
-
-    * ``cast_model_type=torch.bfloat16`` (O2/O3) casts the model to bf16 instead of fp16.
-    * Every dtype argument also takes the strings of ``peak._dtypes.DTYPE_NAMES`` (``"bf16"``,
-      ``"fp16"``, ``"fp32"``, ...).
-    * ``low_precision_dtype`` (keyword only; ``torch.float16`` or ``torch.bfloat16``, or a string:
-      ``"fp16"``, ``"float16"``, ``"half"``, ``"bf16"``, ``"bfloat16"``): the lower
-      precision of the run at any opt_level -- O1's casts, O2/O3's model type (unless
-      ``cast_model_type`` says otherwise); O0 ignores it.  Default: fp16, as Apex.
-    * With bf16 the levels that default to dynamic loss scaling (O1, O2) default to a static scale of
-      1.0 instead (bf16 has fp32's range); pass ``loss_scale="dynamic"`` to scale anyway.
-    * CPU models are accepted (Apex required CUDA).
+    peak additions (docs/amp_api.md, "Low-precision dtype"): ``low_precision_dtype`` (keyword
+    only; ``torch.float16``/``torch.bfloat16`` or ``"fp16"``/``"bf16"``; default fp16, as Apex),
+    the run's lower precision at any opt_level (O1's casts, O2/O3's model type); with bf16, O1
+    and O2 default to a static loss scale of 1.0 (pass ``loss_scale="dynamic"`` to scale anyway);
+    ``cast_model_type=torch.bfloat16`` for O2/O3; dtype strings (``"bf16"``, ``"fp32"``, ...) for
+    every dtype argument; CPU models.
     """
-
     _amp_state.verbosity = verbosity
 
     if not enabled:
@@ -90,16 +185,19 @@ def initialize(
     if opt_level not in opt_levels:
         raise RuntimeError(
             "Unexpected optimization level {}. ".format(opt_level)
-            + "Options are 'O0', 'O1', 'O2', 'O3'.  Note that in `O0`, `O1`, etc., the prefix O is the letter O, "
-            "not the number zero.")
+            + "Options are 'O0', 'O1', 'O2', 'O3'.  Note that in `O0`, `O1`, etc., the prefix O "
+            "is the letter O, not the number zero.")
     # Strings ("bf16", "fp16", "float32", ...) are read by the one parser every dtype argument uses.
     low_precision_dtype = _dtypes.parse_dtype(low_precision_dtype, "low_precision_dtype")
     if isinstance(cast_model_type, str):
-        cast_model_type = _dtypes.parse_dtype(cast_model_type, "cast_model_type", _dtypes.FLOATING)
+        cast_model_type = _dtypes.parse_dtype(cast_model_type, "cast_model_type",
+                                              _dtypes.FLOATING)
     if isinstance(cast_model_outputs, str):
-        cast_model_outputs = _dtypes.parse_dtype(cast_model_outputs, "cast_model_outputs", _dtypes.FLOATING)
+        cast_model_outputs = _dtypes.parse_dtype(cast_model_outputs, "cast_model_outputs",
+                                                 _dtypes.FLOATING)
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
-        raise ValueError(f"num_losses must be an int >= 1 (one loss scaler per loss); found num_losses={num_losses!r}")
+        raise ValueError(f"num_losses must be an int >= 1 (one loss scaler per loss); found "
+                         f"num_losses={num_losses!r}")
     if cast_model_outputs is not None and not (
             isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point):
         raise TypeError(
@@ -108,7 +206,8 @@ def initialize(
     min_scale = _check_loss_scale_bound("min_loss_scale", min_loss_scale)
     max_scale = _check_loss_scale_bound("max_loss_scale", max_loss_scale)
     if min_scale and max_scale is not None and min_scale > max_scale:
-        raise ValueError(f"min_loss_scale ({min_loss_scale}) must not exceed max_loss_scale ({max_loss_scale})")
+        raise ValueError(f"min_loss_scale ({min_loss_scale}) must not exceed max_loss_scale "
+                         f"({max_loss_scale})")
 
     properties = opt_levels[opt_level](Properties())
     maybe_print("Selected optimization level {}".format(opt_levels[opt_level].brief), True)
@@ -128,7 +227,8 @@ def initialize(
     maybe_print("After processing overrides, optimization options are:", True)
     _print_options(properties)
     if low_precision_dtype is not None:
-        maybe_print("{:22} : {}".format("low_precision_dtype", properties.low_precision_dtype), True)
+        maybe_print("{:22} : {}".format("low_precision_dtype", properties.low_precision_dtype),
+                    True)
 
     # Validate the models and optimizers completely before changing anything.
     models_list, optimizers_list = _initialize.check_inputs(models, optimizers)
@@ -139,11 +239,12 @@ def initialize(
     _amp_state.min_loss_scale = min_loss_scale
     _amp_state.max_loss_scale = max_loss_scale
     device = _initialize.first_device(models_list)
-    _amp_state.loss_scalers = [
-        LossScaler(properties.loss_scale, min_loss_scale=min_scale, max_loss_scale=max_scale, device=device)
-        for _ in range(num_losses)
-    ]
+    _amp_state.loss_scalers = [LossScaler(properties.loss_scale, min_loss_scale=min_scale,
+                                          max_loss_scale=max_scale, device=device)
+                               for _ in range(num_losses)]
     _initialize.process(models_list, optimizers_list, properties, cast_model_outputs)
+    if properties.patch_torch_functions:
+        _amp_state.handle = AmpHandle()
     _dtypes.warn_if_slow_fp16(properties.low_precision_dtype, device.type,
                               fix='low_precision_dtype=torch.bfloat16 (or "bf16")')
 
@@ -152,14 +253,13 @@ def initialize(
     return models, optimizers
 
 
-def _apply_low_precision_dtype(properties, low_precision_dtype, cast_model_type, loss_scale) -> None:
+def _apply_low_precision_dtype(properties, low_precision_dtype, cast_model_type, loss_scale):
     """Decide the run's low-precision dtype and, for bf16, the default loss scale."""
     cmt = properties.cast_model_type
     if low_precision_dtype is not None and cmt in LOW_DTYPES:
         if cast_model_type is not None and cast_model_type != low_precision_dtype:
-            raise ValueError(
-                f"cast_model_type={cast_model_type} and low_precision_dtype={low_precision_dtype} disagree; "
-                "pass only one of them")
+            raise ValueError(f"cast_model_type={cast_model_type} and low_precision_dtype="
+                             f"{low_precision_dtype} disagree; pass only one of them")
         properties.cast_model_type = cmt = low_precision_dtype
     if cmt in LOW_DTYPES:
         low = cmt
@@ -177,8 +277,33 @@ def _reset_global_state() -> None:
     _amp_state.reset()
 
 
+def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
+         allow_banned=False):
+    """Deprecated pre-1.0 entry point: sets up O1 (dynamic loss scaling unless ``loss_scale`` is
+    a number) and returns a handle whose ``scale_loss(loss, optimizer)`` works.  Use
+    ``amp.initialize`` instead."""
+    warnings.warn(
+        "amp.init() is deprecated: replace `amp_handle = amp.init()` with "
+        "`model, optimizer = amp.initialize(model, optimizer, opt_level='O1')` and "
+        "`amp_handle.scale_loss(loss, optimizer)` with `amp.scale_loss(loss, optimizer)`.",
+        DeprecationWarning, stacklevel=2)
+    if not enabled:
+        return NoOpHandle()
+    properties = O1(Properties())
+    properties.loss_scale = loss_scale
+    properties.low_precision_dtype = torch.float16
+    _reset_global_state()  # what initialize does first, too
+    _amp_state.verbosity = 2 if verbose else 1
+    _amp_state.opt_properties = properties
+    _amp_state.loss_scalers = [LossScaler(properties.loss_scale)]
+    _caster.enable(torch.float16, allow_banned=allow_banned)
+    handle = _amp_state.handle = AmpHandle(legacy=True)
+    return handle
+
+
 def state_dict(destination=None):
-    """Every loss scaler's state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``."""
+    """Every loss scaler's state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int},
+    ...}``."""
     _require_initialized("amp.state_dict()")
     if destination is None:
         destination = OrderedDict()
@@ -188,7 +313,8 @@ def state_dict(destination=None):
 
 
 def load_state_dict(state_dict):
-    """Restore what ``amp.state_dict()`` saved (Apex semantics: entries are matched by position)."""
+    """Restore what ``amp.state_dict()`` saved (Apex semantics: entries are matched by
+    position)."""
     _require_initialized("amp.load_state_dict()")
     if not _amp_state.enabled:
         return
@@ -196,21 +322,21 @@ def load_state_dict(state_dict):
     if len(state_dict) != len(scalers):
         print("Warning: state_dict contains {} entries, while {} loss_scalers are used".format(
             len(state_dict), len(scalers)))
-    state_dict = state_dict.copy()
     unexpected_keys = []
     idx = 0
     for key in state_dict:
         if "loss_scaler" not in key:
             unexpected_keys.append(key)
+        elif idx > len(scalers) - 1:
+            print("Skipping loss_scaler[{}], since num_losses was set to {}".format(
+                idx, len(scalers)))
+            break
         else:
-            if idx > len(scalers) - 1:
-                print("Skipping loss_scaler[{}], since num_losses was set to {}".format(idx, len(scalers)))
-                break
             scalers[idx].load_state_dict(state_dict[key])
             idx += 1
     if unexpected_keys:
-        raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: {}. ".format(
-            ", ".join('"{}"'.format(k) for k in unexpected_keys)))
+        raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: {}. "
+                           .format(", ".join('"{}"'.format(k) for k in unexpected_keys)))
 
 
 def _require_initialized(what: str) -> None:

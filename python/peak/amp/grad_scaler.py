@@ -1,25 +1,13 @@
-"""``peak.amp.GradScaler``: torch.amp.GradScaler's API on peak's scaling core, plus what torch's lacks.
-
-A drop-in for ``torch.amp.GradScaler`` (same constructor, methods, errors, per-optimizer state
-machine, ``state_dict`` keys, pickling rules, lazy device choice and fused-optimizer hand-off),
-a front door over ``peak.scaling`` (the state, unscale and update shared with amp's LossScaler and
-FP16_Optimizer):
-
-* unscale + inf/NaN check: one multi-tensor pass per (device, dtype) group of gradients (fp32,
-  fp16 *and* bf16 gradients; the math is fp32, the result is stored back);
-* the scale update: ``peak.ops.update_scale_`` on the scale's device, handed every optimizer's
-  per-device flags.
-
-Beyond torch: ``hysteresis``, ``min_scale`` / ``max_scale`` with a policy when the floor is hit
-(``on_min_scale``), skipped-step visibility (``last_step_skipped``, ``skipped_steps``) without an
-extra host sync in ``step()``, and ``overflow_report()`` (which parameters' gradients held inf/NaN,
-flagged by the same unscale pass): see overflow_report.py and docs/torch_dialect.md.
+"""``peak.amp.GradScaler``: torch.amp.GradScaler's API (constructor, methods, errors, state
+machine, ``state_dict`` keys, pickling, fused-optimizer hand-off) as a front door over peak's
+scaling core (``peak.scaling``), plus what torch's lacks: see docs/torch_dialect.md.
 """
 from __future__ import annotations
 
 import inspect
 import warnings
 from collections import abc, defaultdict
+from importlib.util import find_spec
 from typing import Any
 
 import torch
@@ -41,6 +29,7 @@ _unscale_param_grads = _C.unscale_param_grads  # the C++ walk over param_groups 
 OptState = _torch_grad_scaler.OptState
 _refresh_per_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
 
+
 class GradScaler(OverflowAttribution, torch.amp.GradScaler):
     """Gradient scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``
     (a subclass, so ``isinstance(scaler, torch.amp.GradScaler)`` holds; every method is peak's).
@@ -54,53 +43,36 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             gradients are always skipped, whatever the hysteresis.
         min_scale (float or None): floor of the scale (None: no floor, as torch).
         max_scale (float or None): ceiling of the scale (None: no ceiling, as torch).
-        on_min_scale ("warn", "raise" or "keep"): what happens when gradients overflow while the
-            scale cannot back off any further (a backoff below ``min_scale`` is clamped to it):
-            ``"warn"`` keeps the scale at ``min_scale`` and emits a RuntimeWarning; ``"raise"``
-            updates the state the same way, then raises RuntimeError from ``update()``;
-            ``"keep"`` keeps the scale at ``min_scale`` silently (overflowing steps are still
-            skipped and counted in ``skipped_steps``). ``"warn"`` and ``"raise"`` read the overflow
-            state on the host in ``update()`` when an overflow may have happened (no read when the
-            non-fused ``step()`` already saw that every gradient was finite); ``"keep"`` never does.
+        on_min_scale ("warn", "raise" or "keep"): when gradients overflow while the scale is at
+            ``min_scale``, ``update()`` keeps it there and emits a RuntimeWarning, raises
+            RuntimeError, or says nothing (steps are still skipped). "warn" and "raise" cost a
+            host read in ``update()`` when an overflow may have happened (docs/torch_dialect.md).
     """
 
-    def __init__(
-        self,
-        device: str = "cuda",
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        *,
-        hysteresis: int = 1,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-        on_min_scale: str = "warn",
-    ) -> None:
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, *, hysteresis: int = 1,
+                 min_scale: float | None = None, max_scale: float | None = None,
+                 on_min_scale: str = "warn") -> None:
         if isinstance(device, torch.device):
             device = device.type
         if not isinstance(device, str):
-            raise TypeError(f"GradScaler: device must be a device type string such as 'cuda' or 'cpu', "
-                            f"got {type(device).__name__}")
+            raise TypeError(f"GradScaler: device must be a device type string such as 'cuda' or "
+                            f"'cpu', got {type(device).__name__}")
         try:
-            device_type = torch.device(device).type
+            # Only the device type matters ("cuda:1" means "cuda"): the scaler's tensors go to
+            # the device of the first tensor passed to scale().
+            self._device = torch.device(device).type
         except RuntimeError as e:
             raise ValueError(f"GradScaler: device={device!r} is not a device type "
                              f"(use 'cuda', 'cpu', ...): {e}") from None
-        # Only the device type matters ("cuda:1" means "cuda"): the scaler's tensors go to the
-        # device of the first tensor passed to scale().
-        device = device_type
-        enabled = bool(enabled)  # torch takes any truthy value (1, None, ...)
-        self._device = device
-        self._enabled = enabled
-        if self._device == "cuda":
-            if enabled and not (torch.cuda.is_available() or _has_torch_xla()):
-                warnings.warn(
-                    "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
-                    stacklevel=2,
-                )
-                self._enabled = False
+        self._enabled = bool(enabled)  # torch takes any truthy value (1, None, ...)
+        if (self._device == "cuda" and self._enabled
+                and not (torch.cuda.is_available() or find_spec("torch_xla") is not None)):
+            warnings.warn(
+                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
+                stacklevel=2)
+            self._enabled = False
 
         if self._enabled:  # a disabled scaler checks nothing (as torch's): it never uses them
             (init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
@@ -113,7 +85,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                                backoff_factor=backoff_factor, growth_interval=growth_interval,
                                hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
                                shape=())
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
+            _refresh_per_optimizer_state)
         self._on_min_scale = on_min_scale
         self._reset_transient_state()
         self._reset_overflow_state()
@@ -125,10 +98,9 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         self._last_skipped: bool | torch.Tensor = False
         self._step_sig_cache: dict = {}
 
-    # ------------------------------------------------------------------ lazy state
-
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        fix = ("This may indicate your script did not use scaler.scale(loss or outputs) earlier "
+               "in the iteration.")
         if self._scale is None:
             raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
         if self._growth_tracker is None:
@@ -139,8 +111,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         if self._growth_tracker is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
         self._core.materialize(dev)
-
-    # ------------------------------------------------------------------ scale
 
     def scale(self, outputs):
         """Multiplies ('scales') a tensor or an (arbitrarily nested) iterable of tensors by the
@@ -170,17 +140,12 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
 
         return apply_scale(outputs)
 
-    # ------------------------------------------------------------------ unscale
-
     def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool, *, _check_only: bool = False
                         ) -> dict[torch.device, torch.Tensor]:
         """Unscale (multiply by ``inv_scale``) and check every gradient of ``optimizer`` in place,
-        one multi-tensor pass per (device, dtype); returns ``{device: found_inf}``.
-
-        ``allow_fp16`` is accepted for torch compatibility and ignored: fp16 and bf16 gradients
-        are unscaled in fp32 math and stored back. ``_check_only``: check without writing (the
-        fused-optimizer path; ``inv_scale`` must then be 1)."""
+        one multi-tensor pass per (device, dtype); returns ``{device: found_inf}``. ``allow_fp16``
+        is ignored (fp16/bf16 gradients are unscaled in fp32 math). ``_check_only``: check only."""
         flags = OverflowFlags((), first=found_inf)
         report = self._report_enabled
         if not report and inv_scale.device == found_inf.device:
@@ -205,8 +170,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
     def _check_optimizer(optimizer, method: str) -> None:
         if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "step")):
             raise TypeError(f"GradScaler.{method}: optimizer must be a torch.optim.Optimizer (an "
-                            f"object with param_groups and step()), got {type(optimizer).__name__}; "
-                            f"pass the optimizer, not the model")
+                            f"object with param_groups and step()), got "
+                            f"{type(optimizer).__name__}; pass the optimizer, not the model")
 
     def _get_inv_scale(self) -> torch.Tensor:
         if self._inv_scale is None:
@@ -214,10 +179,9 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         return self._inv_scale
 
     def unscale_(self, optimizer) -> None:
-        """Divides ("unscales") the optimizer's gradients by the scale factor, in place, checking
-        them for inf/NaN (one pass). Optional: ``step()`` does it if you don't. No host sync.
-
-        fp16 and bf16 gradients are accepted (fp32 math, stored back in their dtype)."""
+        """Divides ("unscales") the optimizer's gradients (fp32, fp16 or bf16) by the scale
+        factor, in place, checking them for inf/NaN (one pass). Optional: ``step()`` does it if
+        you don't. No host sync."""
         if not self._enabled:
             return
         self._check_optimizer(optimizer, "unscale_")
@@ -248,9 +212,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
 
     def _check_inf_by_norm(self, optimizer) -> torch.Tensor | None:
         """Fused path of an optimizer that clips (peak's, ``max_grad_norm > 0``): the global norm
-        of the still-scaled gradients, one read pass by the optimizer, is the inf/NaN check too
-        (a non-finite gradient makes it non-finite), and the step clips with it -- one pass
-        where a check and ``clip_grad_norm_`` would make two or three."""
+        of the still-scaled gradients is the inf/NaN check too, and the step clips with it."""
         self._check_scale_growth_tracker("_check_inf_by_norm")
         norm = optimizer._global_grad_norm()
         per_device = {}
@@ -262,11 +224,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
-    # ------------------------------------------------------------------ step
-
     def _combined_found_inf(self, optimizer_state) -> torch.Tensor:
-        """The optimizer's overflow flags summed on the scale's device, as a new tensor (an
-        optimizer it is handed to may write to it); zero when it recorded none."""
+        """The optimizer's overflow flags summed on the scale's device (a new tensor)."""
         return sum_flags(optimizer_state["found_inf_per_device"].values(), self._scale.device)
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
@@ -320,12 +279,10 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             grad_norm = None
             if has_grad_scaler_kwarg:
                 warnings.warn(
-                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
-                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
-                    FutureWarning,
-                    stacklevel=2,
-                )
+                    "GradScaler is going to stop passing itself as a keyword argument to the "
+                    "passed optimizer. In the near future GradScaler registers `grad_scale: "
+                    "Tensor` and `found_inf: Tensor` to the passed optimizer and let the optimizer "
+                    "use them directly.", FutureWarning, stacklevel=2)
                 kwargs_.update({"grad_scaler": self})
             else:
                 if optimizer_state["stage"] is OptState.READY:
@@ -355,11 +312,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             retval = optimizer.step(*args, **kwargs_)
             optimizer_state["stage"] = OptState.STEPPED
             if not has_grad_scaler_kwarg:
-                del optimizer.grad_scale
-                del optimizer.found_inf
-                if optimizer_state["found_inf_per_device"]:
-                    self._record_skip(self._combined_found_inf(optimizer_state))
-            elif optimizer_state["found_inf_per_device"]:
+                del optimizer.grad_scale, optimizer.found_inf
+            if optimizer_state["found_inf_per_device"]:
                 self._record_skip(self._combined_found_inf(optimizer_state))
             return retval
 
@@ -370,8 +324,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         optimizer_state["stage"] = OptState.STEPPED
         return retval
-
-    # ------------------------------------------------------------------ update
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale at the end of an iteration (after ``step`` for every optimizer):
@@ -393,11 +345,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                           "torch.FloatTensor with requires_grad=False.")
                 if not isinstance(new_scale, torch.Tensor):
                     raise TypeError(f"{reason} Got {type(new_scale).__name__}.")
-                if new_scale.device.type != self._device:
-                    raise AssertionError(reason)
-                if new_scale.numel() != 1:
-                    raise AssertionError(reason)
-                if new_scale.requires_grad is True:
+                if (new_scale.device.type != self._device or new_scale.numel() != 1
+                        or new_scale.requires_grad):
                     raise AssertionError(reason)
                 self._scale.copy_(new_scale.reshape(()))
         else:
@@ -423,8 +372,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         if floor_hit:
             msg = (f"GradScaler: gradients held inf/NaN while the loss scale was at its floor "
                    f"min_scale={self._min_scale}, so it cannot back off further (the step was "
-                   f"skipped). Training has probably diverged: check the loss for NaN or lower the "
-                   f"learning rate; or lower min_scale. on_min_scale='keep' continues silently."
+                   "skipped). Training has probably diverged: check the loss for NaN or lower the "
+                   "learning rate; or lower min_scale. on_min_scale='keep' continues silently."
                    + self._floor_culprits())
             if self._on_min_scale == "raise":
                 raise RuntimeError(msg)
@@ -439,8 +388,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             if found is None or found != 0:
                 return True
         return False
-
-    # ------------------------------------------------------------------ getters / setters
 
     def _get_scale_async(self) -> torch.Tensor | None:
         return self._scale
@@ -482,8 +429,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
     def is_enabled(self) -> bool:
         return self._enabled
 
-    # ------------------------------------------------------------------ checkpointing
-
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker``), which ``torch.amp.GradScaler.load_state_dict``
@@ -513,14 +458,13 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             raise TypeError(f"GradScaler.load_state_dict: expected a dict from state_dict(), got "
                             f"{type(state_dict).__name__}")
         if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler.")
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
         missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval",
                                "_growth_tracker") if k not in state_dict]
         if missing:
-            raise KeyError(f"GradScaler.load_state_dict: the state dict lacks {missing}; pass a dict "
-                           f"returned by GradScaler.state_dict() (peak's or torch's)")
+            raise KeyError(f"GradScaler.load_state_dict: the state dict lacks {missing}; pass a "
+                           f"dict returned by GradScaler.state_dict() (peak's or torch's)")
         self._init_scale = float(state_dict["scale"])
         if self._scale is not None:
             self._scale.fill_(state_dict["scale"])
@@ -530,13 +474,11 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         self._init_growth_tracker = int(state_dict["_growth_tracker"])
         if self._growth_tracker is not None:
             self._growth_tracker.fill_(state_dict["_growth_tracker"])
-        if "hysteresis" in state_dict:
-            self._hysteresis = int(state_dict["hysteresis"])
-        if "min_scale" in state_dict:
-            self._min_scale = state_dict["min_scale"]
-        if "max_scale" in state_dict:
-            self._max_scale = state_dict["max_scale"]
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
+        self._min_scale = state_dict.get("min_scale", self._min_scale)
+        self._max_scale = state_dict.get("max_scale", self._max_scale)
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker",
+                                                           self._hysteresis))
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
         self._skipped_steps_host = int(state_dict.get("_skipped_steps", 0))
@@ -548,9 +490,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         state = self.__dict__.copy()
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
-                raise AssertionError(
-                    "A GradScaler instance may only be pickled at the beginning "
-                    "of an iteration, or at the end after scaler.update().")
+                raise AssertionError("A GradScaler instance may only be pickled at the beginning "
+                                     "of an iteration, or at the end after scaler.update().")
             # Tensors become Python numbers, re-created lazily after unpickling (as torch does).
             state["_core"] = self._core.dematerialized()
             state["_skipped_steps_host"] = self.skipped_steps
@@ -580,8 +521,3 @@ for _attr in ("scale", "growth_tracker", "hysteresis_tracker", "init_scale", "in
               "hysteresis", "min_scale", "max_scale"):
     setattr(GradScaler, "_" + _attr, core_attribute(_attr))
 del _attr
-
-
-def _has_torch_xla() -> bool:
-    from importlib.util import find_spec
-    return find_spec("torch_xla") is not None

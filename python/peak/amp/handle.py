@@ -1,21 +1,163 @@
-"""``amp.scale_loss``, ``amp.disable_casts`` and the legacy handle API (``amp.init``)."""
+"""``amp.scale_loss``; ``LossScaler``, Apex's per-loss scaler (one per ``loss_id``: a front door
+over ``peak.scaling.LossScale`` with Apex's names and checkpoint format, docs/amp_api.md); the O1
+handle (``amp._amp_state.handle``, what the legacy ``amp.init`` returns); ``amp.disable_casts``.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import warnings
+import math
+from collections import OrderedDict
+from typing import Sequence
 
 import torch
 
+from peak import ops
+from peak.scaling import LossScale, core_attribute, group_by_device_dtype, unscale_grads_
+
 from . import _caster
 from ._amp_state import _amp_state
-from ._options import O1, Properties
 from ._process_optimizer import inner_optimizer, process_optimizer
-from .loss_scaler import LossScaler
 
-_NOT_INITIALIZED = (
-    "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
-    "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called before `with amp.scale_loss`.")
+
+class LossScaler:
+    """Dynamic (``loss_scale="dynamic"``) or static loss scaling for one loss, on ``device``.
+    Its state is the core's device tensors (``scale``, ``growth_tracker``, ``hysteresis_tracker``,
+    ``found_inf``), changed only on the device; ``update_scale`` reads the overflow flag once."""
+
+    def __init__(self, loss_scale="dynamic", init_scale: float = 2.0**16,
+                 scale_factor: float = 2.0, scale_window: int = 2000,
+                 min_loss_scale: float | None = None, max_loss_scale: float | None = 2.0**24, *,
+                 backoff_factor: float = 0.5, hysteresis: int = 1,
+                 device: torch.device | str | None = None) -> None:
+        self.dynamic = loss_scale == "dynamic"
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # Apex treats min_loss_scale None and 0 alike ("no floor").
+        self.min_loss_scale = float(min_loss_scale) if min_loss_scale else 0.0
+        self.max_loss_scale = float(max_loss_scale) if max_loss_scale is not None else math.inf
+        self._static_value = None if self.dynamic else float(loss_scale)
+        initial = min(self.max_loss_scale, float(init_scale)) if self.dynamic else float(loss_scale)
+        self._core = LossScale(initial, growth_factor=float(scale_factor),
+                               backoff_factor=float(backoff_factor),
+                               growth_interval=int(scale_window), hysteresis=int(hysteresis),
+                               min_scale=self.min_loss_scale, max_scale=self.max_loss_scale,
+                               device=self.device)
+        # The core's tensors under Apex's names (the same objects: they change only in place).
+        self.scale = self._core.scale
+        self.growth_tracker = self._core.growth_tracker
+        self.hysteresis_tracker = self._core.hysteresis_tracker
+        self.found_inf = self._core.found_inf.for_device(self.device)
+
+    growth_factor = core_attribute("growth_factor")
+    backoff_factor = core_attribute("backoff_factor")
+    growth_interval = core_attribute("growth_interval")
+    hysteresis = core_attribute("hysteresis")
+
+    def loss_scale(self) -> float:
+        """The current scale as a Python float (a host sync for a dynamic scaler)."""
+        if self._static_value is not None:
+            return self._static_value
+        return float(self.scale.item())
+
+    def is_static_one(self) -> bool:
+        """True for a static scale of exactly 1.0 (known on the host, no sync)."""
+        return self._static_value == 1.0
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss.float() * S`` without reading S on the host."""
+        if self._static_value is not None:
+            return loss.float() * self._static_value
+        return loss.float() * self.scale.to(loss.device, non_blocking=True).reshape(())
+
+    # Apex-compatible attributes (its tests set ``loss_scalers[i]._loss_scale = 4.0`` directly).
+    @property
+    def _loss_scale(self) -> float:
+        return self.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        self.scale.fill_(float(value))
+        if not self.dynamic:
+            self._static_value = float(value)
+
+    @property
+    def _unskipped(self) -> int:
+        return int(self.growth_tracker.item())
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self.growth_tracker.fill_(int(value))
+
+    def found_inf_for(self, device: torch.device) -> torch.Tensor:
+        """The overflow flag the kernels write for tensors on ``device``."""
+        return self._core.found_inf.for_device(device)
+
+    def clear_overflow_state(self) -> None:
+        self._core.found_inf.zero_()
+
+    def has_overflow(self) -> bool:
+        """Host read of the overflow flags (a sync)."""
+        return self._core.found_inf.any_()
+
+    def check(self, grads: Sequence[torch.Tensor]) -> None:
+        """Flag inf/NaN in ``grads`` (nothing written)."""
+        unscale_grads_(list(grads), 1.0, self._core.found_inf, check_only=True)
+
+    def _inv_scale(self, scale_override=None):
+        if scale_override is not None:
+            return 1.0 / float(scale_override)
+        if self._static_value is not None:
+            return 1.0 / self._static_value
+        return self._core.inv_scale()
+
+    def unscale(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
+                scale_override=None) -> None:
+        """``master_grads[i] = model_grads[i] / S``, flagging inf/NaN.  Pass the same list twice
+        to unscale in place."""
+        outputs = None if model_grads is master_grads else list(master_grads)
+        unscale_grads_(list(model_grads), self._inv_scale(scale_override), self._core.found_inf,
+                       outputs=outputs)
+
+    def unscale_with_stashed(self, model_grads: Sequence[torch.Tensor],
+                             stashed_grads: Sequence[torch.Tensor],
+                             out_grads: Sequence[torch.Tensor]) -> None:
+        """``out[i] = model_grads[i] / S + stashed_grads[i]``; only the new ``model_grads`` are
+        checked for inf/NaN (the stash was checked when it was unscaled)."""
+        inv_scale = self._inv_scale()
+        for device, _, _, (xs, ys, outs) in group_by_device_dtype(model_grads, stashed_grads,
+                                                                  out_grads):
+            inv = inv_scale.to(device) if isinstance(inv_scale, torch.Tensor) else inv_scale
+            ops.multi_tensor_axpby_(xs, ys, outs, inv, 1.0, self.found_inf_for(device), check="x")
+
+    def update(self) -> None:
+        """Update the scale on the device from the overflow flags (no host sync)."""
+        if not self.dynamic:
+            # A static scaler never looks at overflows; it only counts updates (Apex's _unskipped).
+            self.growth_tracker.add_(1)
+            return
+        self._core.update()
+
+    def update_scale(self) -> bool:
+        """Apex's ``update_scale``: update S and return whether the step must be skipped (for a
+        dynamic scaler one host read of the overflow flag: the one sync of ``scale_loss``)."""
+        should_skip = self.dynamic and self.has_overflow()
+        self.update()
+        return should_skip
+
+    def state_dict(self) -> dict:
+        """Apex format: ``{"loss_scale": float, "unskipped": int}``."""
+        return OrderedDict(loss_scale=self.loss_scale(), unskipped=self._unskipped)
+
+    def load_state_dict(self, state: dict) -> None:
+        self._loss_scale = state["loss_scale"]
+        self._unskipped = state["unskipped"]
+        self.hysteresis_tracker.fill_(self.hysteresis)
+        self.clear_overflow_state()
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return (f"LossScaler({kind}, scale={self.loss_scale()}, unskipped={self._unskipped}, "
+                f"device={self.device})")
 
 
 def _check_optimizers(optimizers) -> list:
@@ -25,76 +167,79 @@ def _check_optimizers(optimizers) -> list:
     elif isinstance(inner_optimizer(optimizers), torch.optim.Optimizer):
         optimizers = [inner_optimizer(optimizers)]
     else:
-        raise TypeError(
-            "amp.scale_loss: optimizers must be an optimizer or a list of optimizers (those returned by "
-            f"amp.initialize), got {type(optimizers).__name__}")
+        raise TypeError("amp.scale_loss: optimizers must be an optimizer or a list of optimizers "
+                        f"(those returned by amp.initialize), got {type(optimizers).__name__}")
     for i, opt in enumerate(optimizers):
+        name = type(opt).__name__
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"amp.scale_loss: optimizers[{i}] is a {type(opt).__name__}, not a torch optimizer")
+            raise TypeError(f"amp.scale_loss: optimizers[{i}] is a {name}, not a torch optimizer")
         stash = getattr(opt, "_amp_stash", None)
         if stash is None:
             raise RuntimeError(
-                f"amp.scale_loss: optimizer {type(opt).__name__} was not passed through amp.initialize; pass it: "
-                "model, optimizer = amp.initialize(model, optimizer, opt_level=...)")
+                f"amp.scale_loss: optimizer {name} was not passed through amp.initialize; pass "
+                "it: model, optimizer = amp.initialize(model, optimizer, opt_level=...)")
         if stash.generation != _amp_state.generation:
             raise RuntimeError(
-                f"amp.scale_loss: optimizer {type(opt).__name__} was passed through an earlier amp.initialize "
-                "call, whose state has been replaced; use the optimizer (and model) passed to the latest "
-                "amp.initialize.")
+                f"amp.scale_loss: optimizer {name} was passed through an earlier amp.initialize "
+                "call, whose state has been replaced; use the optimizer (and model) passed to the "
+                "latest amp.initialize.")
     return optimizers
 
 
-def _check_loss(loss) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"amp.scale_loss: loss must be a torch.Tensor, got {type(loss).__name__}")
-    if loss.numel() != 1:
-        raise ValueError(
-            f"amp.scale_loss: loss must be a scalar (one element), got shape {tuple(loss.shape)}; reduce it "
-            "first, e.g. loss.mean() or loss.sum()")
-
-
 @contextlib.contextmanager
-def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
-    """Context manager yielding ``loss.float() * S`` (S = the current scale of loss scaler ``loss_id``)::
+def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
+               delay_overflow_check=False):
+    """Context manager yielding ``loss.float() * S`` (S: the current scale of loss scaler
+    ``loss_id``)::
 
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
 
-    On exit the gradients the backward pass produced are unscaled (into the fp32 master gradients under
-    O2) and added to those of earlier backward passes of this step.  If a dynamic scaler finds an inf/NaN
-    gradient, the scale is reduced and the next ``step()`` of every optimizer passed here is skipped,
-    leaving weights, master weights and optimizer state untouched.
+    On exit the gradients the backward pass produced are unscaled (into the fp32 master gradients
+    under O2) and added to those of earlier backward passes of this step. If a dynamic scaler
+    finds an inf/NaN gradient, the scale is reduced and the next ``step()`` of every optimizer
+    passed here is skipped, leaving weights, master weights and optimizer state untouched.
 
     Args:
         loss: a scalar tensor.
-        optimizers: every optimizer (from ``amp.initialize``) owning a parameter that gets a gradient.
+        optimizers: every optimizer (from ``amp.initialize``) owning a parameter that gets a
+            gradient.
         loss_id: which loss scaler (``0 <= loss_id < num_losses``).
         model: unused (reserved, as in Apex).
-        delay_unscale: leave the gradients scaled and unchecked (gradient accumulation); do not call
-            ``step()`` before a later ``scale_loss`` without it.
+        delay_unscale: leave the gradients scaled and unchecked (gradient accumulation); do not
+            call ``step()`` before a later ``scale_loss`` without it.
         delay_overflow_check: unscale, but neither check for overflow nor update the scale.
     """
     try:
-        with _scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check) as scaled:
+        with _scale_loss(loss, optimizers, loss_id, delay_unscale,
+                         delay_overflow_check) as scaled:
             yield scaled
     finally:
         _caster.clear_cache()  # the O1 weight-cast cache lives for one iteration (as Apex)
 
 
 @contextlib.contextmanager
-def _scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check):
+def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
     if not _amp_state.initialized:
-        raise RuntimeError(_NOT_INITIALIZED)
+        raise RuntimeError(
+            "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
+            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
+            "before `with amp.scale_loss`.")
     if not _amp_state.opt_properties.enabled:
         yield loss
         return
-    _check_loss(loss)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"amp.scale_loss: loss must be a torch.Tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(f"amp.scale_loss: loss must be a scalar (one element), got shape "
+                         f"{tuple(loss.shape)}; reduce it first, e.g. loss.mean() or loss.sum()")
     optimizers = _check_optimizers(optimizers)
     scalers = _amp_state.loss_scalers
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
         raise IndexError(
-            f"amp.scale_loss: loss_id={loss_id!r} but amp.initialize(num_losses={len(scalers)}) created loss "
-            f"scalers 0..{len(scalers) - 1}; pass num_losses=<number of losses> to amp.initialize.")
+            f"amp.scale_loss: loss_id={loss_id!r} but amp.initialize(num_losses={len(scalers)}) "
+            f"created loss scalers 0..{len(scalers) - 1}; pass num_losses=<number of losses> to "
+            "amp.initialize.")
     scaler = scalers[loss_id]
     stashes = [opt._amp_stash for opt in optimizers]
 
@@ -112,18 +257,17 @@ def _scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_
                     if not stash.params_have_scaled_gradients and not stash.fused]
         for stash in prepared:
             stash.prepare_backward()
-    for stash in stashes:
-        if stash.fused:
-            stash.fused_prepare_backward(scaler)
+    fused = [stash for stash in stashes if stash.fused]
+    for stash in fused:
+        stash.fused_prepare_backward(scaler)
 
     try:
         yield scaler.scaled(loss)
     except BaseException:
         for stash in prepared:  # e.g. a failed backward: put the earlier gradients back
             stash.abort_backward()
-        for stash in stashes:
-            if stash.fused:
-                stash.fused_abort_backward()
+        for stash in fused:
+            stash.fused_abort_backward()
         raise
 
     if delay_unscale:
@@ -137,8 +281,7 @@ def _scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_
         else:
             stash.post_backward(scaler)
         stash.params_have_scaled_gradients = False
-    should_skip = False if delay_overflow_check else scaler.update_scale()
-    if should_skip:
+    if not delay_overflow_check and scaler.update_scale():
         for stash in stashes:
             if stash.pending_skip is None:
                 stash.pending_skip = (loss_id, scaler)
@@ -154,6 +297,8 @@ def disable_casts():
 class AmpHandle:
     """The O1 handle (``amp._amp_state.handle``) and what the deprecated ``amp.init()`` returns."""
 
+    has_cache = True
+
     def __init__(self, legacy: bool = False) -> None:
         self._legacy = legacy
         self._default_device = None
@@ -161,10 +306,8 @@ class AmpHandle:
     def is_active(self) -> bool:
         return _caster.is_enabled()
 
-    @contextlib.contextmanager
     def _disable_casts(self):
-        with _caster.disabled():
-            yield
+        return disable_casts()
 
     def _deactivate(self) -> None:
         _caster.disable()
@@ -173,17 +316,14 @@ class AmpHandle:
         _caster.clear_cache()
 
     @property
-    def has_cache(self) -> bool:
-        return True
-
-    @property
     def verbose(self) -> bool:
         return _amp_state.verbosity >= 2
 
     def scale_loss(self, loss, optimizer, loss_id: int = 0):
         """``amp.scale_loss``; a legacy handle registers unknown optimizers on first use."""
         if self._legacy and _amp_state.initialized and _amp_state.opt_properties.enabled:
-            for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer):
+            opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+            for opt in opts:
                 if getattr(opt, "_amp_stash", None) is None:
                     self._register(opt)
         return scale_loss(loss, optimizer, loss_id=loss_id)
@@ -191,10 +331,10 @@ class AmpHandle:
     def _register(self, optimizer) -> None:
         if self._default_device is None:
             # put the scaler state next to the parameters (amp.init() saw no model)
-            device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
-            self._default_device = device
-            old = _amp_state.loss_scalers[0]
-            if device != old.device:
+            self._default_device = device = next(
+                (p.device for g in optimizer.param_groups for p in g["params"]),
+                torch.device("cpu"))
+            if device != _amp_state.loss_scalers[0].device:
                 _amp_state.loss_scalers[0] = LossScaler(
                     _amp_state.opt_properties.loss_scale, min_loss_scale=_amp_state.min_loss_scale,
                     max_loss_scale=_amp_state.max_loss_scale, device=device)
@@ -202,11 +342,14 @@ class AmpHandle:
 
     def wrap_optimizer(self, optimizer, num_loss: int = 1):
         raise NotImplementedError(
-            "amp_handle.wrap_optimizer is not supported. Use model, optimizer = amp.initialize(model, optimizer, "
-            "opt_level='O1', num_losses=N) and `with amp.scale_loss(loss, optimizer, loss_id=i)`.")
+            "amp_handle.wrap_optimizer is not supported. Use model, optimizer = amp.initialize("
+            "model, optimizer, opt_level='O1', num_losses=N) and `with amp.scale_loss(loss, "
+            "optimizer, loss_id=i)`.")
 
 
 class NoOpHandle:
+    has_cache = verbose = False
+
     def is_active(self) -> bool:
         return False
 
@@ -221,40 +364,8 @@ class NoOpHandle:
     def scale_loss(self, loss, optimizer, loss_id: int = 0):
         yield loss
 
-    @property
-    def has_cache(self) -> bool:
-        return False
-
-    @property
-    def verbose(self) -> bool:
-        return False
-
     def _clear_cache(self) -> None:
         pass
 
     def _deactivate(self) -> None:
         pass
-
-
-def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False, allow_banned=False):
-    """Deprecated pre-1.0 entry point: sets up O1 (dynamic loss scaling unless ``loss_scale`` is a number)
-    and returns a handle whose ``scale_loss(loss, optimizer)`` works.  Use ``amp.initialize`` instead."""
-    warnings.warn(
-        "amp.init() is deprecated: replace `amp_handle = amp.init()` with "
-        "`model, optimizer = amp.initialize(model, optimizer, opt_level='O1')` and "
-        "`amp_handle.scale_loss(loss, optimizer)` with `amp.scale_loss(loss, optimizer)`.",
-        DeprecationWarning, stacklevel=2)
-    if not enabled:
-        return NoOpHandle()
-    properties = O1()(Properties())
-    properties.loss_scale = loss_scale
-    properties.low_precision_dtype = torch.float16
-    _caster.disable()  # what initialize does first, too
-    _amp_state.reset()
-    _amp_state.verbosity = 2 if verbose else 1
-    _amp_state.opt_properties = properties
-    _amp_state.loss_scalers = [LossScaler(properties.loss_scale)]
-    _caster.enable(torch.float16, allow_banned=allow_banned)
-    handle = AmpHandle(legacy=True)
-    _amp_state.handle = handle
-    return handle

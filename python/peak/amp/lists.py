@@ -1,11 +1,6 @@
-"""``peak.amp.lists``: the O1 caster's op lists, editable at run time.
-
-The tables live in C++ and map a torch callable (a ``torch`` function, a ``torch.Tensor``
-method, a ``torch.nn.functional`` function) to a policy: ``"lower"``, ``"fp32"``,
-``"promote"``, ``"sequence_promote"``, ``"banned"`` (and ``"inplace_fp32"``/``"match_self"``
-for in-place twins); the defaults are Apex's O1 lists. Edits act at once, in every thread,
-whether O1 is on or not, and persist across ``amp.initialize``; ``local`` edits one thread and
-one block. See docs/caster.md, "Policies and the default lists" and "Editing the lists".
+"""``peak.amp.lists``: the O1 caster's op lists (torch callable -> policy; Apex's O1 lists by
+default), editable at run time: in every thread, persisting across ``amp.initialize``; ``local``
+edits one thread and one block. See docs/caster.md, "Editing the lists".
 """
 
 from __future__ import annotations
@@ -19,9 +14,10 @@ from . import _caster
 
 _c = _C.caster
 
-__all__ = ["POLICIES", "add", "remove", "local", "policy_of", "entries", "reset", "set_allow_banned", "set_dispatch",
-           "half_function", "float_function", "promote_function", "register_half_function",
-           "register_float_function", "register_promote_function"]
+__all__ = ["POLICIES", "add", "remove", "local", "policy_of", "entries", "reset",
+           "set_allow_banned", "set_dispatch", "half_function", "float_function",
+           "promote_function", "register_half_function", "register_float_function",
+           "register_promote_function"]
 
 _CODES = _caster.CODES
 _NAMES = {code: name for name, code in _CODES.items()}
@@ -87,7 +83,8 @@ def remove(*funcs) -> None:
     for fn in funcs:
         _check_callable(fn)
         if _c.get_policy(fn) == 0:
-            raise ValueError(f"{fn!r} is on no O1 list; lists.policy_of(func) tells where a function is")
+            raise ValueError(f"{fn!r} is on no O1 list; lists.policy_of(func) tells where a "
+                             "function is")
     _caster.set_policies(funcs, 0)
 
 
@@ -116,8 +113,11 @@ def local(edits: dict):
         _check_callable(fn, "edits key")
         _check_interceptable(fn, "edits key")
         codes[_unwrap(fn)] = 0 if policy is None else _code(policy)
-    with _caster.local_edits(codes):
+    _caster.push_edits(codes)
+    try:
         yield
+    finally:
+        _caster.pop_edits()
 
 
 def entries() -> dict:

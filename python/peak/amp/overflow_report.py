@@ -1,8 +1,6 @@
-"""What GradScaler tells about overflows beyond torch: skipped-step counts without a host sync in
-``step()``, and ``overflow_report()``, the parameters whose gradients held inf/NaN (from the
-per-gradient flags the unscale pass itself writes). A mixin of ``peak.amp.GradScaler``; its state
-lives on the scaler (``_skipped_steps_*``, ``_last_skipped``, ``_param_names``, ``_report_*``,
-``_last_report``, ``_overflow_counts``) so that pickling sees one object."""
+"""What GradScaler tells about overflows beyond torch: skipped-step counts (no host sync in
+``step()``) and ``overflow_report()``. A mixin of ``peak.amp.GradScaler``, its state on the
+scaler (so that pickling sees one object)."""
 from __future__ import annotations
 
 import weakref
@@ -58,10 +56,10 @@ class OverflowAttribution:
             self._skipped_steps_host += skipped
         else:
             if self._skipped_steps_device is None:
-                self._skipped_steps_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
+                self._skipped_steps_device = torch.zeros((), dtype=torch.int64,
+                                                         device=skipped.device)
             self._skipped_steps_device.add_(skipped != 0)
 
-    # ------------------------------------------------------------------ skipped steps
     @property
     def last_step_skipped(self) -> bool:
         """Whether the most recent ``step()`` skipped ``optimizer.step()`` because a gradient held
@@ -83,7 +81,6 @@ class OverflowAttribution:
             total += int(self._skipped_steps_device.item())
         return total
 
-    # ------------------------------------------------------------------ overflow attribution
     def register_model(self, model, *, prefix: str = "") -> "GradScaler":
         """Turn on overflow attribution and name parameters for ``overflow_report()``.
 
@@ -99,11 +96,12 @@ class OverflowAttribution:
         elif isinstance(model, abc.Iterable) and not isinstance(model, torch.Tensor):
             pairs = model
         else:
-            raise TypeError(f"GradScaler.register_model: model must be a torch.nn.Module, a mapping "
-                            f"name -> parameter or an iterable of (name, parameter) pairs, got "
-                            f"{type(model).__name__}")
+            raise TypeError(f"GradScaler.register_model: model must be a torch.nn.Module, a "
+                            f"mapping name -> parameter or an iterable of (name, parameter) "
+                            f"pairs, got {type(model).__name__}")
         if not isinstance(prefix, str):
-            raise TypeError(f"GradScaler.register_model: prefix must be a str, got {type(prefix).__name__}")
+            raise TypeError(f"GradScaler.register_model: prefix must be a str, got "
+                            f"{type(prefix).__name__}")
         for item in pairs:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], torch.Tensor)):
