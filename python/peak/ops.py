@@ -102,6 +102,10 @@ def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], sca
     inputs = _list("inputs", inputs)
     outputs = None if in_place else _list("outputs", outputs)
     scale_t = _scalar_tensor("scale", scale, found_inf)
+    if chunk_size == DEFAULT_CHUNK_SIZE and per_tensor_found_inf is None:
+        # The hot call (every unscale): defaults left out, the dispatcher parses fewer keywords.
+        _scale_op(inputs, outputs, scale=scale_t, found_inf=found_inf)
+        return
     _scale_op(inputs, outputs, scale=scale_t, found_inf=found_inf, chunk_size=chunk_size,
               per_tensor_found_inf=per_tensor_found_inf)
 
