@@ -413,7 +413,8 @@ def test_fp16_model_with_remainders_names_the_alternatives():
 
 def test_bad_lean_arguments():
     p = [torch.zeros(3, requires_grad=True)]
-    with pytest.raises(ValueError, match="exp_avg_dtype must be torch.float32 or torch.bfloat16"):
+    with pytest.raises(ValueError, match="exp_avg_dtype must be one of torch.float32, torch.bfloat16, "
+                                         "torch.uint8"):
         FusedAdam(p, exp_avg_dtype=torch.float16)
     with pytest.raises(ValueError, match="moment_rounding must be 'stochastic'"):
         FusedAdam(p, moment_rounding="up")
@@ -424,7 +425,7 @@ def test_bad_lean_arguments():
     with pytest.raises(ValueError, match="FusedLAMB keeps fp32 masters"):
         FusedLAMB(p, store_param_remainders=True)
     w = torch.zeros(4, dtype=BF16)
-    with pytest.raises(RuntimeError, match="exp_avgs must be float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="exp_avgs must be float32, bfloat16 or uint8"):
         torch.ops.peak.fused_adam_([w], [w.clone()], [], [torch.zeros(4, dtype=torch.float16)],
                                    [torch.zeros(4)], [], [torch.zeros(())], torch.tensor([1.0]),
                                    0.9, 0.99, 1e-8, 0.0, False, True, False, True)

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "block_quant.h"
 #include "host_device.h"
 #include "launch_plan.h"
 
@@ -120,6 +121,109 @@ PEAK_HD void store_element(void* const* base, int64_t i, const float* v,
 template <typename Op, typename... T>
 using MetadataFor = TensorListMetadata<sizeof...(T), Op::tensor_scalars>;
 
+// NOTE: [8-bit moments] (block_quant.h): element access of a step with quantized lists, given
+// each quantized list's scale unit (decode) or inverse unit (encode) for the element's block.
+template <typename Op, typename... T, size_t... D>
+PEAK_HD void load_element_q8(void* const* base, int64_t i, float* v, const float* units,
+                             std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        if constexpr (!((Op::read_mask >> D) & 1u)) {
+          v[D] = 0.0f;
+        } else if constexpr (is_q8<L>) {
+          v[D] = L::decode(static_cast<const uint8_t*>(base[D])[i], units[q8_index<D, T...>()]);
+        } else {
+          v[D] = to_opmath(static_cast<const L*>(base[D])[i]);
+        }
+      }(),
+      ...);
+}
+
+template <typename Op, typename... T, size_t... D>
+PEAK_HD void store_element_q8(const Op& op, void* const* base, int64_t i, const float* v,
+                              const float* inv_units, std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        if constexpr (!((Op::write_mask >> D) & 1u)) {
+        } else if constexpr (is_q8<L>) {
+          static_cast<uint8_t*>(base[D])[i] =
+              static_cast<uint8_t>(L::encode(v[D], inv_units[q8_index<D, T...>()],
+                                             q8_round_add<Op, L>(op, i)));
+        } else {
+          static_cast<L*>(base[D])[i] = from_opmath<L>(v[D]);
+        }
+      }(),
+      ...);
+}
+
+// The new absmax of each quantized list, folded in (NaN is ignored by the comparison).
+template <typename... T, size_t... D>
+PEAK_HD void fold_absmax(const float* v, float* absmax, std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        if constexpr (is_q8<L>) {
+          const float a = L::magnitude(v[D]);
+          float& m = absmax[q8_index<D, T...>()];
+          m = a > m ? a : m;
+        }
+      }(),
+      ...);
+}
+
+// The scale and units of each quantized list, by its position among them.
+template <typename... T, size_t... D>
+PEAK_HD void q8_units(const float* absmax, float* units, float* inv_units,
+                      std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        if constexpr (is_q8<L>) {
+          units[q8_index<D, T...>()] = L::unit(absmax[q8_index<D, T...>()]);
+          inv_units[q8_index<D, T...>()] = L::inv_unit(absmax[q8_index<D, T...>()]);
+        }
+      }(),
+      ...);
+}
+
+// A step with quantized lists, in the grid: thread `thread` owns quantization blocks thread,
+// thread + nthreads, ... of the chunk (chunks are multiples of kQBlock: checked by the host) and
+// runs both phases of NOTE: [8-bit moments] on each, the second recomputing the first. The
+// scales are the last q8_count<T...> per-tensor scalars (pointers to each tensor's fp32 scales).
+template <typename Op, typename... T>
+PEAK_HD void grid_q8_thread(float* const* scales, void* const* base, int64_t start, int64_t n,
+                            int thread, int nthreads, const Op& op, typename Op::State& state) {
+  constexpr int Depth = sizeof...(T);
+  constexpr int NQ = q8_count<T...>;
+  const auto lists = std::make_index_sequence<Depth>{};
+  for (int64_t b = thread * int64_t{kQBlock}; b < n; b += int64_t{nthreads} * kQBlock) {
+    const int64_t block = (start + b) / kQBlock;
+    const int64_t end = b + kQBlock < n ? b + kQBlock : n;
+    float units[NQ], inv_units[NQ], absmax[NQ];
+    for (int q = 0; q < NQ; ++q) absmax[q] = scales[q][block];  // the old scales
+    q8_units<T...>(absmax, units, inv_units, lists);
+    for (int q = 0; q < NQ; ++q) absmax[q] = 0.0f;
+    for (int64_t i = b; i < end; ++i) {  // phase 1: the new moments' absmax
+      float v[Depth];
+      load_element_q8<Op, T...>(base, start + i, v, units, lists);
+      typename Op::State scratch_state{};
+      apply_op(op, v, scratch_state, start + i);
+      fold_absmax<T...>(v, absmax, lists);
+    }
+    float new_units[NQ], inv_new[NQ];
+    q8_units<T...>(absmax, new_units, inv_new, lists);
+    for (int64_t i = b; i < end; ++i) {  // phase 2: the same values, encoded and stored
+      float v[Depth];
+      load_element_q8<Op, T...>(base, start + i, v, units, lists);
+      apply_op(op, v, state, start + i);
+      store_element_q8<Op, T...>(op, base, start + i, v, inv_new, lists);
+    }
+    for (int q = 0; q < NQ; ++q) scales[q][block] = absmax[q];
+  }
+}
+
 // One thread's share of one block: elements thread, thread + nthreads, ... of the block's chunk.
 // `op` has loaded its per-step scalars; here it gets the tensor's own scalars, and a skipped
 // step (the device-side overflow flag is set) returns before any memory is touched.
@@ -141,11 +245,20 @@ PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int
   if (n > chunk_size) n = chunk_size;
   void* base[Depth];
   for (int d = 0; d < Depth; ++d) base[d] = meta.addresses[d][slot];
-  for (int64_t i = thread; i < n; i += nthreads) {
-    float v[Depth];
-    load_element<Op, T...>(base, start + i, v, std::make_index_sequence<Depth>{});
-    apply_op(op, v, state, start + i);
-    store_element<Op, T...>(base, start + i, v, std::make_index_sequence<Depth>{});
+  if constexpr (q8_count<T...> > 0) {
+    constexpr int NQ = q8_count<T...>;
+    float* scales[NQ];
+    for (int q = 0; q < NQ; ++q) {
+      scales[q] = const_cast<float*>(meta.tensor_scalars[Op::tensor_scalars - NQ + q][slot]);
+    }
+    grid_q8_thread<Op, T...>(scales, base, start, n, thread, nthreads, op, state);
+  } else {
+    for (int64_t i = thread; i < n; i += nthreads) {
+      float v[Depth];
+      load_element<Op, T...>(base, start + i, v, std::make_index_sequence<Depth>{});
+      apply_op(op, v, state, start + i);
+      store_element<Op, T...>(base, start + i, v, std::make_index_sequence<Depth>{});
+    }
   }
 }
 
