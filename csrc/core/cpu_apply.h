@@ -272,9 +272,10 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
 // keeps the new moments in a float scratch; phase 2 encodes them with the block's new absmax.
 // Elements are converted one at a time (the same bits as the tiles: NOTE: [fp16 NaN bits]).
 template <typename L>
-inline float q8_cpu_read(void* base, int64_t i, const float* units, int q) {
+inline float q8_cpu_read(void* base, const float (*scratch)[kQBlock], int64_t i, int64_t j,
+                         int q) {
   if constexpr (is_q8<L>) {
-    return L::decode(static_cast<const uint8_t*>(base)[i], units[q]);
+    return scratch[q][j];  // (decoded into the scratch before the element loop)
   } else if constexpr (std::is_same_v<L, float>) {
     return static_cast<const float*>(base)[i];
   } else if constexpr (kInlineType<L>) {
@@ -295,6 +296,34 @@ inline void q8_cpu_write(void* base, float (*scratch)[kQBlock], int64_t i, int64
     narrow_inline(static_cast<L*>(base), i, x);
   } else {
     static_cast<uint16_t*>(base)[i] = float_to_half(x);
+  }
+}
+
+// The block's old codes, decoded into the scratch in a loop of their own (it vectorises; inside
+// the element loop the byte loads kept the whole loop scalar).
+template <typename L>
+inline void q8_cpu_decode(void* base, float (*scratch)[kQBlock], int64_t off, int64_t n,
+                          const float* units, int q) {
+  if constexpr (is_q8<L>) {
+    const uint8_t* codes = static_cast<const uint8_t*>(base) + off;
+    const float unit = units[q];
+    float* out = scratch[q];
+    for (int64_t j = 0; j < n; ++j) out[j] = L::decode(codes[j], unit);
+  }
+}
+
+// The block's absmax in 8 lanes (max is exact and order-free: the grid's serial fold agrees).
+template <typename L>
+inline void q8_cpu_absmax(const float (*scratch)[kQBlock], int64_t n, float* absmax, int q) {
+  if constexpr (is_q8<L>) {
+    float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t j = 0; j < n; ++j) {
+      const float a = L::magnitude(scratch[q][j]);
+      lanes[j & 7] = a > lanes[j & 7] ? a : lanes[j & 7];
+    }
+    float m = 0.0f;
+    for (float l : lanes) m = l > m ? l : m;
+    absmax[q] = m;
   }
 }
 
@@ -333,11 +362,12 @@ inline void run_chunk_q8(const std::array<void*, sizeof...(T)>& base,
     float units[NQ], inv_units[NQ], absmax[NQ];
     for (int q = 0; q < NQ; ++q) absmax[q] = scales[q][block];
     q8_units<T...>(absmax, units, inv_units, lists);
+    (q8_cpu_decode<T>(base[D], scratch, off, n, units, q8_index<D, T...>()), ...);
 #pragma GCC ivdep
     for (int64_t j = 0; j < n; ++j) {  // phase 1
       const int64_t i = off + j;
       float v[Depth] = {(((Op::read_mask >> D) & 1u)
-                             ? q8_cpu_read<T>(base[D], i, units, q8_index<D, T...>())
+                             ? q8_cpu_read<T>(base[D], scratch, i, j, q8_index<D, T...>())
                              : 0.0f)...};
       apply_op(op, v, state, i);
       ((((Op::write_mask >> D) & 1u)
@@ -346,10 +376,7 @@ inline void run_chunk_q8(const std::array<void*, sizeof...(T)>& base,
        ...);
     }
     for (int q = 0; q < NQ; ++q) absmax[q] = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      float v[Depth] = {(is_q8<T> ? scratch[q8_index<D, T...>()][j] : 0.0f)...};
-      fold_absmax<T...>(v, absmax, lists);
-    }
+    (q8_cpu_absmax<T>(scratch, n, absmax, q8_index<D, T...>()), ...);
     q8_units<T...>(absmax, units, inv_units, lists);
     (q8_cpu_encode<T>(op, base[D], scratch, off, n, inv_units, q8_index<D, T...>()),
      ...);  // phase 2
