@@ -1,20 +1,21 @@
-"""The O1 caster (peak's C++ __torch_function__) against the alternatives, all on CPU, one run.
+"""The O1 caster (peak's C++ wrappers) against the alternatives, all on CPU, one run.
 
     python benchmarks/bench_caster.py [--repeats N] [--calls N] [--threads T] [--dtype bf16|f16]
 
 (a) overhead every op pays, on ops in no list (relu, neg) and on a listed op whose arguments need
     no cast (add of two fp32 tensors: the promote policy looks, finds one dtype, calls through);
-    tiny tensors (8 elements). Contenders: no casting, peak O1 with its default "patch" dispatch
-    (C++ wrappers in place of the listed callables), peak O1 with the "mode" dispatch (a
-    TorchFunctionMode whose __torch_function__ is C++), a pure-Python TorchFunctionMode that only
-    calls through. Overhead = time per call minus the no-mode time; target: peak's overhead
-    at most half the Python mode's.
+    tiny tensors (8 elements). Contenders: no casting, peak O1 (C++ wrappers in place of the
+    listed callables), a pure-Python TorchFunctionMode that only calls through. Overhead = time
+    per call minus the no-mode time; target: peak's overhead at most half the Python mode's.
 (b) listed ops on tiny fp32 tensors: linear (input and Parameter weight cast to the low dtype,
     weight from the cast cache) and softmax (fp32 input: no cast) under peak O1 vs torch.autocast
     ("cpu", dtype) doing the same casts; target within 1.25x.
 (c) a transformer block (d_model 512, 8 heads, seq 128, batch 4; linear/matmul/softmax/
     layer_norm/gelu written with torch.nn.functional) forward+backward under peak O1 vs
     torch.autocast with the same dtype; target within 10%.
+(d) peak.amp.autocast("cpu", lower_ops=["exp"]) (a region list edit, on the caster's frames) vs
+    torch.autocast, tiny tensors: an unlisted op (relu) and the edited one (exp, cast to the low
+    dtype), ns per call.
 
 Times are medians over --repeats rounds, the contenders timed in turn (alternating order) within
 each round, so that another process on the machine hits all alike.
@@ -41,8 +42,8 @@ class PassThrough(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def o1(dtype, dispatch="patch"):
-    _caster.enable(dtype, dispatch=dispatch)
+def o1(dtype):
+    _caster.enable(dtype)
     try:
         yield
     finally:
@@ -82,18 +83,16 @@ def bench_overhead(args, dtype):
     for name, op in ops.items():
         ts = interleaved_medians(
             [loop(contextlib.nullcontext, op, args.calls), loop(lambda: o1(dtype), op, args.calls),
-             loop(lambda: o1(dtype, "mode"), op, args.calls), loop(PassThrough, op, args.calls)],
-            args.repeats)
-        plain, patch_t, mode_t, py_t = (t / args.calls * 1e9 for t in ts)
-        rows.append((name, plain, patch_t, mode_t, py_t, patch_t - plain, mode_t - plain,
-                     py_t - plain))
+             loop(PassThrough, op, args.calls)], args.repeats)
+        plain, patch_t, py_t = (t / args.calls * 1e9 for t in ts)
+        rows.append((name, plain, patch_t, py_t, patch_t - plain, py_t - plain))
     print("\n(a) per-call overhead, tiny tensors (ns per call; target: overhead of peak O1 at most "
           "0.50x the pure-Python mode's)")
-    print(f"{'op':32s} {'no mode':>8s} {'O1 patch':>9s} {'O1 mode':>8s} {'py mode':>8s} "
-          f"{'ovh patch':>10s} {'ovh mode':>9s} {'ovh py':>7s} {'patch/py':>9s} {'mode/py':>8s}")
+    print(f"{'op':32s} {'no mode':>8s} {'O1':>9s} {'py mode':>8s} "
+          f"{'ovh O1':>10s} {'ovh py':>7s} {'O1/py':>9s}")
     for r in rows:
-        print(f"{r[0]:32s} {r[1]:8.0f} {r[2]:9.0f} {r[3]:8.0f} {r[4]:8.0f} {r[5]:10.0f} {r[6]:9.0f} "
-              f"{r[7]:7.0f} {r[5] / r[7]:9.2f} {r[6] / r[7]:8.2f}")
+        print(f"{r[0]:32s} {r[1]:8.0f} {r[2]:9.0f} {r[3]:8.0f} {r[4]:10.0f} {r[5]:7.0f} "
+              f"{r[4] / r[5]:9.2f}")
     return rows
 
 
@@ -109,16 +108,16 @@ def bench_listed(args, dtype):
             a = op()
         with torch.autocast("cpu", dtype=dtype):
             b = op()
-        peak_t, mode_t, ta = interleaved_medians(
-            [loop(lambda: o1(dtype), op, args.calls), loop(lambda: o1(dtype, "mode"), op, args.calls),
+        peak_t, ta = interleaved_medians(
+            [loop(lambda: o1(dtype), op, args.calls),
              loop(lambda: torch.autocast("cpu", dtype=dtype), op, args.calls)], args.repeats)
-        rows.append((name, a.dtype, b.dtype, *(t / args.calls * 1e9 for t in (peak_t, mode_t, ta))))
+        rows.append((name, a.dtype, b.dtype, *(t / args.calls * 1e9 for t in (peak_t, ta))))
     print("\n(b) listed ops, tiny tensors (ns per call; target O1/autocast <= 1.25)")
-    print(f"{'op':28s} {'O1 dtype':>15s} {'autocast dtype':>15s} {'O1 patch':>9s} {'O1 mode':>8s} "
-          f"{'autocast':>9s} {'patch/ac':>9s} {'mode/ac':>8s}")
+    print(f"{'op':28s} {'O1 dtype':>15s} {'autocast dtype':>15s} {'O1':>9s} "
+          f"{'autocast':>9s} {'O1/ac':>9s}")
     for r in rows:
-        print(f"{r[0]:28s} {str(r[1]):>15s} {str(r[2]):>15s} {r[3]:9.0f} {r[4]:8.0f} {r[5]:9.0f} "
-              f"{r[3] / r[5]:9.2f} {r[4] / r[5]:8.2f}")
+        print(f"{r[0]:28s} {str(r[1]):>15s} {str(r[2]):>15s} {r[3]:9.0f} {r[4]:9.0f} "
+              f"{r[3] / r[4]:9.2f}")
     return rows
 
 
@@ -178,6 +177,24 @@ def bench_block(args, dtype):
     return peak_t, peak_same, ta, t32
 
 
+def bench_region(args, dtype):
+    from peak import amp  # noqa: PLC0415
+
+    x = torch.randn(8)
+    ops = {"relu (unlisted)": lambda: torch.relu(x), "exp (lower_ops edit)": lambda: torch.exp(x)}
+    print("\n(d) autocast region with a list edit, tiny tensors (ns per call)")
+    print(f"{'op':28s} {'peak edit':>10s} {'torch.autocast':>15s} {'ratio':>7s}")
+    rows = []
+    for name, op in ops.items():
+        pe, ta = interleaved_medians(
+            [loop(lambda: amp.autocast("cpu", dtype=dtype, lower_ops=["exp"]), op, args.calls),
+             loop(lambda: torch.autocast("cpu", dtype=dtype), op, args.calls)], args.repeats)
+        pe, ta = pe / args.calls * 1e9, ta / args.calls * 1e9
+        rows.append((name, pe, ta))
+        print(f"{name:28s} {pe:10.0f} {ta:15.0f} {pe / ta:7.2f}")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=15)
@@ -192,6 +209,7 @@ def main():
     bench_overhead(args, dtype)
     bench_listed(args, dtype)
     bench_block(args, dtype)
+    bench_region(args, dtype)
 
 
 if __name__ == "__main__":

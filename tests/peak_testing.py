@@ -28,3 +28,16 @@ def assert_close_to_reference(actual, reference, dtype=None):
     dtype = dtype or actual.dtype
     torch.testing.assert_close(actual.double(), reference.double(), **TOLERANCES[dtype],
                                equal_nan=True)
+
+
+def opcheck_op(op, args, kwargs=None, **options):
+    """torch.library.opcheck over one of peak's ops, with the arguments written in schema order:
+    the ones the schema makes keyword-only (NOTE: [Keyword-only scalars] in csrc/ops/schemas.h)
+    are passed by name."""
+    arguments = op._schema.arguments
+    npos = sum(not a.kwarg_only for a in arguments)
+    named = dict(zip([a.name for a in arguments if a.kwarg_only], args[npos:]))
+    overlap = set(named) & set(kwargs or {})
+    assert not overlap, f"given both positionally and by name: {sorted(overlap)}"
+    named.update(kwargs or {})
+    return torch.library.opcheck(op, tuple(args[:npos]), named, **options)

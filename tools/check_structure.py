@@ -1,10 +1,14 @@
-"""The structure measures of issue #15, printed and checked (``make lint``, tests/test_structure.py).
+"""The structure measures of issue #15, printed and checked (``make lint``, tests/build/test_structure.py).
 
 1. no import cycle between the modules of python/peak (imports parsed with ast, the ones inside
    functions included: a lazy import is still a dependency);
 2. no module of python/peak/amp reads a private name (``_x``) of another peak module;
 3. no file in python/peak or csrc over MAX_LINES lines;
-4. python/peak/amp plus the scaling core at most AMP_BUDGET lines.
+4. python/peak/amp plus the scaling core at most AMP_CEILING lines, printed against issue 15's
+   target AMP_BUDGET;
+5. the C++ op layer: one TORCH_LIBRARY(peak) block; nothing in csrc/ops or csrc/core includes
+   csrc/bindings; the test-only twins (peak_emulated, peak._C.emulated) only in csrc/testing,
+   which CMake builds only under PEAK_TEST_TWINS; torch.ops.peak called only by peak/ops.py.
 
 Exit status 1 when a check fails. ``--known FILE`` (repeatable) tolerates an over-long file that
 is being reduced elsewhere: it is still printed, marked "known".
@@ -20,9 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python" / "peak"
 MAX_LINES = 600
-AMP_BUDGET = 3400
-# The scaling core counted with python/peak/amp (whichever of these exist).
-SCALING_CORE = ("python/peak/scaling.py", "python/peak/fp16_utils/fp16_optimizer.py")
+AMP_BUDGET = 3400  # issue 15's target for python/peak/amp + the scaling core
+# Where amp stands now: the check fails above it, so amp cannot grow back while it is brought
+# down to AMP_BUDGET. Lower it with every reduction (never raise it to make room). (3,868 on the
+# issue-15 O1 branch, plus the 2 lines main's issue-16 merge adds to _process_optimizer.py.)
+AMP_CEILING = 3870
+# The scaling core counted with python/peak/amp: peak/scaling.py. FP16_Optimizer
+# (fp16_utils/fp16_optimizer.py) is one of its front doors, as GradScaler and LossScaler are (those
+# two are counted because they live in amp), not part of the core.
+SCALING_CORE = ("python/peak/scaling.py",)
 # Private names other modules may read: the compiled extension (peak._C) and Apex's
 # ``amp._amp_state`` (Apex scripts use that very name, so it cannot lose its underscore).
 PRIVATE_ALLOWED = {"_C", "_amp_state"}
@@ -184,12 +194,38 @@ def amp_lines() -> tuple[int, list[tuple[str, int]]]:
     return sum(c for _, c in counts), counts
 
 
+def op_layer_problems() -> list[str]:
+    """What breaks measure 5 (empty when the op layer is as designed)."""
+    problems = []
+    csrc = ROOT / "csrc"
+    sources = [p for p in sorted(csrc.rglob("*")) if p.suffix in SOURCE_SUFFIXES]
+    blocks = [str(p.relative_to(ROOT)) for p in sources
+              for line in p.read_text().splitlines() if line.startswith("TORCH_LIBRARY(peak,")]
+    if len(blocks) != 1:
+        problems.append(f"TORCH_LIBRARY(peak, ...) blocks: {blocks} (want exactly one)")
+    for p in sources:
+        rel = p.relative_to(csrc)
+        text = p.read_text()
+        if rel.parts[0] in ("ops", "core") and "bindings/" in "".join(
+                line for line in text.splitlines() if line.startswith("#include")):
+            problems.append(f"csrc/{rel} includes from csrc/bindings")
+        if rel.parts[0] != "testing" and ("TORCH_LIBRARY(peak_emulated" in text
+                                          or "struct EmulatedExec" in text):
+            problems.append(f"csrc/{rel} holds test-only twin code (belongs in csrc/testing)")
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    guarded = cmake.split("if(PEAK_TEST_TWINS)", 1)
+    if "csrc/testing/emulated" in guarded[0] or len(guarded) < 2:
+        problems.append("CMakeLists.txt builds csrc/testing outside if(PEAK_TEST_TWINS)")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "ops.py" and "torch.ops.peak" in path.read_text():
+            problems.append(f"{path.relative_to(ROOT)} calls torch.ops.peak (peak.ops is the way in)")
+    return problems
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--known", action="append", default=[],
                         help="an over-long file being reduced elsewhere (printed, not failed)")
-    parser.add_argument("--amp-budget-known", action="store_true",
-                        help="report the amp + scaling line budget without failing on it")
     args = parser.parse_args(argv)
     failed = False
     modules = package_modules()
@@ -214,12 +250,22 @@ def main(argv=None) -> int:
         failed |= not known
 
     total, counts = amp_lines()
-    print(f"python/peak/amp + scaling core: {total} lines (target <= {AMP_BUDGET})")
+    print(f"python/peak/amp + scaling core: {total} lines (ceiling {AMP_CEILING}, "
+          f"target <= {AMP_BUDGET})")
     for f, n in counts:
         print(f"  {n:6d}  {f}")
-    if total > AMP_BUDGET:
-        print("  over budget" + (" (known)" if args.amp_budget_known else ""))
-        failed |= not args.amp_budget_known
+    if total > AMP_CEILING:
+        print(f"  over the ceiling by {total - AMP_CEILING}: amp grew; bring it back down")
+        failed = True
+    elif total > AMP_BUDGET:
+        print(f"  {total - AMP_BUDGET} lines over issue 15's target (under the ceiling)")
+
+    problems = op_layer_problems()
+    print(f"C++ op layer (one TORCH_LIBRARY block, ops apart from bindings, test twins apart): "
+          f"{len(problems)} problems")
+    for p in problems:
+        print("  ", p)
+    failed |= bool(problems)
 
     print("structure: " + ("FAILED" if failed else "ok"))
     return 1 if failed else 0

@@ -1,14 +1,17 @@
 // peak._C: importing it registers the dispatcher ops (TORCH_LIBRARY blocks linked into this
-// module). The pybind11 part holds what must touch Python objects: build facts, and test-only
-// views into the core (the launch plan, the emulated CUDA grid).
+// module). The pybind11 part holds what must touch Python objects: build facts, the caster, and
+// views into the core for tests (the launch plan; the emulated CUDA grid when built with
+// PEAK_TEST_TWINS=ON).
 #include <torch/extension.h>
 
 #include "../caster/caster.h"
 #include "../core/grid_block.h"
 #include "../core/launch_plan.h"
 #include "../ops/cpu_dispatch.h"
-#include "../ops/emulated_ops.h"
 #include "param_grads.h"
+#if PEAK_TEST_TWINS
+#include "../testing/emulated_ops.h"
+#endif
 
 #ifndef PEAK_VERSION
 #error "PEAK_VERSION must be defined by the build"
@@ -28,6 +31,7 @@ py::dict build_info() {
   d["cxx_compiler"] = PEAK_CXX_COMPILER;
   d["cpu_isa"] = PEAK_CPU_ISA;
   d["cpu_levels_compiled"] = PEAK_CPU_LEVELS;
+  d["test_twins"] = static_cast<bool>(PEAK_TEST_TWINS);
   return d;
 }
 
@@ -81,40 +85,7 @@ PYBIND11_MODULE(_C, m) {
   peak::caster::register_bindings(m);
   peak::bindings::register_param_grads(m);
 
-  py::module_ emu = m.def_submodule(
-      "emulated", "The CUDA launcher's plan and block code run serially on the CPU (tests)");
-  emu.def("set_grid_shape", &peak::emulated_ops::set_grid_shape, py::arg("max_tensors"),
-          py::arg("max_blocks"), py::arg("threads"),
-          "Launch limits and block size of torch.ops.peak_emulated.* (0: the CUDA values)");
-  emu.def(
-      "multi_tensor_scale_",
-      [](std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs, at::Tensor scale,
-         at::Tensor found_inf, int64_t chunk_size, int64_t max_tensors, int64_t max_blocks,
-         int64_t threads, std::optional<at::Tensor> per_tensor_found_inf) {
-        peak::emulated_ops::scale(inputs, outputs, scale, found_inf, chunk_size, max_tensors,
-                                  max_blocks, threads, per_tensor_found_inf);
-      },
-      py::arg("inputs"), py::arg("outputs"), py::arg("scale"), py::arg("found_inf"),
-      py::arg("chunk_size"), py::arg("max_tensors"), py::arg("max_blocks"), py::arg("threads"),
-      py::arg("per_tensor_found_inf") = py::none());
-  emu.def(
-      "multi_tensor_axpby_",
-      [](std::vector<at::Tensor> xs, std::vector<at::Tensor> ys, std::vector<at::Tensor> outputs,
-         at::Tensor a, at::Tensor b, at::Tensor found_inf, int64_t check, int64_t chunk_size,
-         int64_t max_tensors, int64_t max_blocks, int64_t threads) {
-        peak::emulated_ops::axpby(xs, ys, outputs, a, b, found_inf, check, chunk_size,
-                                  max_tensors, max_blocks, threads);
-      },
-      py::arg("xs"), py::arg("ys"), py::arg("outputs"), py::arg("a"), py::arg("b"),
-      py::arg("found_inf"), py::arg("check"), py::arg("chunk_size"), py::arg("max_tensors"),
-      py::arg("max_blocks"), py::arg("threads"));
-  emu.def(
-      "multi_tensor_l2norm",
-      [](std::vector<at::Tensor> tensors, bool per_tensor, int64_t chunk_size,
-         int64_t max_tensors, int64_t max_blocks, int64_t threads) {
-        return peak::emulated_ops::l2norm(tensors, per_tensor, chunk_size, max_tensors,
-                                          max_blocks, threads);
-      },
-      py::arg("tensors"), py::arg("per_tensor"), py::arg("chunk_size"), py::arg("max_tensors"),
-      py::arg("max_blocks"), py::arg("threads"));
+#if PEAK_TEST_TWINS
+  peak::emulated_ops::register_bindings(m);
+#endif
 }

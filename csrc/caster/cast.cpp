@@ -1,99 +1,53 @@
-// The O1 caster's casting and weight-cast cache (cast.h). See docs/caster.md.
+// The O1 caster's casting (cast.h); the weight-cast cache is in cache.cpp. See docs/caster.md.
 #include "cast.h"
 
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/node.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/DispatchKeySet.h>
-#include <c10/core/GradMode.h>
-#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
+#include <vector>
 
 namespace peak::caster {
 namespace {
 
-struct MarkUsedOnBackward : torch::autograd::FunctionPreHook {
-  explicit MarkUsedOnBackward(std::shared_ptr<std::atomic<bool>> flag) : used(std::move(flag)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    used->store(true, std::memory_order_relaxed);
-    return grads;
-  }
-  std::shared_ptr<std::atomic<bool>> used;
+// A cast made for a region edit: written back if the op wrote into it (out of place for the
+// caller: `out=`, an in-place op).
+struct Copy {
+  PyObject* orig;  // borrowed: the call's arguments hold it
+  at::Tensor cast;
+  uint32_t version;
 };
-
-// One peak.amp.lists.local block's edits. Immutable once pushed, so that published snapshots
-
-constexpr size_t kCacheCapacity = 4096;
-
-// NOTE: [Weight-cast cache lifetime]: drops what can never serve again; bounds the rest.
-void sweep_cache() {
-  ThreadState& tls_ = tls;  // one TLS lookup (see the note on `tls` in state.h)
-  for (auto it = tls_.cache.begin(); it != tls_.cache.end();) {
-    const bool dead = it->second.source.expired() ||
-                      it->second.used->load(std::memory_order_relaxed);
-    it = dead ? tls_.cache.erase(it) : std::next(it);
-  }
-  if (tls_.cache.size() >= kCacheCapacity) tls_.cache.clear();
-  tls_.next_sweep = std::min(kCacheCapacity, std::max<size_t>(64, 2 * tls_.cache.size()));
-}
-
-at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache) {
-  ThreadState& tls_ = tls;  // one TLS lookup (see the note on `tls` in state.h)
-  if (t.scalar_type() == to) return t;
-  const bool cacheable = use_cache && t.scalar_type() == at::ScalarType::Float && t.is_leaf() &&
-                         t.requires_grad() && !t.is_view() && !c10::InferenceMode::is_enabled();
-  if (!cacheable) {
-    ++tls_.casts;
-    return t.to(to);
-  }
-  CacheKey key{t.unsafeGetTensorImpl(), to};
-  const uint32_t version = t.unsafeGetTensorImpl()->version_counter().current_version();
-  auto it = tls_.cache.find(key);
-  if (it != tls_.cache.end()) {
-    const CacheEntry& e = it->second;
-    if (!e.source.expired() && e.version == version && e.data == t.data_ptr() &&
-        !e.used->load(std::memory_order_relaxed)) {
-      ++tls_.hits;
-      return e.cast;
-    }
-    tls_.cache.erase(it);  // stale (NOTE: [Weight-cast cache lifetime])
-  }
-  ++tls_.casts;
-  at::Tensor out = t.to(to);
-  // Only a grad-mode cast is stored: one made under no_grad has no autograd history, and reusing
-  // it in a later grad-enabled forward would silently cut the weight's gradient (torch #112583).
-  if (c10::GradMode::is_enabled() && out.grad_fn()) {
-    if (tls_.cache.size() >= tls_.next_sweep) sweep_cache();
-    ++tls_.stores;
-    auto used = std::make_shared<std::atomic<bool>>(false);
-    out.grad_fn()->add_pre_hook(std::make_unique<MarkUsedOnBackward>(used));
-    tls_.cache.emplace(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(
-                                          t.getIntrusivePtr()),
-                                      version, t.data_ptr(), std::move(used), out});
-  }
-  return out;
+uint32_t version_of(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->version_counter().current_version();
 }
 
 // A cast rule applied to every eligible tensor found in an argument tree.
 struct Rule {
   at::ScalarType to;
   bool use_cache;
+  bool any_device = true;                       // else only tensors of `device`'s type
+  c10::DeviceType device = c10::DeviceType::CPU;
+  std::vector<Copy>* copies = nullptr;          // region edits record their casts
 };
 
 // Returns a new reference: `o` itself (incref'd) when nothing inside changed.
 PyObject* cast_tree(PyObject* o, const Rule& r) {
   if (THPVariable_Check(o)) {
     const at::Tensor& t = THPVariable_Unpack(o);
-    if (!t.defined() || !eligible(t.scalar_type()) || t.scalar_type() == r.to) {
+    if (!t.defined() || !eligible(t.scalar_type()) || t.scalar_type() == r.to ||
+        (!r.any_device && t.device().type() != r.device)) {
       Py_INCREF(o);
       return o;
     }
-    return THPVariable_Wrap(cast_tensor(t, r.to, r.use_cache));
+    at::Tensor c = cast_tensor(t, r.to, r.use_cache);
+    if (r.copies) r.copies->push_back({o, c, version_of(c)});
+    return THPVariable_Wrap(std::move(c));
   }
   const bool is_tuple = PyTuple_Check(o), is_list = PyList_Check(o);
   if (is_tuple || is_list) {
@@ -302,6 +256,143 @@ PyObject* call_into_out(PyObject* func, PyObject* args, PyObject* kwargs, PyObje
   return result;
 }
 
+// NOTE: [Region edits]
+// peak.amp.autocast(fp32_ops=..., lower_ops=...) pushes a region frame (state.h) on this thread's
+// frames, and the wrappers of its callables are installed while it is open. A region edit acts
+// where torch's autocast is on for the frame's device type and the call's first tensor is of that
+// type (torch.autocast's own rule for which region an op belongs to), and there it wins over O1
+// (which steps aside inside autocast regions: NOTE: [Explicit autocast regions win]). It casts
+// the eligible tensors of that device type to float32 or to autocast's dtype for the device (read
+// at the call, so an inner region's dtype counts), through the weight-cast cache when autocast's
+// cache is enabled, and calls the op with torch's autocast off for the device (and its dispatch
+// keys excluded), so torch does not cast again. What the op writes into a cast copy (an in-place
+// op) is copied back into the caller's tensor, and the caller's tensor returned; `out=` keeps
+// the caller's buffer (as for O1); batch and instance norm cast only their input, so that their
+// running statistics are updated in place.
+
+// The innermost region edit of func whose device type has torch's autocast on, if any.
+const Frame* find_region(const FrameStack& frames, PyObject* func, Policy& out) {
+  for (auto f = frames.rbegin(); f != frames.rend(); ++f) {
+    if (!(*f)->region) continue;
+    auto it = (*f)->policies.find(func);
+    if (it != (*f)->policies.end() && at::autocast::is_autocast_enabled((*f)->device)) {
+      out = it->second;
+      return f->get();
+    }
+  }
+  return nullptr;
+}
+
+struct AutocastOff {
+  explicit AutocastOff(c10::DeviceType d) : device(d), was(at::autocast::is_autocast_enabled(d)) {
+    at::autocast::set_autocast_enabled(device, false);
+  }
+  ~AutocastOff() { at::autocast::set_autocast_enabled(device, was); }
+  AutocastOff(const AutocastOff&) = delete;
+  AutocastOff& operator=(const AutocastOff&) = delete;
+  c10::DeviceType device;
+  bool was;
+};
+
+// The caller's tensor for a cast copy the op wrote into (borrowed), or nullptr.
+PyObject* written_orig(PyObject* r, const std::vector<const Copy*>& written) {
+  if (!THPVariable_Check(r)) return nullptr;
+  const c10::TensorImpl* impl = THPVariable_Unpack(r).unsafeGetTensorImpl();
+  for (const Copy* c : written) {
+    if (c->cast.unsafeGetTensorImpl() == impl) return c->orig;
+  }
+  return nullptr;
+}
+
+// NOTE: [Region edits]: copies back what the op wrote into cast copies; returns `result`, or the
+// caller's tensors where it returned a written copy (steals `result`).
+PyObject* write_back(PyObject* result, const std::vector<Copy>& copies) {
+  std::vector<const Copy*> written;
+  for (const Copy& c : copies) {
+    if (version_of(c.cast) != c.version) written.push_back(&c);
+  }
+  if (!result || written.empty()) return result;
+  {
+    at::NoGradGuard no_grad;
+    for (const Copy* c : written) THPVariable_Unpack(c->orig).copy_(c->cast);
+  }
+  if (PyObject* orig = written_orig(result, written)) {
+    Py_INCREF(orig);
+    Py_DECREF(result);
+    return orig;
+  }
+  const bool is_tuple = PyTuple_CheckExact(result), is_list = PyList_CheckExact(result);
+  if (!is_tuple && !is_list) return result;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(result);
+  PyObject* out = is_tuple ? PyTuple_New(n) : PyList_New(n);
+  if (!out) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(result, i);
+    PyObject* orig = written_orig(item, written);
+    PyObject* keep = orig ? orig : item;
+    Py_INCREF(keep);
+    if (is_tuple) PyTuple_SET_ITEM(out, i, keep); else PyList_SET_ITEM(out, i, keep);
+  }
+  Py_DECREF(result);
+  return out;
+}
+
+// NOTE: [Region edits]: a region's edit `p` (kFp32 or kLower) of `func`, called.
+PyObject* apply_region(Policy p, const Frame& f, bool own, PyObject* func, PyObject* args,
+                       PyObject* kwargs) {
+  PyObject* out = kwargs ? PyDict_GetItemString(kwargs, "out") : nullptr;  // borrowed
+  if (out && out != Py_None) return call_into_out(func, args, kwargs, out);
+  const bool lower = p == Policy::kLower;
+  std::vector<Copy> copies;
+  const Rule rule{lower ? at::autocast::get_autocast_dtype(f.device) : at::ScalarType::Float,
+                  own && lower && at::autocast::is_autocast_cache_enabled(), false, f.device,
+                  &copies};
+  PyObject* new_args = nullptr;
+  PyObject* new_kwargs = nullptr;
+  if (f.input_only.count(func)) {  // only the input: args[0], or input=
+    if (const Py_ssize_t n = PyTuple_GET_SIZE(args); n > 0) {
+      PyObject* c = cast_tree(PyTuple_GET_ITEM(args, 0), rule);
+      if (!c || !(new_args = PyTuple_New(n))) {
+        Py_XDECREF(c);
+        return nullptr;
+      }
+      PyTuple_SET_ITEM(new_args, 0, c);
+      for (Py_ssize_t i = 1; i < n; ++i) {
+        Py_INCREF(PyTuple_GET_ITEM(args, i));
+        PyTuple_SET_ITEM(new_args, i, PyTuple_GET_ITEM(args, i));
+      }
+    } else if (PyObject* input = kwargs ? PyDict_GetItemString(kwargs, "input") : nullptr) {
+      PyObject* c = cast_tree(input, rule);
+      new_kwargs = c ? PyDict_Copy(kwargs) : nullptr;
+      if (!new_kwargs || PyDict_SetItemString(new_kwargs, "input", c) < 0) {
+        Py_XDECREF(c);
+        Py_XDECREF(new_kwargs);
+        return nullptr;
+      }
+      Py_DECREF(c);
+    }
+  } else {
+    new_args = cast_tree(args, rule);
+    if (!new_args) return nullptr;
+    if (kwargs && !(new_kwargs = cast_tree(kwargs, rule))) {
+      Py_DECREF(new_args);
+      return nullptr;
+    }
+  }
+  PyObject* result;
+  {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const AutocastOff off(f.device);
+    result = PyObject_Call(func, new_args ? new_args : args, new_kwargs ? new_kwargs : kwargs);
+  }
+  Py_XDECREF(new_args);
+  Py_XDECREF(new_kwargs);
+  return write_back(result, copies);
+}
+
 }  // namespace
 
 // (cast.h)
@@ -427,59 +518,28 @@ PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwarg
   return result;
 }
 
-// __torch_function__(func, types, args=(), kwargs=None), installed as a staticmethod of the mode.
-PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n) {
-  HANDLE_TH_ERRORS
-  if (n < 2 || n > 4) {
-    PyErr_SetString(PyExc_TypeError,
-                    "peak caster __torch_function__(func, types, args=(), kwargs=None): wrong "
-                    "number of arguments");
-    return nullptr;
-  }
-  PyObject* func = a[0];
-  PyObject* args = n > 2 ? a[2] : nullptr;
-  PyObject* kwargs = n > 3 && a[3] != Py_None ? a[3] : nullptr;
-  if (kwargs && PyDict_GET_SIZE(kwargs) == 0) kwargs = nullptr;
-  PyObject* empty = nullptr;
-  if (!args || args == Py_None) {
-    empty = PyTuple_New(0);
-    args = empty;
-  }
-  const Gate g = gate(/*in_mode=*/true);
-  const Policy p = g.casting ? effective_policy(func, g.handed) : Policy::kNone;
-  PyObject* result;
-  if (p == Policy::kNone || !PyTuple_Check(args) ||
-      (p != Policy::kHook && in_autocast_region(args, kwargs))) {
-    result = PyObject_Call(func, args, kwargs);
-  } else if (p == Policy::kHook) {
-    if (!g_hook) {
-      result = PyObject_Call(func, args, kwargs);
-    } else {
-      PyObject* kw = kwargs ? kwargs : Py_None;
-      result = PyObject_CallFunctionObjArgs(g_hook, mode ? mode : Py_None, func, args, kw, nullptr);
-    }
-  } else {
-    const InOp in_op;
-    result = apply_policy(p, func, args, kwargs, g);
-  }
-  Py_XDECREF(empty);
-  return result;
-  END_HANDLE_TH_ERRORS
-}
-
-// The "patch" dispatch: a builtin standing in for a listed torch callable (self = the original).
-// Casting off (or not in this thread): one vectorcall through; on: the table's policy.
+// The wrappers' call: a builtin standing in for a listed torch callable (self = the original).
+// Casting off (or not in this thread): one vectorcall through; else an autocast region's edit
+// of the callable (NOTE: [Region edits]), or O1's policy.
 PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
   if (g_threads_on.load(std::memory_order_relaxed) == 0) {
     return PyObject_Vectorcall(orig, a, nargs, kwnames);
   }
-  const Gate g = gate(/*in_mode=*/false);
-  if (!g.casting) return PyObject_Vectorcall(orig, a, nargs, kwnames);
-  const Policy p = effective_policy(orig, g.handed);
-  if (p == Policy::kNone || p == Policy::kHook) {
-    return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  ThreadState& tls_ = tls;  // one TLS lookup (see the note on `tls` in state.h)
+  if (tls_.in_op > 0) return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  const bool own = tls_.active && tls_.low != at::ScalarType::Undefined;
+  const Published* handed = own ? nullptr : handed_state();
+  Policy region_policy = Policy::kNone;
+  bool own_region = true;
+  const Frame* region = find_region(tls_.frames, orig, region_policy);
+  if (!region && handed) {
+    region = find_region(handed->frames, orig, region_policy);
+    own_region = false;
   }
+  const Gate g = gate(tls_, handed);
+  const Policy p = g.casting ? effective_policy(orig, g.handed) : Policy::kNone;
+  if (!region && p == Policy::kNone) return PyObject_Vectorcall(orig, a, nargs, kwnames);
   PyObject* args = PyTuple_New(nargs);
   if (!args) return nullptr;
   for (Py_ssize_t i = 0; i < nargs; ++i) {
@@ -498,11 +558,16 @@ PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyO
     }
   }
   PyObject* result;
-  if (in_autocast_region(args, kwargs)) {
-    result = PyObject_Call(orig, args, kwargs);
-  } else {
+  c10::DeviceType type;
+  if (region && (first_device_type(args, type) || (kwargs && first_device_type(kwargs, type))) &&
+      type == region->device) {
+    const InOp in_op;
+    result = apply_region(region_policy, *region, own_region, orig, args, kwargs);
+  } else if (p != Policy::kNone && !in_autocast_region(args, kwargs)) {
     const InOp in_op;
     result = apply_policy(p, orig, args, kwargs, g);
+  } else {
+    result = PyObject_Call(orig, args, kwargs);
   }
   Py_DECREF(args);
   Py_XDECREF(kwargs);

@@ -1,5 +1,5 @@
 // The O1 caster's casting: argument trees cast as a policy says, the weight-cast cache, and the
-// two entry points that call it (the mode's __torch_function__ and the patch wrappers' call).
+// wrappers' call, which decides between O1's policy and an autocast region's edit.
 // Internal to csrc/caster; see docs/caster.md.
 #pragma once
 
@@ -10,15 +10,16 @@
 
 namespace peak::caster {
 
+// `t` cast to `to` (a new tensor, visible to autograd); with `use_cache`, an fp32 leaf that
+// requires grad goes through this thread's weight-cast cache (cache.cpp).
+at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache);
+
 // Cast the arguments as `p` says and call `func` with torch's autocast keys excluded (so
 // torch.autocast, if also on, does not re-cast this op). New reference or nullptr.
 // `g`: whose state casts (its low dtype, allow_banned; its own state may use the cache).
 PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs, const Gate& g);
 
-// __torch_function__(func, types, args=(), kwargs=None) of the mode dispatch, bound to `mode`.
-PyObject* torch_function(PyObject* mode, PyObject* const* a, Py_ssize_t n);
-
-// The patch dispatch's call of a wrapped torch callable (`orig`), vectorcall convention.
+// The call of a wrapped torch callable (`orig`), vectorcall convention.
 PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyObject* kwnames);
 
 }  // namespace peak::caster

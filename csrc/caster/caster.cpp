@@ -1,12 +1,16 @@
-// The O1 caster's Python binding (peak._C.caster): the CastWrapper type the patch dispatch puts in
-// place of a listed callable, and the module functions peak.amp._caster calls. The state lives in
+// The O1 caster's Python binding (peak._C.caster): the CastWrapper type put in place of a listed
+// callable, and the module functions peak.amp._caster calls. The state lives in
 // state.cpp, the casting in cast.cpp. See docs/caster.md.
 #include "caster.h"
 
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
+#include <ATen/autocast_mode.h>
+
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -21,7 +25,7 @@ namespace peak::caster {
 namespace {
 
 // NOTE: [Patch wrapper objects]
-// What the patch dispatch puts in place of a listed callable: a small object of its own type,
+// What peak.amp._caster puts in place of a listed callable: a small object of its own type,
 // not a builtin function. A builtin's __name__/__qualname__/__module__ are fixed by its
 // PyMethodDef, so every wrapper read 'peak_o1_cast', and code that keys callables by name
 // broke (inductor registers torch.mm and torch.addmm as extern kernels by __name__: "duplicate
@@ -146,11 +150,6 @@ PyObject* new_cast_wrapper(PyObject* orig) {
   return reinterpret_cast<PyObject*>(w);
 }
 
-PyMethodDef kTorchFunctionDef = {
-    "caster_torch_function", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(torch_function)),
-    METH_FASTCALL,
-    "The O1 caster's __torch_function__(func, types, args=(), kwargs=None) (docs/caster.md)"};
-
 Policy policy_from_int(int p, const char* arg) {
   if (p < 0 || p >= kNumPolicies) {
     throw py::value_error(std::string(arg) + " must be a policy code 0.." +
@@ -176,19 +175,27 @@ at::ScalarType low_from_obj(py::handle dtype) {
 
 }  // namespace
 
+// torch's CUDA autocast lists, from the macros of its own header (ATen/autocast_mode.h), as
+// aten "op" / "op.overload" names by policy.
+#define PEAK_OP_NAME(op, ...) \
+  (std::string(#op) + (sizeof(#__VA_ARGS__) > 1 ? "." #__VA_ARGS__ : ""))
+#define PEAK_LOWER(...) lists["lower_precision_fp"].push_back(PEAK_OP_NAME(__VA_ARGS__));
+#define PEAK_FP32(...) lists["fp32"].push_back(PEAK_OP_NAME(__VA_ARGS__));
+#define PEAK_SET_OPT(...) lists["fp32_set_opt_dtype"].push_back(PEAK_OP_NAME(__VA_ARGS__));
+#define PEAK_APPEND(ns, name, sig1, sig2, policy) lists[#policy].push_back(name);
+#define PEAK_PROMOTE(...) lists["promote"].push_back(PEAK_OP_NAME(__VA_ARGS__));
+std::map<std::string, std::vector<std::string>> torch_autocast_lists() {
+  std::map<std::string, std::vector<std::string>> lists;
+  AT_FORALL_LOWER_PRECISION_FP(PEAK_LOWER)
+  AT_FORALL_FP32(PEAK_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(PEAK_SET_OPT)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(PEAK_APPEND)
+  AT_FORALL_PROMOTE(PEAK_PROMOTE)
+  return lists;
+}
+
 void register_bindings(py::module_& m) {
   py::module_ c = m.def_submodule("caster", "The O1 caster's C++ side (docs/caster.md)");
-  // torch requires a mode's __torch_function__ to be bound to the mode (__self__ is the mode):
-  // bind(mode) makes the C++ handler a builtin bound to it, stored on the instance.
-  c.def(
-      "bind",
-      [](py::handle mode) {
-        PyObject* tf = PyCFunction_NewEx(&kTorchFunctionDef, mode.ptr(), nullptr);
-        if (!tf) throw py::error_already_set();
-        return py::reinterpret_steal<py::object>(tf);
-      },
-      py::arg("mode"), "The C++ __torch_function__ bound to mode");
-
   c.def(
       "wrap",
       [](py::handle orig) {
@@ -198,8 +205,7 @@ void register_bindings(py::module_& m) {
         return py::reinterpret_steal<py::object>(f);
       },
       py::arg("orig"),
-      "A CastWrapper that calls orig with the caster's casts (patch dispatch; NOTE: [Patch "
-      "wrapper objects])");
+      "A CastWrapper that calls orig with the caster's casts (NOTE: [Patch wrapper objects])");
   c.def(
       "unwrap",
       [](py::handle obj) -> py::object {
@@ -259,23 +265,12 @@ void register_bindings(py::module_& m) {
     if (low == at::ScalarType::Undefined) return py::none();
     return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(low)));
   });
-  c.def(
-      "set_hook",
-      [](py::handle hook) {
-        Py_XDECREF(g_hook);
-        g_hook = nullptr;
-        if (!hook.is_none()) {
-          Py_INCREF(hook.ptr());
-          g_hook = hook.ptr();
-        }
-      },
-      py::arg("hook"), "hook(mode, func, args, kwargs) for functions with the 'hook' policy");
   c.def("set_allow_banned", [](bool v) {
     tls.allow_banned = v;
     publish();
   }, py::arg("allow_banned"));
   c.def("threads_on", []() { return g_threads_on.load(); },
-        "How many threads have O1 on (their own state, not handed)");
+        "How many threads have O1 on or a region edit open (their own state, not handed)");
   c.def("set_thread_active", [](bool v) {
     tls.active = v;
     publish();
@@ -289,7 +284,7 @@ void register_bindings(py::module_& m) {
     --tls.suspended;
     publish();
   });
-  c.def("is_casting", []() { return gate(/*in_mode=*/false).casting; },
+  c.def("is_casting", []() { return current_gate().casting; },
         "True when O1 casts in this thread now: enabled, switched on here (or handed to this "
         "thread by torch with its thread-local state), not in disable_casts");
   c.def("handed_state", []() -> py::object {
@@ -313,7 +308,7 @@ void register_bindings(py::module_& m) {
         PyObject* kw = kwargs.is_none() ? nullptr : kwargs.ptr();
         if (kw && !PyDict_Check(kw)) throw py::type_error("kwargs must be a dict or None");
         PyObject* r;
-        const Gate g = gate(/*in_mode=*/false);
+        const Gate g = current_gate();
         if (pol == Policy::kNone || !g.casting) {
           r = PyObject_Call(func.ptr(), args.ptr(), kw);
         } else {
@@ -327,26 +322,36 @@ void register_bindings(py::module_& m) {
 
   c.def(
       "push_local",
-      [](py::dict edits) {
-        std::unordered_map<PyObject*, Policy> policies;
+      [](py::dict edits, py::object device_type, py::list input_only) {
+        auto frame = std::make_shared<Frame>();
         for (auto item : edits) {
           if (!PyCallable_Check(item.first.ptr())) {
             throw py::type_error("local edits: keys must be callables, got " +
                                  py::repr(item.first).cast<std::string>());
           }
-          policies[item.first.ptr()] = policy_from_int(item.second.cast<int>(), "policy");
+          frame->policies[item.first.ptr()] = policy_from_int(item.second.cast<int>(), "policy");
         }
-        auto frame = std::make_shared<Frame>();
-        frame->policies = std::move(policies);
+        if (!device_type.is_none()) {  // NOTE: [Region edits] in cast.cpp
+          frame->region = true;
+          frame->device = c10::Device(device_type.cast<std::string>()).type();
+          for (auto f : input_only) {
+            if (frame->policies.count(f.ptr())) frame->input_only.insert(f.ptr());
+          }
+        }
         for (auto& kv : frame->policies) Py_INCREF(kv.first);
         tls.frames.push_back(std::move(frame));
         publish();
       },
-      py::arg("edits"), "Push thread-local edits {func: policy code} (0: unlisted here)");
+      py::arg("edits"), py::arg("device_type") = py::none(), py::arg("input_only") = py::list(),
+      "Push thread-local edits {func: policy code} (0: unlisted here); with a device_type, a "
+      "region edit of peak.amp.autocast (NOTE: [Region edits])");
   c.def("pop_local", []() {
     if (tls.frames.empty()) throw py::value_error("pop_local() without a matching push_local()");
+    const bool region = tls.frames.back()->region;
     tls.frames.pop_back();
     publish();
+    // As torch.autocast drops its cast cache when its outermost region ends.
+    if (region && !thread_on() && !any_region(tls.frames)) tls.cache.clear();
   });
   c.def("effective_policy", [](py::handle f) {
     return static_cast<int>(effective_policy(f.ptr(), tls.active ? nullptr : handed_state()));
@@ -361,6 +366,8 @@ void register_bindings(py::module_& m) {
     d["size"] = tls.cache.size();
     return d;
   });
+  c.def("torch_autocast_lists", &torch_autocast_lists,
+        "torch's CUDA autocast lists {policy: [aten op names]}, read from its header");
   c.def("reset_cache_stats", []() { tls.hits = tls.casts = tls.stores = 0; });
 }
 

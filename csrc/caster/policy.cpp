@@ -15,7 +15,6 @@ const char* policy_name(Policy p) {
     case Policy::kBanned: return "banned";
     case Policy::kInplaceFp32: return "inplace_fp32";
     case Policy::kMatchSelf: return "match_self";
-    case Policy::kHook: return "hook";
   }
   return "?";
 }

@@ -1,5 +1,5 @@
-// The O1 caster's policy tables: op identity (the Python callable torch hands to
-// __torch_function__) -> cast policy. See docs/caster.md.
+// The O1 caster's policy tables: op identity (the Python callable torch code calls, e.g.
+// torch.mm, torch.Tensor.__add__) -> cast policy. See docs/caster.md.
 #pragma once
 
 #include <Python.h>
@@ -18,10 +18,8 @@ enum class Policy : uint8_t {
   kBanned = 5,        // error on low-precision args unless allow_banned (then kFp32)
   kInplaceFp32 = 6,   // in-place twin of an fp32 op: error if self is low precision
   kMatchSelf = 7,     // in-place twin of a lower/promote op: cast the other args to self's dtype
-  kHook = 8,          // call the Python hook (mode, func, args, kwargs): Tensor.backward runs
-                      // with the mode kept on the stack, so checkpoint recomputation is cast
 };
-constexpr int kNumPolicies = 9;
+constexpr int kNumPolicies = 8;
 const char* policy_name(Policy p);
 
 // One default entry: where the callable lives ("torch", "functional", "Tensor"), its name, policy.

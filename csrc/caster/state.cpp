@@ -12,7 +12,6 @@ namespace py = pybind11;
 namespace peak::caster {
 
 std::atomic<int> g_threads_on{0};
-PyObject* g_hook = nullptr;
 thread_local ThreadState tls;
 
 // NOTE: [Caster state in torch's worker threads]
@@ -53,7 +52,7 @@ void set_own_state(Published s) {
 
 void publish() {
   using at::impl::ThreadLocalPythonObjects;
-  const bool on = thread_on();
+  const bool on = thread_on() || any_region(tls.frames);
   if (on != tls.counted) {
     g_threads_on.fetch_add(on ? 1 : -1, std::memory_order_relaxed);
     tls.counted = on;
@@ -92,15 +91,14 @@ const Published* handed_state() {
 // state until the matching pop_state().
 PyObject* snapshot_state() {
   Published* snap;
-  if (thread_on()) {
-    snap = new Published(own_state());
-  } else if (const Published* h = handed_state()) {
+  const Published* h = thread_on() ? nullptr : handed_state();
+  if (h) {
     FrameStack frames = h->frames;
     frames.insert(frames.end(), tls.frames.begin(), tls.frames.end());
     snap = new Published{h->active, h->low, h->allow_banned, h->suspended + tls.suspended,
                          std::move(frames)};
   } else {
-    snap = new Published{false, at::ScalarType::Undefined, false, 0, {}};
+    snap = new Published(own_state());
   }
   PyObject* capsule = PyCapsule_New(snap, kPublishedName, destroy_published);
   if (!capsule) {
@@ -123,7 +121,7 @@ void push_state(PyObject* snapshot) {
   publish();
   // An "off" snapshot must also hide what torch handed this thread (saved above, put back by
   // pop_state): publish() only removes what this thread published itself.
-  if (!thread_on() && ThreadLocalPythonObjects::contains(published_key())) {
+  if (!tls.published && ThreadLocalPythonObjects::contains(published_key())) {
     ThreadLocalPythonObjects::erase(published_key());
   }
 }

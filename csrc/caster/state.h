@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "policy.h"
@@ -22,9 +23,8 @@
 namespace peak::caster {
 
 // Per thread (ThreadState below): O1 on or off, the low dtype, allow_banned. Process-wide: how
-// many threads have O1 on (the patch wrappers' fast path when none has), and the hook.
+// many threads have O1 on or a region edit open (the wrappers' fast path when none has).
 extern std::atomic<int> g_threads_on;
-extern PyObject* g_hook;  // strong reference, for Policy::kHook
 
 struct CacheKey {
   c10::TensorImpl* impl;
@@ -56,10 +56,16 @@ struct CacheEntry {
   at::Tensor cast;
 };
 
-
+// One list-edit frame: a peak.amp.lists.local block's edits (acting where O1 casts), or a region
+// edit of peak.amp.autocast(fp32_ops=..., lower_ops=...) (`region`: acting where torch's autocast
+// is on for `device`, on tensors of that device type, in autocast's dtype). Immutable once
+// pushed, so that published snapshots share it (its references are released by the last owner,
 // the snapshot capsule's destructor).
 struct Frame {
   std::unordered_map<PyObject*, Policy> policies;
+  bool region = false;
+  c10::DeviceType device = c10::DeviceType::CPU;
+  std::unordered_set<PyObject*> input_only;  // region: cast only the first argument (batch norm)
   Frame() = default;
   Frame(const Frame&) = delete;
   Frame& operator=(const Frame&) = delete;
@@ -88,8 +94,7 @@ struct SavedState {
   std::shared_ptr<c10::SafePyObject> slot;
 };
 
-// Per thread: disable_casts depth, whether O1 was switched on in this thread (for the decorators;
-// the mode itself lives on the thread's torch-function mode stack), the weight-cast cache.
+// Per thread: O1 on or off here, disable_casts depth, list-edit frames, the weight-cast cache.
 struct ThreadState {
   at::ScalarType low = at::ScalarType::Undefined;  // this thread's low dtype (Undefined: O1 off)
   bool allow_banned = false;
@@ -99,14 +104,14 @@ struct ThreadState {
   }
   int suspended = 0;
   // Listed ops running now in this thread: calls they make in turn are not cast again (the op
-  // is cast once, at its entry point, as if by hand; torch pops the mode for the same effect).
+  // is cast once, at its entry point, as if by hand).
   int in_op = 0;
   bool active = false;
   bool published = false;  // this thread's snapshot is in its ThreadLocalPythonObjects
   std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> cache;
   size_t next_sweep = 64;  // cache size at which a store sweeps dead entries first
   int64_t hits = 0, casts = 0, stores = 0;
-  FrameStack frames;  // thread-local list edits (peak.amp.lists.local)
+  FrameStack frames;  // thread-local list edits (lists.local, autocast regions), innermost last
   std::vector<SavedState> saved;  // push_state's stack
 };
 // Defined in state.cpp. Outside that file every mention of `tls` calls its TLS init function and
@@ -121,6 +126,12 @@ const std::string& published_key();
 void destroy_published(PyObject* capsule);  // a snapshot capsule's destructor
 
 inline bool thread_on() { return tls.active && tls.low != at::ScalarType::Undefined; }
+inline bool any_region(const FrameStack& frames) {
+  for (const auto& f : frames) {
+    if (f->region) return true;
+  }
+  return false;
+}
 
 Published own_state();
 void set_own_state(Published s);
@@ -151,22 +162,28 @@ struct Gate {
   bool allow_banned = false;
 };
 
-// `in_mode`: asked by the mode's handler (the mode on this thread's stack means O1 is on).
-inline Gate gate(bool in_mode) {
-  if (g_threads_on.load(std::memory_order_relaxed) == 0) return {};
-  ThreadState& tls_ = tls;
-  if (tls_.suspended > 0 || tls_.in_op > 0) return {};
-  if (tls_.active && tls_.low != at::ScalarType::Undefined) {  // thread_on()
-    return {true, true, nullptr, tls_.low, tls_.allow_banned};
+// `handed`: handed_state() when this thread has not switched O1 on itself, else nullptr.
+inline Gate gate(const ThreadState& t, const Published* handed) {
+  if (t.suspended > 0 || t.in_op > 0) return {};
+  if (t.active && t.low != at::ScalarType::Undefined) {  // thread_on()
+    return {true, true, nullptr, t.low, t.allow_banned};
   }
-  const Published* handed = handed_state();
   if (!handed) return {};
-  return {(in_mode || handed->active) && handed->suspended == 0, false, handed, handed->low,
+  return {handed->active && handed->suspended == 0, false, handed, handed->low,
           handed->allow_banned};
 }
 
+inline Gate current_gate() {
+  if (g_threads_on.load(std::memory_order_relaxed) == 0) return {};
+  ThreadState& tls_ = tls;
+  const bool own = tls_.active && tls_.low != at::ScalarType::Undefined;
+  return gate(tls_, own ? nullptr : handed_state());
+}
+
+// O1's edits only: region frames act on their own terms (cast.cpp).
 inline bool find_in(const FrameStack& frames, PyObject* func, Policy& out) {
   for (auto f = frames.rbegin(); f != frames.rend(); ++f) {
+    if ((*f)->region) continue;
     auto it = (*f)->policies.find(func);
     if (it != (*f)->policies.end()) {
       out = it->second;
@@ -176,8 +193,8 @@ inline bool find_in(const FrameStack& frames, PyObject* func, Policy& out) {
   return false;
 }
 
-// The policy of func in this thread: the innermost local edit (this thread's, then the handed
-// snapshot's), else the process-wide table.
+// The O1 policy of func in this thread: the innermost lists.local edit (this thread's, then the
+// handed snapshot's), else the process-wide table.
 inline Policy effective_policy(PyObject* func, const Published* handed) {
   Policy p;
   if (find_in(tls.frames, func, p)) return p;

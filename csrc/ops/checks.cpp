@@ -90,4 +90,35 @@ c10::Device lists_device(at::TensorList first_list, const at::Tensor& fallback) 
   return first_list.empty() ? fallback.device() : first_list[0].device();
 }
 
+void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                             const c10::optional<at::Tensor>& hysteresis_tracker,
+                             at::TensorList found_infs, double growth_factor,
+                             double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                             double min_scale, double max_scale) {
+  constexpr const char* name = "update_scale_";
+  const c10::Device device = scale.device();
+  check_scalar_tensor(name, "scale", scale, at::kFloat, device);
+  check_scalar_tensor(name, "growth_tracker", growth_tracker, at::kInt, device);
+  TORCH_CHECK(!found_infs.empty(), name, ": found_infs is empty; pass the overflow flags of "
+              "the step (at least one float32 tensor of one element)");
+  for (const at::Tensor& f : found_infs) {
+    check_scalar_tensor(name, "found_infs[i]", f, at::kFloat, f.device());
+  }
+  if (hysteresis_tracker.has_value()) {
+    check_scalar_tensor(name, "hysteresis_tracker", *hysteresis_tracker, at::kInt, device);
+  }
+  // growth 1 and backoff 1 are allowed: a static scale that still counts clean updates.
+  TORCH_CHECK(growth_factor >= 1.0, name, ": growth_factor must be >= 1, got ", growth_factor);
+  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor <= 1.0, name,
+              ": backoff_factor must be in (0, 1], got ", backoff_factor);
+  TORCH_CHECK(growth_interval >= 1, name, ": growth_interval must be >= 1, got ",
+              growth_interval);
+  TORCH_CHECK(hysteresis >= 1, name, ": hysteresis must be >= 1, got ", hysteresis);
+  TORCH_CHECK(hysteresis == 1 || hysteresis_tracker.has_value(), name, ": hysteresis=",
+              hysteresis, " needs a hysteresis_tracker (an int32 tensor of one element)");
+  TORCH_CHECK(min_scale >= 0.0 && min_scale <= max_scale, name,
+              ": need 0 <= min_scale <= max_scale, got min_scale=", min_scale,
+              ", max_scale=", max_scale);
+}
+
 }  // namespace peak

@@ -16,7 +16,7 @@
 // Every level computes the same bits: the math rounds explicitly (fmaf, no contraction: NOTE:
 // [No FP contraction]; baseline calls libm's correctly rounded fmaf), the l2norm's lanes are
 // fixed in number and merge order (NOTE: [CPU lanes]), and conversions round to nearest even.
-// tests/test_cpu_levels.py runs the kernels at every level this CPU has and compares the bits.
+// tests/ops/test_cpu_levels.py runs the kernels at every level this CPU has and compares the bits.
 // (Except a NaN computed from two NaN/inf operands: NaN at every level, but which operand's sign
 // and payload it carries depends on the operand order the compiler picked; IEEE leaves it open.)
 //
@@ -25,7 +25,7 @@
 // first copy it meets for the whole module. CMake puts every baseline object before the level
 // objects on the link line (baseline level first among them), so a function that any baseline
 // object also emits is the baseline copy; one that only a level object emits is called only from
-// that level's code. tests/test_cpu_levels.py checks the built module: every function holding
+// that level's code. tests/ops/test_cpu_levels.py checks the built module: every function holding
 // AVX instructions is named after a level. Static initialisers of the level objects run on any
 // CPU; they only register nothing (the registrar is the baseline object).
 #include "cpu_dispatch.h"

@@ -18,7 +18,7 @@ namespace cpu {
 inline namespace PEAK_CPU_CAPABILITY {
 
 // A named type per level (not an anonymous one), so that every instantiation over it carries
-// the level's name: see the symbol check in tests/test_cpu_levels.py.
+// the level's name: see the symbol check in tests/ops/test_cpu_levels.py.
 struct CpuExec : HostExecBase {
   template <typename Op, typename... T>
   void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,

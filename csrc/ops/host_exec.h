@@ -1,6 +1,6 @@
 // What the two CPU backends (the production launcher, cpu_kernels.cpp, and the emulated CUDA
-// grid, ops_cpu.cpp) share of the Exec interface (op_entries.h): no device guard, the norm
-// epilogue and the loss-scale update run on the host.
+// grid, csrc/testing/emulated_ops.cpp) share of the Exec interface (op_entries.h): no device
+// guard, the norm epilogue and the loss-scale update run on the host.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -172,10 +172,4 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(Exec& exec, at::TensorLis
 void finish_norms_on_host(const float* partials, const std::vector<int64_t>& offsets,
                           float* total, float* per_tensor);
 
-void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                             const c10::optional<at::Tensor>& hysteresis_tracker,
-                             at::TensorList found_infs, double growth_factor,
-                             double backoff_factor, int64_t growth_interval, int64_t hysteresis,
-                             double min_scale, double max_scale);
-
 }  // namespace peak

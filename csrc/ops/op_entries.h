@@ -1,5 +1,5 @@
 // The dispatcher entry points of every op, written once over a backend (Exec: CpuExec in
-// ops_cpu.cpp, CudaExec in ops_cuda.cu, EmulatedExec for the test-only twins), and the one list
+// cpu_kernels.cpp, CudaExec in ops_cuda.cu, EmulatedExec in csrc/testing/ for the test twins), and the one list
 // that registers them. An Exec provides: a Guard constructed from a device, apply<Op, T...>,
 // finish_norms, and update_scale (host call or one-thread kernel).
 #pragma once

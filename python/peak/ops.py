@@ -102,7 +102,8 @@ def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], sca
     inputs = _list("inputs", inputs)
     outputs = None if in_place else _list("outputs", outputs)
     scale_t = _scalar_tensor("scale", scale, found_inf)
-    _scale_op(inputs, outputs, scale_t, found_inf, chunk_size, per_tensor_found_inf)
+    _scale_op(inputs, outputs, scale=scale_t, found_inf=found_inf, chunk_size=chunk_size,
+              per_tensor_found_inf=per_tensor_found_inf)
 
 
 def multi_tensor_axpby_(xs: Sequence[Tensor], ys: Sequence[Tensor], outputs: Sequence[Tensor],
@@ -116,8 +117,8 @@ def multi_tensor_axpby_(xs: Sequence[Tensor], ys: Sequence[Tensor], outputs: Seq
         raise ValueError(f"check must be one of {sorted(_CHECKS)}, got {check!r}")
     a_t = _scalar_tensor("a", a, found_inf)
     b_t = _scalar_tensor("b", b, found_inf)
-    _axpby_op(_list("xs", xs), _list("ys", ys), _list("outputs", outputs), a_t, b_t, found_inf,
-              _CHECKS[check], chunk_size)
+    _axpby_op(_list("xs", xs), _list("ys", ys), _list("outputs", outputs), a=a_t, b=b_t,
+              found_inf=found_inf, check=_CHECKS[check], chunk_size=chunk_size)
 
 
 def multi_tensor_l2norm(tensors: Sequence[Tensor], *, per_tensor: bool = False,
@@ -128,7 +129,7 @@ def multi_tensor_l2norm(tensors: Sequence[Tensor], *, per_tensor: bool = False,
     tensors = _list("tensors", tensors)
     if not tensors:
         return torch.zeros(1), torch.zeros(0)
-    return _l2norm_op(tensors, per_tensor, chunk_size)
+    return _l2norm_op(tensors, per_tensor=per_tensor, chunk_size=chunk_size)
 
 
 def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Sequence[Tensor],
@@ -148,9 +149,10 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Seq
     ``scale``/``found_inf``: float32, one element; trackers: int32, one element.
     """
     found_infs = [found_inf] if isinstance(found_inf, Tensor) else _list("found_inf", found_inf)
-    _update_scale_op(scale, growth_tracker, hysteresis_tracker, found_infs, float(growth_factor),
-                     float(backoff_factor), int(growth_interval), int(hysteresis),
-                     float(min_scale), float(max_scale))
+    _update_scale_op(scale, growth_tracker, hysteresis_tracker, found_infs,
+                     growth_factor=float(growth_factor), backoff_factor=float(backoff_factor),
+                     growth_interval=int(growth_interval), hysteresis=int(hysteresis),
+                     min_scale=float(min_scale), max_scale=float(max_scale))
 
 
 # ---- fake kernels (shape/dtype propagation for torch.compile and FakeTensor) -------------------
@@ -158,17 +160,18 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Seq
 # calls a Python fake kernel.
 
 @torch.library.register_fake("peak::multi_tensor_scale_")
-def _(inputs, outputs, scale, found_inf, chunk_size=DEFAULT_CHUNK_SIZE, per_tensor_found_inf=None):
+def _(inputs, outputs, *, scale, found_inf, chunk_size=DEFAULT_CHUNK_SIZE,
+      per_tensor_found_inf=None):
     return None
 
 
 @torch.library.register_fake("peak::multi_tensor_axpby_")
-def _(xs, ys, outputs, a, b, found_inf, check=3, chunk_size=DEFAULT_CHUNK_SIZE):
+def _(xs, ys, outputs, *, a, b, found_inf, check=3, chunk_size=DEFAULT_CHUNK_SIZE):
     return None
 
 
 @torch.library.register_fake("peak::multi_tensor_l2norm")
-def _(tensors, per_tensor=False, chunk_size=DEFAULT_CHUNK_SIZE):
+def _(tensors, *, per_tensor=False, chunk_size=DEFAULT_CHUNK_SIZE):
     first = tensors[0]
     total = first.new_empty((1,), dtype=torch.float32)
     per = first.new_empty((len(tensors) if per_tensor else 0,), dtype=torch.float32)
@@ -176,7 +179,7 @@ def _(tensors, per_tensor=False, chunk_size=DEFAULT_CHUNK_SIZE):
 
 
 @torch.library.register_fake("peak::update_scale_")
-def _(scale, growth_tracker, hysteresis_tracker, found_infs, growth_factor, backoff_factor,
+def _(scale, growth_tracker, hysteresis_tracker, found_infs, *, growth_factor, backoff_factor,
       growth_interval, hysteresis, min_scale, max_scale):
     return None
 
@@ -187,42 +190,48 @@ def multi_tensor_check_finite_(tensors: Sequence[Tensor], found_inf: Tensor, *,
     """Reads ``tensors`` once and sets ``found_inf`` (and ``per_tensor_found_inf[i]``) when they
     hold inf/NaN; writes nothing else. The check before a fused optimizer step, which unscales
     in its own pass."""
-    _check_finite_op(_list("tensors", tensors), found_inf, chunk_size, per_tensor_found_inf)
+    _check_finite_op(_list("tensors", tensors), found_inf=found_inf, chunk_size=chunk_size,
+                     per_tensor_found_inf=per_tensor_found_inf)
 
 
 @torch.library.register_fake("peak::multi_tensor_check_finite_")
-def _(tensors, found_inf, chunk_size=DEFAULT_CHUNK_SIZE, per_tensor_found_inf=None):
+def _(tensors, *, found_inf, chunk_size=DEFAULT_CHUNK_SIZE, per_tensor_found_inf=None):
     return None
 
 
 # ---- fused optimizer steps ---------------------------------------------------------------------
-# The arguments are the op's, in its schema's order (csrc/bindings/fused_schemas.h); the
-# optimizers in peak.optimizers build them. A plain forward to the resolved overload: these run
-# once per bucket of parameters, and their arguments are checked in C++.
+# The tensor lists positionally, in the op's order, then every scalar and flag by name (NOTE:
+# [Keyword-only scalars] in csrc/ops/schemas.h, which also says what each means); the optimizers
+# in peak.optimizers build them. A plain forward to the resolved overload: these run once per
+# bucket of parameters, and their arguments are checked in C++.
 
-def fused_adam_(*args, **kwargs) -> None:
+def fused_adam_(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                **scalars) -> None:
     """Adam / AdamW (``adam_w_mode``) over lists of parameters, one pass: ``peak::fused_adam_``."""
-    _fused_adam_op(*args, **kwargs)
+    _fused_adam_op(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                   **scalars)
 
 
-def fused_sgd_(*args, **kwargs) -> None:
+def fused_sgd_(params, grads, master_params, momentum_buffers, steps, **scalars) -> None:
     """SGD with momentum / Nesterov over lists of parameters, one pass: ``peak::fused_sgd_``."""
-    _fused_sgd_op(*args, **kwargs)
+    _fused_sgd_op(params, grads, master_params, momentum_buffers, steps, **scalars)
 
 
-def fused_lamb_(*args, **kwargs) -> None:
-    """LAMB over lists of parameters (two passes: moments, then trust ratios): ``peak::fused_lamb_``."""
-    _fused_lamb_op(*args, **kwargs)
+def fused_lamb_(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, **scalars) -> None:
+    """LAMB over lists of parameters (two passes: moments, then trust ratios):
+    ``peak::fused_lamb_``."""
+    _fused_lamb_op(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, **scalars)
 
 
-def fused_adagrad_(*args, **kwargs) -> None:
+def fused_adagrad_(params, grads, master_params, state_sums, steps, **scalars) -> None:
     """Adagrad over lists of parameters, one pass: ``peak::fused_adagrad_``."""
-    _fused_adagrad_op(*args, **kwargs)
+    _fused_adagrad_op(params, grads, master_params, state_sums, steps, **scalars)
 
 
-def fused_novograd_(*args, **kwargs) -> None:
+def fused_novograd_(params, grads, master_params, exp_avgs, exp_avg_sqs, steps,
+                    **scalars) -> None:
     """NovoGrad over lists of parameters: ``peak::fused_novograd_``."""
-    _fused_novograd_op(*args, **kwargs)
+    _fused_novograd_op(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, **scalars)
 
 
 _fused_adam_op = torch.ops.peak.fused_adam_.default
@@ -233,7 +242,7 @@ _fused_novograd_op = torch.ops.peak.fused_novograd_.default
 
 
 @torch.library.register_fake("peak::fused_adam_")
-def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
+def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1,
       beta2, eps, weight_decay, amsgrad, adam_w_mode, maximize, bias_correction, grad_scale=None,
       found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None, grad_norm=None,
       max_grad_norm=0.0, store_unscaled_grads=False, moment_rounding_seed=None,
@@ -242,7 +251,7 @@ def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
 
 
 @torch.library.register_fake("peak::fused_sgd_")
-def _(params, grads, master_params, momentum_buffers, steps, lr, momentum, dampening,
+def _(params, grads, master_params, momentum_buffers, steps, *, lr, momentum, dampening,
       weight_decay, nesterov, maximize, grad_scale=None, found_inf=None,
       chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None, grad_norm=None,
       max_grad_norm=0.0, store_unscaled_grads=False, moment_rounding_seed=None,
@@ -251,7 +260,7 @@ def _(params, grads, master_params, momentum_buffers, steps, lr, momentum, dampe
 
 
 @torch.library.register_fake("peak::fused_lamb_")
-def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
+def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
       weight_decay, adam_w_mode, grad_averaging, bias_correction, max_grad_norm, use_nvlamb,
       grad_norm=None, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
       store_unscaled_grads=False, moment_rounding_seed=None, exp_avg_scales=None,
@@ -260,14 +269,14 @@ def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, lr, beta1, bet
 
 
 @torch.library.register_fake("peak::fused_adagrad_")
-def _(params, grads, master_params, state_sums, steps, lr, eps, weight_decay, adagrad_w_mode,
+def _(params, grads, master_params, state_sums, steps, *, lr, eps, weight_decay, adagrad_w_mode,
       lr_decay=0.0, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
       store_unscaled_grads=False):
     return None
 
 
 @torch.library.register_fake("peak::fused_novograd_")
-def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
+def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
       weight_decay, grad_averaging, reg_inside_moment, bias_correction, norm_type=2,
       init_zero=False, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
       store_unscaled_grads=False):

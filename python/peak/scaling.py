@@ -1,21 +1,11 @@
 """The one loss-scaling core of peak: the scale state, the overflow flags, unscale and update.
 
-Three front doors sit on it, each keeping its own public API and checkpoint format:
 ``peak.amp.GradScaler`` (torch dialect, 0-dim state created lazily), amp's per-loss
-``LossScaler`` (Apex dialect, ``amp.scale_loss``) and ``peak.fp16_utils.FP16_Optimizer``.
-
-State (``LossScale``), all on one device, changed only there:
-
-======================  =======  ==================================================================
-``scale``               float32  the current loss scale S
-``growth_tracker``      int32    clean updates since S last changed (torch's ``_growth_tracker``,
-                                 Apex's ``_unskipped``)
-``hysteresis_tracker``  int32    overflows still tolerated before backing off (hysteresis=1: none)
-======================  =======  ==================================================================
-
-Overflow flags (``OverflowFlags``): one float32 flag per device the gradients live on, set by the
-kernels' unscale/check pass and summed on the scale's device by ``peak.ops.update_scale_`` itself
-(the op takes the list), so nothing here merges flags or waits for the host.
+``LossScaler`` (Apex dialect) and ``peak.fp16_utils.FP16_Optimizer`` are front doors over it,
+each with its own API and checkpoint format. The state (``LossScale``: scale, growth and
+hysteresis trackers) lives on one device and changes only there; the overflow flags
+(``OverflowFlags``, one per device) are summed on the scale's device by
+``peak.ops.update_scale_`` itself. See docs/core.md.
 """
 from __future__ import annotations
 

@@ -9,15 +9,10 @@ def low(request):
     return request.param
 
 
-@pytest.fixture(params=["patch", "mode"])
-def dispatch(request):
-    return request.param
-
-
 @pytest.fixture
-def o1(low, dispatch):
+def o1(low):
     """O1 casting on in this thread with the low dtype; off and default lists afterwards."""
-    _caster.enable(low, dispatch=dispatch)
+    _caster.enable(low)
     try:
         yield low
     finally:

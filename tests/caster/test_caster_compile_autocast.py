@@ -24,8 +24,8 @@ def _block():
                                 F.softmax])
 def test_patch_wrappers_carry_the_wrapped_functions_metadata(low, fn):
     expected = {k: getattr(fn, k, None) for k in functools.WRAPPER_ASSIGNMENTS}
-    _caster.enable(low, dispatch="patch")
-    owner, name = _caster._index()[id(fn)][0]
+    _caster.enable(low)
+    owner, name = _caster.index()[id(fn)][0]
     wrapper = getattr(owner, name)
     wrapper = getattr(wrapper, "__func__", wrapper)
     assert wrapper is not fn
@@ -42,7 +42,7 @@ def test_patch_wrappers_carry_the_wrapped_functions_metadata(low, fn):
 def test_inductor_registers_its_extern_kernels_under_o1(low):
     """inductor (imported lazily, at the first compile) registers torch.mm & co. by __name__:
     every wrapper named alike was 'duplicate extern kernel: peak_o1_cast'."""
-    _caster.enable(low, dispatch="patch")
+    _caster.enable(low)
     names = {torch.mm.__name__, torch.addmm.__name__, torch.bmm.__name__}
     assert names == {"mm", "addmm", "bmm"}
 
@@ -77,8 +77,8 @@ def test_torch_compile_after_o1_initialize_matches_eager_o1(low_dtype):
 
 
 @pytest.mark.parametrize("region", ["torch", "peak"])
-def test_explicit_autocast_region_inside_o1_uses_its_own_dtype(dispatch, region):
-    _caster.enable(torch.float16, dispatch=dispatch)
+def test_explicit_autocast_region_inside_o1_uses_its_own_dtype(region):
+    _caster.enable(torch.float16)
     lin = nn.Linear(8, 4)
     x = torch.randn(2, 8)
     assert lin(x).dtype == torch.float16  # O1 outside the region
@@ -94,7 +94,7 @@ def test_explicit_autocast_region_inside_o1_uses_its_own_dtype(dispatch, region)
     _caster.disable()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own rules, without O1
         reference = ops()
-    _caster.enable(torch.float16, dispatch=dispatch)
+    _caster.enable(torch.float16)
     assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
     for a, b in zip(got, reference):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -123,7 +123,7 @@ class Holder(nn.Module):
 
 
 def test_model_saved_under_o1_holding_a_wrapper_pickles():
-    _caster.enable(torch.bfloat16, dispatch="patch")
+    _caster.enable(torch.bfloat16)
     assert Holder().fn is not torch.mm.__wrapped__
     buf = io.BytesIO()
     torch.save(Holder(), buf)
@@ -133,10 +133,10 @@ def test_model_saved_under_o1_holding_a_wrapper_pickles():
     assert loaded.fn is torch.mm and loaded.act is F.softmax
 
 
-def test_autocast_list_edits_inside_o1(dispatch):
+def test_autocast_list_edits_inside_o1():
     """peak.amp.autocast(fp32_ops=[F.softmax]) after O1 patched F.softmax: the edit names the
     function (not the wrapper, whose __name__ once read 'peak_o1_cast' for every listed op)."""
-    _caster.enable(torch.bfloat16, dispatch=dispatch)
+    _caster.enable(torch.bfloat16)
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4)
     with amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=[F.softmax]):

@@ -119,19 +119,9 @@ def test_op_dtype_and_bitwise(o1, name, fn, make, policy):
     assert torch.equal(out, ref), name
 
 
-@pytest.fixture
-def o1_mode(low):
-    """O1 on with the mode dispatch only (what the mode is handed is a mode-dispatch question)."""
-    _caster.enable(low, dispatch="mode")
-    try:
-        yield low
-    finally:
-        _caster.disable()
-        lists.reset()
-
-
-def test_mode_sees_listed_identities(o1_mode):
-    """What torch hands to __torch_function__ is the object on the list (incl. dunders)."""
+def test_torch_function_sees_listed_identities(o1):
+    """What torch hands to __torch_function__ is the object on the list (incl. dunders), also
+    while the caster's wrappers stand in torch's namespaces."""
     seen = []
 
     class Rec(TorchFunctionMode):
@@ -269,7 +259,7 @@ def test_patch_restores_everything(low):
     before_tensor = dict(vars(torch.Tensor))
     before = {n: getattr(torch, n) for n in ("mm", "matmul", "cat", "exp", "lstm")}
     before_f = {n: getattr(F, n) for n in ("linear", "softmax", "conv2d")}
-    _caster.enable(low, dispatch="patch")
+    _caster.enable(low)
     assert torch.mm is not before["mm"] and F.conv2d is torch.conv2d  # both sites patched
     assert torch._VF.lstm is not before["lstm"]
     _caster.disable()
@@ -280,7 +270,7 @@ def test_patch_restores_everything(low):
 
 
 def test_patch_add_while_active(low):
-    _caster.enable(low, dispatch="patch")
+    _caster.enable(low)
     x = torch.randn(3).to(low)
     assert torch.sigmoid(x).dtype == low
     lists.add("fp32", torch.sigmoid)
@@ -328,9 +318,19 @@ def test_lists_reject_callables_no_call_could_match():
 def test_a_listed_op_is_cast_once_at_its_entry(o1):
     """Calls a listed op makes in turn are not cast again: ``2.0 / h`` (promote, one dtype) runs
     torch's __rtruediv__, whose reciprocal() (fp32 list) stays in the low dtype, exactly as
-    "cast by hand, then run with casts off" (and as under the mode dispatch)."""
+    "cast by hand, then run with casts off"."""
     h = r(4).to(o1)
     out = 2.0 / h
     with amp.disable_casts():
         ref = 2.0 / h
     assert out.dtype == o1 and torch.equal(out, ref)
+
+
+def test_set_dispatch_accepts_only_patch():
+    """O1 has one dispatch: the documented lists.set_dispatch keeps taking "patch", and "mode"
+    (removed) gets an error that says what to do."""
+    lists.set_dispatch("patch")
+    with pytest.raises(ValueError, match=r"set_dispatch\('mode'\).*removed.*Delete the"):
+        lists.set_dispatch("mode")
+    with pytest.raises(ValueError, match="dispatch must be 'patch'"):
+        lists.set_dispatch("hook")

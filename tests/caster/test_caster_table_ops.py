@@ -1,4 +1,4 @@
-"""Every entry of the O1 caster's default policy tables (issue 4), for fp16 and bf16, both dispatches.
+"""Every entry of the O1 caster's default policy tables (issue 4), for fp16 and bf16.
 
 For each default entry ``(where, name, policy)`` of ``peak._C.caster.default_entries()``:
 
@@ -324,19 +324,6 @@ def _fn(where, name):
     return getattr(_OWNERS[where], name)
 
 
-# Entries the mode dispatch never sees: for ``Tensor.__sub__`` torch hands ``Tensor.sub`` (on no
-# list) to __torch_function__, so the caster casts nothing; torch's own type promotion then gives
-# the promoted result (same dtype, same bits), so only the cast count tells. Checked below: the
-# output dtype and bits as for every entry, and that no cast was made.
-MODE_UNSEEN = {"Tensor.__sub__": "torch hands Tensor.sub (unlisted) to __torch_function__"}
-
-
-def _expect_casts(where, name, n):
-    if _caster.dispatch() == "mode" and f"{where}.{name}" in MODE_UNSEEN:
-        return 0
-    return n
-
-
 def run_o1(where, name, args, kwargs):
     """(output, number of casts the caster made) for a call under O1, on clones of the inputs."""
     args, kwargs = _clone(args), _clone(kwargs)
@@ -458,7 +445,7 @@ def _promote_checks(where, name, args, kwargs, low, inputs_of, what):
     if has_float_output(out):
         assert_float_dtype(out, torch.float32, what + " mixed")
     assert_same(out, ref, what + " mixed")
-    want = _expect_casts(where, name, 1)
+    want = 1
     assert casts == want, f"{what} mixed: {casts} casts, expected {want}"
     # mixed fp16 + bf16: all to fp32
     a, k = cast_in(lambda i: low if i == 0 else _other_low(low))
@@ -467,36 +454,12 @@ def _promote_checks(where, name, args, kwargs, low, inputs_of, what):
     if has_float_output(out):
         assert_float_dtype(out, torch.float32, what + " f16+bf16")
     assert_same(out, ref, what + " f16+bf16")
-    want = _expect_casts(where, name, n)
+    want = n
     assert casts == want, f"{what} f16+bf16: {casts} casts, expected {want}"
-
-
-# In-place dunders under the mode dispatch: torch hands Tensor.add_ (sub_, mul_, div_) to
-# __torch_function__, not __iadd__ & co, so they follow that method's match_self policy (an
-# in-place update of self in its dtype) where the patch dispatch, as Apex, promotes into a new
-# fp32 tensor. docs/caster.md lists this difference between the dispatches.
-# Tensor.sub_ is on no list (nor was it on Apex's): ``a -= b`` is then torch's own in-place op.
-MODE_INPLACE_DUNDERS = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_",
-                        "__itruediv__": "div_", "__idiv__": "div_"}
-
-
-def check_mode_inplace_dunder(where, name, args, kwargs, low):
-    method = MODE_INPLACE_DUNDERS[name]
-    if lists.policy_of(getattr(torch.Tensor, method)) is not None:
-        check_match_self(where, name, args, kwargs, low)
-        return
-    self_, other = args[0].to(low), args[1]
-    ref = run_ref(where, name, (self_, other), kwargs)
-    out = _fn(where, name)(self_, other)
-    assert out is self_ and out.dtype == low, f"{where}.{name} ({low}, mode)"
-    assert_same(out, ref, f"{where}.{name} ({low}, mode): torch's own in-place {method}")
 
 
 def check_promote(where, name, args, kwargs, low):
     what = f"{where}.{name} ({low})"
-    if _caster.dispatch() == "mode" and name in MODE_INPLACE_DUNDERS:
-        check_mode_inplace_dunder(where, name, args, kwargs, low)
-        return
     _promote_checks(where, name, args, kwargs, low, lambda a, k: (a, k), what)
     if name.startswith("__i"):  # __iadd__ & co: an fp32 self with a low other stays in place
         self_, other = args[0].clone(), _cast_all(args[1:], low)
@@ -612,17 +575,15 @@ def test_absent_list_is_current():
 
 
 def test_table_is_the_default_entries():
-    """lists.entries() holds exactly the resolvable default entries, plus the "hook" entries
-    (Tensor.backward & co., which are no casting policy and not in default_entries())."""
+    """lists.entries() holds exactly the resolvable default entries (the "hook" entries of the
+    removed mode dispatch, Tensor.backward & co., are gone with it)."""
     want = {}
     for where, name, policy in PRESENT:
         fn = _fn(where, name)
         assert want.setdefault(fn, policy) == policy, f"{where}.{name}: two policies"
     ents = lists.entries()
-    hooks = {fn for fn, pol in ents.items() if pol == "hook"}
-    assert torch.Tensor.backward in hooks
-    assert not hooks & set(want)
-    assert {fn: pol for fn, pol in ents.items() if pol != "hook"} == want
+    assert "hook" not in ents.values() and torch.Tensor.backward not in ents
+    assert ents == want
 
 
 # ---- dunders through the operator syntax (what models write)
@@ -685,13 +646,6 @@ def test_dunder_operator_syntax(o1, entry):
         out = op(a, b)
         to = {"lower": low, "fp32": torch.float32, "promote": torch.float32}[policy]
         ref = run_ref(where, name, (a.to(to), b.to(to)), {})
-        if name in _IOPERATOR and _caster.dispatch() == "mode" and name in MODE_INPLACE_DUNDERS:
-            # see MODE_INPLACE_DUNDERS: an in-place update of the low self
-            listed = lists.policy_of(getattr(torch.Tensor, MODE_INPLACE_DUNDERS[name]))
-            ref = run_ref(where, name, (before, b.to(low) if listed else b), {})
-            assert out is keep and out.dtype == low, name
-            assert_same(out, ref, f"{name} via operator ({low}, mode)")
-            return
         if out.is_floating_point():
             assert out.dtype == to, name
         if name in _IOPERATOR:

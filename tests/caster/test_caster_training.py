@@ -257,10 +257,9 @@ def test_checkpoint_recomputes_under_the_forwards_state(o1, reentrant, region):
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-def test_checkpoint_recomputes_cast_after_o1_is_left_mode_dispatch(low, reentrant):
-    """Forward under O1 (mode dispatch), O1 switched off, then backward: the recomputation is
-    cast as its forward was. (Under the patch dispatch the wrappers are gone once O1 is off in
-    every thread: docs/caster.md.)"""
+def test_checkpoint_recomputes_cast_after_o1_is_left(low, reentrant):
+    """Forward under O1, O1 switched off (in every thread), then backward: the recomputation is
+    cast as its forward was (the wrappers are held for it: docs/caster.md)."""
     torch.manual_seed(0)
     l1, l2 = nn.Linear(8, 8), nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)
@@ -268,12 +267,13 @@ def test_checkpoint_recomputes_cast_after_o1_is_left_mode_dispatch(low, reentran
     def block(x):
         return l2(F.relu(l1(x)))
 
-    _caster.enable(low, dispatch="mode")
+    _caster.enable(low)
     out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
     ref = block(x)
     _caster.disable()
-    assert out.dtype == low
+    assert out.dtype == low and not _caster.patched()
     out.float().sum().backward()
+    assert not _caster.patched()
     got = [p.grad.clone() for p in (l1.weight, l2.weight)]
     l1.zero_grad(), l2.zero_grad()
     ref.float().sum().backward()
@@ -454,14 +454,14 @@ class _Activation(nn.Module):
         return self.act(x)
 
 
-def test_a_model_holding_a_listed_builtin_pickles_under_o1(low, dispatch):
+def test_a_model_holding_a_listed_builtin_pickles_under_o1(low):
     """torch.save(model) while O1 is on, the model built before (as amp.initialize is used):
     pickle finds F.gelu by its __module__, torch._C._nn, which the patch dispatch leaves alone."""
     import io
     import pickle
 
     model = nn.Sequential(nn.Linear(2, 2), _Activation())
-    _caster.enable(low, dispatch=dispatch)
+    _caster.enable(low)
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
@@ -470,10 +470,10 @@ def test_a_model_holding_a_listed_builtin_pickles_under_o1(low, dispatch):
     pickle.dumps(torch._C._nn.linear)
 
 
-def test_local_entered_before_o1(low, dispatch):
+def test_local_entered_before_o1(low):
     x = torch.randn(3, 3)
     with lists.local({F.relu: "lower"}):
-        _caster.enable(low, dispatch=dispatch)
+        _caster.enable(low)
         assert F.relu(x).dtype == low  # the block's edits hold once O1 is on
     assert F.relu(x).dtype == torch.float32
 
@@ -534,7 +534,7 @@ def test_initialize_o1_casts_loss_outside_forward(low):
 def test_multihead_attention_is_cast_under_patch(low):
     mha = nn.MultiheadAttention(16, 2)
     x = torch.randn(5, 2, 16)
-    _caster.enable(low, dispatch="patch")
+    _caster.enable(low)
     out, w = mha(x, x, x)
     assert out.dtype == low  # the F.linear inside F.multi_head_attention_forward is cast
     out.float().sum().backward()
@@ -588,8 +588,7 @@ def test_local_edits_are_thread_local(o1):
 
 def test_checkpoint_with_autograd_grad_and_backward_inputs(o1):
     """Not only Tensor.backward(): torch.autograd.grad, backward(inputs=...) and
-    torch.autograd.backward also run checkpoint's recomputation cast (under the mode dispatch
-    they run the engine with the mode back on the stack)."""
+    torch.autograd.backward also run checkpoint's recomputation cast."""
     torch.manual_seed(0)
     model = MLP()
     ref = copy.deepcopy(model)

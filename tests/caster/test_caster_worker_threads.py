@@ -96,9 +96,9 @@ def test_forked_sees_the_callers_list_edits(o1):
     assert seen["gelu"].dtype == torch.float32 and seen["mm"].dtype == o1
 
 
-def test_forked_after_disable_is_not_cast(low, dispatch):
+def test_forked_after_disable_is_not_cast(low):
     a = torch.randn(3, 4)
-    _caster.enable(low, dispatch=dispatch)
+    _caster.enable(low)
     assert _run_forked(a, a.t())["mm"].dtype == low
     _caster.disable()
     seen = _run_forked(a, a.t())
@@ -177,9 +177,9 @@ def _in_thread(fn):
     return out.get("value")
 
 
-def test_another_threads_initialize_leaves_this_thread_casting(low, dispatch):
+def test_another_threads_initialize_leaves_this_thread_casting(low):
     a = torch.randn(3, 3)
-    _caster.enable(low, dispatch=dispatch)
+    _caster.enable(low)
 
     def other():
         m = torch.nn.Linear(3, 3)
@@ -191,12 +191,12 @@ def test_another_threads_initialize_leaves_this_thread_casting(low, dispatch):
     assert torch.mm(a, a).dtype == low and _caster.is_enabled() and _caster.low_dtype() == low
 
 
-def test_threads_cast_to_their_own_low_dtype(dispatch):
+def test_threads_cast_to_their_own_low_dtype():
     a = torch.randn(3, 3)
-    _caster.enable(torch.float16, dispatch=dispatch)
+    _caster.enable(torch.float16)
 
     def other():
-        _caster.enable(torch.bfloat16, dispatch=dispatch)
+        _caster.enable(torch.bfloat16)
         try:
             return torch.mm(a, a).dtype, _caster._c.threads_on()
         finally:
@@ -213,12 +213,12 @@ def test_threads_cast_to_their_own_low_dtype(dispatch):
 def test_wrappers_stay_while_any_thread_casts(low):
     """The patch wrappers are process-wide: the last thread to turn O1 off removes them."""
     orig_mm = torch.mm
-    _caster.enable(low, dispatch="patch")
+    _caster.enable(low)
     started, release = threading.Event(), threading.Event()
     seen = {}
 
     def other():
-        _caster.enable(low, dispatch="patch")
+        _caster.enable(low)
         started.set()
         release.wait(10)
         seen["dtype"] = torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype

@@ -2,7 +2,7 @@
 
 A page's blocks run in order in one namespace (a page may build on its earlier blocks), in a fresh
 amp state, with the working directory set to a temporary folder. README.md's blocks are run by
-tests/test_docs_snippets.py. Blocks that are not meant to run use another fence (```text, ```bash).
+tests/docs/test_docs_snippets.py. Blocks that are not meant to run use another fence (```text, ```bash).
 """
 import pathlib
 import re

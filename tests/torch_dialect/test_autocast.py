@@ -4,12 +4,14 @@ import copy
 import collections
 import pathlib
 import re
+import threading
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from peak import amp
+from peak.amp import _caster
 from peak.amp.autocast_mode import TORCH_AUTOCAST_LISTS, TORCH_AUTOCAST_LIST_CHANGES
 
 F = torch.nn.functional
@@ -385,3 +387,61 @@ def test_checkpoint_recomputes_with_the_list_edits(reentrant):
             out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=False)
             out.float().sum().backward(inputs=[net[0].weight])
         assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+
+
+# ---- list edits on the caster's frames: exceptions, threads, in-place writes ---------------------
+
+def test_list_edits_leave_nothing_behind_after_an_exception():
+    a, original_mm = torch.randn(4, 4), torch.mm
+    with pytest.raises(RuntimeError, match="boom"):
+        with amp.autocast("cpu", fp32_ops=["mm"]):
+            assert torch.mm(a, a).dtype == torch.float32 and torch.mm is not original_mm
+            raise RuntimeError("boom")
+    assert torch.mm is original_mm and not _caster.patched()
+    assert _caster.open_edits("cpu") == []
+    with amp.autocast("cpu"):
+        assert torch.mm(a, a).dtype == torch.bfloat16
+
+
+def test_list_edits_are_thread_local():
+    a = torch.randn(4, 4)
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        inside.wait(10)
+        with amp.autocast("cpu"):  # the main thread's edit is not seen here
+            seen["mm"] = torch.mm(a, a).dtype
+        with amp.autocast("cpu", lower_ops=["exp"]):  # its own edit is
+            seen["exp"] = torch.exp(a).dtype
+            done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with amp.autocast("cpu", fp32_ops=["mm"]):
+        inside.set()
+        assert done.wait(10)
+        assert torch.mm(a, a).dtype == torch.float32
+        assert torch.exp(a).dtype == torch.float32  # the other thread's edit is not seen here
+    t.join()
+    assert seen == {"mm": torch.bfloat16, "exp": torch.bfloat16}
+
+
+def test_list_edits_write_in_place_ops_into_the_callers_tensor():
+    x, y = torch.randn(8), torch.randn(8)
+    before = x.clone()
+    with amp.autocast("cpu", lower_ops=["add_"]):
+        r = x.add_(y)
+    assert r is x and x.dtype == torch.float32
+    assert torch.equal(x, (before.bfloat16() + y.bfloat16()).float())
+
+
+def test_list_edits_share_the_casters_weight_cache():
+    lin, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    _caster.clear_cache()
+    with amp.autocast("cpu", lower_ops=["linear"]):
+        before = _caster.cache_stats()["hits"]
+        lin(x)
+        lin(x)
+        assert _caster.cache_stats()["hits"] == before + 2  # weight and bias, cast once
+    assert _caster.cache_stats()["size"] == 0  # dropped with the region, as torch's cache is

@@ -23,26 +23,8 @@ from .autocast_mode import autocast, custom_bwd, custom_fwd
 from torch.amp import is_autocast_available  # torch.amp's, so `import peak.amp as amp` has it too
 from .grad_scaler import GradScaler, OptState, OverflowReport
 
-__all__ = [
-    "initialize",
-    "scale_loss",
-    "master_params",
-    "state_dict",
-    "load_state_dict",
-    "disable_casts",
-    "init",
-    "LossScaler",
-    "lists",
-    "half_function",
-    "float_function",
-    "promote_function",
-    "register_half_function",
-    "register_float_function",
-    "register_promote_function",
-    "GradScaler",
-    "OverflowReport",
-    "autocast",
-    "custom_fwd",
-    "custom_bwd",
-    "is_autocast_available",
-]
+__all__ = ["initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
+           "disable_casts", "init", "LossScaler", "lists", "half_function", "float_function",
+           "promote_function", "register_half_function", "register_float_function",
+           "register_promote_function", "GradScaler", "OverflowReport", "autocast", "custom_fwd",
+           "custom_bwd", "is_autocast_available"]

@@ -3,16 +3,16 @@
 ``enable(low_dtype)`` (called by ``amp.initialize(opt_level="O1")`` and ``amp.init``) makes every
 listed torch function, Tensor method and ``torch.nn.functional`` call of the *calling thread* go
 through peak's C++ caster (``peak._C.caster``), which looks it up in the policy tables and casts as
-Apex's O1 did; other threads see no casting. Two dispatches reach the C++ code (``DISPATCHES``):
-"patch" (C++ wrappers in place of the listed callables) and "mode" (``CasterMode``, a
-torch-function mode whose ``__torch_function__`` is C++). ``disable()`` restores plain behaviour;
-``disabled()`` (``amp.disable_casts()``, optimizer steps) suspends casting in this thread.
+Apex's O1 did; other threads see no casting. The caster is reached through C++ wrappers put in
+place of the listed callables (``_patch``), process-wide but gated per thread in C++.
+``disable()`` restores plain behaviour; ``disabled()`` (``amp.disable_casts()``, optimizer
+steps) suspends casting in this thread.
 
-This module owns the caster's Python-side state: which threads have O1 on and how, the
-process-wide patch wrappers, the default lists (loaded once), the ``register_*_function``
-registrations and this thread's ``lists.local`` frames. ``peak.amp.lists`` edits it through the
-public functions below; the torch-private hooks it installs live in ``_torch_hooks``.
-See docs/caster.md for the design.
+This module owns the caster's Python-side state: which threads have O1 on, the wrappers and who
+holds them, the default lists (loaded once), the ``register_*_function`` registrations and this
+thread's list-edit frames (``lists.local``, and the region edits of ``peak.amp.autocast``).
+``peak.amp.lists`` and ``peak.amp.autocast`` use the public functions below; the torch-private
+hooks it installs live in ``_torch_hooks``. See docs/caster.md for the design.
 """
 
 from __future__ import annotations
@@ -23,66 +23,30 @@ import inspect
 import threading
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .. import _C
 from . import _torch_hooks
 
 _c = _C.caster
 
-__all__ = ["enable", "disable", "dispatch", "is_enabled", "low_dtype", "disabled", "clear_cache",
+__all__ = ["enable", "disable", "is_enabled", "low_dtype", "disabled", "clear_cache",
            "cache_stats", "CODES", "POLICIES", "ensure_defaults", "set_policies", "reset_lists",
-           "local_edits", "is_interceptable", "decorator", "register", "set_default_dispatch"]
-
-
-class CasterMode(TorchFunctionMode):
-    """peak's O1 caster as a torch-function mode. The dispatch decision is C++ (no Python runs for
-    an op): ``__torch_function__`` looks the called function up in the policy tables, casts the
-    eligible arguments and calls it with torch's autocast keys excluded for that op only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.__torch_function__ = _c.bind(self)  # a C++ builtin bound to this mode
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # replaced per instance
-        raise RuntimeError("peak CasterMode: __torch_function__ is bound in __init__")
-
-
-# Re-exported: autocast's list edits and the tests reach them through this module too.
-AUTOGRAD_ENTRIES = _torch_hooks.AUTOGRAD_ENTRIES
-run_autograd_in_mode = _torch_hooks.run_autograd_in_mode
-
-# The C++ handler's hook for the autograd entry points (policy "hook").
-_c.set_hook(_torch_hooks.run_autograd_in_mode)
+           "push_edits", "pop_edits", "local_edits", "open_edits", "functions_named",
+           "is_interceptable", "decorator", "register", "patched", "unwrap", "index"]
 
 _lock = threading.Lock()
-# Threads with O1 on (their ident -> dispatch) and the CasterMode pushed in each mode thread. The
-# patch wrappers are process-wide: installed by the first thread that turns O1 on with "patch",
-# removed when the last thread with O1 on turns it off (each thread's casting is its own).
-_on: dict = {}
-_modes: dict = {}
-
-#: How casts are dispatched: "patch" (default) puts a C++ wrapper in place of each listed callable
-#: in torch, torch.nn.functional, torch.Tensor and torch._VF (as Apex patched them, but gated per
-#: thread), so unlisted ops pay nothing; "mode" pushes CasterMode, which sees every call.
-DISPATCHES = ("patch", "mode")
-_default_dispatch: dict = {"dispatch": "patch"}
-
-
-def set_default_dispatch(dispatch: str) -> None:
-    """The dispatch the next ``enable`` without an explicit one uses (``lists.set_dispatch``)."""
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-    _default_dispatch["dispatch"] = dispatch
-
+_on: set = set()  # idents of the threads with O1 on
+# The wrappers are process-wide: installed while anything holds them (a thread with O1 on, an
+# open region edit, a checkpoint recomputation of an O1 forward), removed when the last lets go.
+_holds: dict = {"n": 0, "table": False}
 
 # ---- the lists (tables in C++; peak.amp.lists is their public face)
 
 #: policy name -> the C++ table's code.
 CODES = {name: getattr(_c, "POLICY_" + name) for name in (
-    "lower", "fp32", "promote", "sequence_promote", "banned", "inplace_fp32", "match_self", "hook")}
+    "lower", "fp32", "promote", "sequence_promote", "banned", "inplace_fp32", "match_self")}
 #: The policy names ``lists.add`` accepts.
-POLICIES = tuple(n for n in CODES if n != "hook")
+POLICIES = tuple(CODES)
 _defaults_loaded: dict = {"loaded": False}
 
 
@@ -101,19 +65,18 @@ def _load_defaults() -> None:
         fn = unwrap(getattr(where[owner], name, None))
         if fn is not None and callable(fn):
             _c.set_policy(fn, code)
-    for fn in AUTOGRAD_ENTRIES:  # see _torch_hooks.run_autograd_in_mode
-        _c.set_policy(fn, CODES["hook"])
 
 
 def set_policies(funcs, code: int) -> None:
     """Give each of ``funcs`` (unwrapped torch callables) the policy ``code`` (0: unlisted),
-    process-wide; under the patch dispatch a newly listed function gets its wrapper now."""
+    process-wide; while the wrappers are installed a newly listed function gets its own now."""
     ensure_defaults()
     for fn in funcs:
         _c.set_policy(fn, code)
     if code and patched():
-        for fn in funcs:
-            _patch(fn)
+        with _lock:
+            for fn in funcs:
+                _patch(fn)
 
 
 def reset_lists() -> None:
@@ -123,42 +86,73 @@ def reset_lists() -> None:
     _c.clear_table()
     _defaults_loaded["loaded"] = True
     _load_defaults()
-    if patched():
-        for fn, code in _c.table():
-            if code != CODES["hook"]:
+    if _holds["table"]:
+        with _lock:
+            for fn, _code in _c.table():
                 _patch(fn)
 
 
 def is_interceptable(fn) -> bool:
-    """Whether calls of ``fn`` can reach the caster (a torch callable, or an autograd entry)."""
-    fn = unwrap(fn)
-    return id(fn) in index() or fn in AUTOGRAD_ENTRIES
+    """Whether calls of ``fn`` can reach the caster (a callable of torch's indexed namespaces)."""
+    return id(unwrap(fn)) in index()
 
 
-# This thread's open local_edits() frames (their functions), so that an O1 switched on inside
-# one patches them too.
-_local_frames = threading.local()
+# ---- list-edit frames (this thread's; C++ frames on top of the process-wide table)
+
+_frames = threading.local()  # .stack: this thread's open frames, (codes, device_type)
+_INPUT_ONLY = ("batch_norm", "instance_norm")  # region edits cast only their input
+
+
+def _stack() -> list:
+    return _frames.__dict__.setdefault("stack", [])
+
+
+def push_edits(codes: dict, device_type: str | None = None) -> None:
+    """Open a list-edit frame in this thread: ``codes`` ({unwrapped callable: code, 0 for
+    unlisted}) win over outer frames and the table until ``pop_edits()``.
+
+    ``device_type=None``: an O1 edit (``lists.local``), acting where O1 casts. Otherwise a region
+    edit of ``peak.amp.autocast``: it acts where torch's autocast is on for ``device_type``,
+    casts only tensors on that device type, to float32 or to autocast's dtype (for batch and
+    instance norm only the input: their running statistics are updated in place)."""
+    ensure_defaults()
+    input_only = [f for f in codes if getattr(f, "__name__", None) in _INPUT_ONLY]
+    _c.push_local(codes, device_type, input_only)
+    _stack().append((codes, device_type))
+    if device_type is not None or threading.get_ident() in _on:
+        with _lock:
+            _hold(codes, counted=device_type is not None)
+
+
+def pop_edits() -> None:
+    """Close this thread's innermost list-edit frame."""
+    _codes, device_type = _stack().pop()
+    _c.pop_local()
+    if device_type is not None:
+        with _lock:
+            _release()
 
 
 @contextlib.contextmanager
 def local_edits(codes: dict):
-    """This thread's policy ``codes`` ({unwrapped callable: code, 0 for unlisted}) on top of the
-    process-wide table, inside the ``with`` block (a C++ local-edit frame)."""
-    ensure_defaults()
-    _c.push_local(codes)
-    _local_frames.__dict__.setdefault("stack", []).append(codes)
+    """``push_edits(codes)`` around the ``with`` block (``lists.local``)."""
+    push_edits(codes)
     try:
-        if dispatch() == "patch":
-            for fn in codes:
-                _patch(fn)
         yield
     finally:
-        _local_frames.stack.pop()
-        _c.pop_local()
+        pop_edits()
 
 
-def _local_functions() -> list:
-    return [fn for codes in getattr(_local_frames, "stack", ()) for fn in codes]
+def open_edits(device_type: str) -> list:
+    """This thread's open region edits for ``device_type``, outermost first (their codes)."""
+    return [codes for codes, device in _stack() if device == device_type]
+
+
+def functions_named(name: str) -> list:
+    """The callables of torch's indexed namespaces whose attribute name or ``__name__`` is
+    ``name`` (``"exp"``: ``torch.exp`` and ``torch.Tensor.exp``)."""
+    index()
+    return _named.get(name, [])
 
 
 # ---- user functions (Apex's decorators and registrations)
@@ -240,34 +234,23 @@ def _undo_registrations() -> None:
 
 # ---- on / off
 
-def enable(low_dtype: torch.dtype, allow_banned: bool = False, dispatch: str | None = None) -> None:
-    """Turn O1 casting on in this thread with ``low_dtype`` (torch.float16 or torch.bfloat16) as the
-    lower precision; ``allow_banned=True`` lets banned functions run (in fp32) instead of raising;
-    ``dispatch`` picks the mechanism (see ``DISPATCHES``)."""
+def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
+    """Turn O1 casting on in this thread with ``low_dtype`` (torch.float16 or torch.bfloat16) as
+    the lower precision; ``allow_banned=True`` lets banned functions run (in fp32), not raise."""
     if low_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"low_dtype must be torch.float16 or torch.bfloat16, got {low_dtype}")
-    if dispatch is None:
-        dispatch = _default_dispatch["dispatch"]
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     disable()
     ensure_defaults()
     index()  # before anything is patched
-    ident = threading.get_ident()
     with _lock:
         _apply_registrations()
-        if dispatch == "mode":
-            mode = _modes[ident] = CasterMode()
-            torch._C._push_on_torch_function_stack(mode)
-        else:
-            for fn, code in _c.table():
-                if code != _c.POLICY_hook:
-                    _patch(fn)
-            for fn in _local_functions():  # a lists.local block entered before O1
+        _hold(table=True)
+        for codes, _device in _stack():  # list-edit frames entered before O1
+            for fn in codes:
                 _patch(fn)
         _torch_hooks.install_rnn_check()
         _torch_hooks.install_checkpoint(_under_current_state)
-        _on[ident] = dispatch
+        _on.add(threading.get_ident())
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
     _c.set_thread_active(True)
@@ -282,54 +265,62 @@ def disable() -> None:
     _c.set_low_dtype(None)
     _c.set_allow_banned(False)
     _c.clear_cache()
-    ident = threading.get_ident()
+    alive = {t.ident for t in threading.enumerate()}
     with _lock:
-        mode = _modes.pop(ident, None)
-        _on.pop(ident, None)
-        alive = {t.ident for t in threading.enumerate()}
-        for gone in [t for t in _on if t not in alive]:  # threads that ended with O1 on
-            del _on[gone]
-            _modes.pop(gone, None)
-        last = not _on
-        if last:
-            _unpatch_all()
+        # this thread, and threads that ended with O1 on
+        for ident in [t for t in _on if t == threading.get_ident() or t not in alive]:
+            _on.discard(ident)
+            _release()
+        if not _on:
             _torch_hooks.remove_rnn_check()
             _torch_hooks.remove_checkpoint()
             _undo_registrations()
-    if mode is not None:
-        _torch_hooks.remove_mode(mode)
-
 
 
 def _under_current_state(fn):
     """``fn``, to be run later under the caster state in effect now (NOTE: [Checkpoint
     recomputation] in csrc/caster/state.cpp), as torch.utils.checkpoint re-enters the forward's
-    autocast state for the recomputation."""
+    autocast state for the recomputation. The wrappers that state needs are held meanwhile, so
+    the recomputation is cast even after O1 (or the region) has been left everywhere."""
     state = _c.snapshot()
-    # Under the mode dispatch the casts come from a CasterMode on the stack: the recomputation
-    # needs one too if O1 was switched off (in this thread) since the forward.
-    needs_mode = _on.get(threading.get_ident()) == "mode"
+    funcs = [f for codes, _device in _stack() for f in codes]
+    table = bool(_on)
 
     def run(*args, **kwargs):  # (not wraps(fn): fn may be a module, and its __dict__ large)
         _c.push_state(state)
-        mode = None
-        if needs_mode and not any(isinstance(m, CasterMode)
-                                  for m in torch.overrides._get_current_function_mode_stack()):
-            mode = CasterMode()
-            torch._C._push_on_torch_function_stack(mode)
+        with _lock:
+            _hold(funcs, table=table)
         try:
             return fn(*args, **kwargs)
         finally:
-            if mode is not None:
-                _torch_hooks.remove_mode(mode)
+            with _lock:
+                _release()
             _c.pop_state()
 
     return run
 
 
-# ---- patch dispatch
+# ---- the wrappers (callers hold _lock)
+
+def _hold(funcs=(), table: bool = False, counted: bool = True) -> None:
+    """Patch ``funcs`` (and the whole table); ``counted``: as a holder, until ``_release()``."""
+    _holds["n"] += counted
+    if table and not _holds["table"]:
+        for fn, _code in _c.table():
+            _patch(fn)
+        _holds["table"] = True
+    for fn in funcs:
+        _patch(fn)
+
+
+def _release() -> None:
+    _holds["n"] -= 1
+    if _holds["n"] == 0:
+        _unpatch_all()
+
 
 _sites: dict = {}  # id(callable) -> [(owner, name)] where torch code finds it
+_named: dict = {}  # name -> [callable], see functions_named
 _patched: list = []  # (owner, name, had_own_attribute, previous value), in patch order
 _patched_ids: set = set()
 _RNN = ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell",
@@ -342,18 +333,27 @@ def index() -> dict:
         return _sites
     import torch.nn.functional as F  # noqa: PLC0415
 
-    # Not torch._C._nn: F's builtins (F.linear, F.gelu) live there too, and pickle finds a
-    # builtin by its __module__ (torch._C._nn): patching it there would make a model that holds
-    # F.gelu (e.g. an activation module) unpicklable while O1 is on.
-    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse]
+    # torch._C._nn last, and only for what lives nowhere else (F.interpolate calls
+    # torch._C._nn.upsample_nearest2d): F's builtins (F.linear, F.gelu) live there too, and pickle
+    # finds a builtin by its __module__ (torch._C._nn): patching them there would make a model that
+    # holds F.gelu (e.g. an activation module) unpicklable while O1 is on.
+    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse,
+              torch._C._nn]
     for owner in owners:
         for name in dir(owner):
             try:
                 obj = getattr(owner, name)
             except Exception:  # noqa: BLE001 (some attributes raise on access)
                 continue
+            if owner is torch._C._nn and id(obj) in _sites:
+                continue
             if callable(obj) and not isinstance(obj, type):
                 _sites.setdefault(id(obj), []).append((owner, name))
+                own_name = getattr(obj, "__name__", None)
+                for key in {name, own_name if isinstance(own_name, str) else name}:
+                    same = _named.setdefault(key, [])
+                    if not any(o is obj for o in same):
+                        same.append(obj)
     for name in _RNN:  # nn.LSTM & co. call torch._VF.<name> (a module forwarding to torch._C)
         obj = getattr(torch._C._VariableFunctions, name, None)
         if obj is not None:
@@ -361,14 +361,14 @@ def index() -> dict:
     return _sites
 
 
-def _patch(fn) -> bool:
-    """Put a C++ wrapper of ``fn`` at each place torch code looks it up. False if none is known."""
+def _patch(fn) -> None:
+    """Put a C++ wrapper of ``fn`` at each place torch code looks it up (if any is known)."""
+    if id(fn) in _patched_ids:
+        return
     # The index is keyed by id(): keep only the sites that still hold this very object.
     sites = [(o, n) for o, n in index().get(id(fn), []) if unwrap(getattr(o, n, None)) is fn]
     if not sites:
-        return False
-    if id(fn) in _patched_ids:
-        return True
+        return
     _patched_ids.add(id(fn))
     wrapper = _c.wrap(fn)  # NOTE: [Patch wrapper objects] in csrc/caster/caster.cpp
     functools.update_wrapper(wrapper, fn)
@@ -378,17 +378,6 @@ def _patch(fn) -> bool:
         prev = own.get(name)
         setattr(owner, name, _c.instancemethod(wrapper) if isinstance(owner, type) else wrapper)
         _patched.append((owner, name, had, prev))
-    return True
-
-
-
-_index = index  # the name the tests (and earlier code) use
-
-
-def unwrap(obj):
-    """``obj`` itself, or the torch callable behind one of the patch dispatch's wrappers (what
-    ``torch.mm`` is while O1 is on)."""
-    return _c.unwrap(obj)
 
 
 def _unpatch_all() -> None:
@@ -399,15 +388,17 @@ def _unpatch_all() -> None:
         else:
             delattr(owner, name)
     _patched_ids.clear()
+    _holds["table"] = False
 
 
-def dispatch() -> str | None:
-    """The dispatch O1 uses in this thread ("patch" or "mode"), or None when it is off here."""
-    return _on.get(threading.get_ident())
+def unwrap(obj):
+    """``obj`` itself, or the torch callable behind one of the caster's wrappers (what
+    ``torch.mm`` is while O1 is on)."""
+    return _c.unwrap(obj)
 
 
 def patched() -> bool:
-    """Whether the patch dispatch's wrappers are installed (some thread uses it)."""
+    """Whether the caster's wrappers are installed (some thread casts, or has a region edit)."""
     return bool(_patched)
 
 

@@ -102,60 +102,41 @@ def parse_loss_scale(value):
     return scale
 
 
-class O3:
+class _OptLevel:
+    """An opt_level (Apex's O0..O3 classes): ``level(properties)`` sets its defaults, in order."""
+
+    brief = ""
+    settings: dict = {}
+
+    def __call__(self, properties):
+        properties.enabled = True
+        for name, value in self.settings.items():
+            setattr(properties, name, value)
+        return properties
+
+
+class O3(_OptLevel):
     brief = "O3:  Pure FP16 training."
-
-    def __call__(self, properties):
-        properties.enabled = True
-        properties.opt_level = "O3"
-        properties.cast_model_type = torch.float16
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = False
-        properties.master_weights = False
-        properties.loss_scale = 1.0
-        return properties
+    settings = dict(opt_level="O3", cast_model_type=torch.float16, patch_torch_functions=False,
+                    keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0)
 
 
-class O2:
+class O2(_OptLevel):
     brief = "O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n"
-
-    def __call__(self, properties):
-        properties.enabled = True
-        properties.opt_level = "O2"
-        properties.cast_model_type = torch.float16
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = True
-        properties.master_weights = True
-        properties.loss_scale = "dynamic"
-        return properties
+    settings = dict(opt_level="O2", cast_model_type=torch.float16, patch_torch_functions=False,
+                    keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic")
 
 
-class O1:
+class O1(_OptLevel):
     brief = "O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n"
-
-    def __call__(self, properties):
-        properties.enabled = True
-        properties.opt_level = "O1"
-        properties.cast_model_type = None
-        properties.patch_torch_functions = True
-        properties.keep_batchnorm_fp32 = None
-        properties.master_weights = None
-        properties.loss_scale = "dynamic"
-        return properties
+    settings = dict(opt_level="O1", cast_model_type=None, patch_torch_functions=True,
+                    keep_batchnorm_fp32=None, master_weights=None, loss_scale="dynamic")
 
 
-class O0:
+class O0(_OptLevel):
     brief = "O0:  Pure FP32 training.\n"
-
-    def __call__(self, properties):
-        properties.enabled = True
-        properties.opt_level = "O0"
-        properties.cast_model_type = torch.float32
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = None
-        properties.master_weights = False
-        properties.loss_scale = 1.0
-        return properties
+    settings = dict(opt_level="O0", cast_model_type=torch.float32, patch_torch_functions=False,
+                    keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0)
 
 
 opt_levels = {"O3": O3(), "O2": O2(), "O1": O1(), "O0": O0()}

@@ -1,39 +1,9 @@
 """What ``amp.initialize`` does to optimizers: master weights, gradient unscaling, step skipping.
 
-Every optimizer gets ``optimizer._amp_stash`` (an ``AmpOptimizerState``) and instance-level ``step``,
-``zero_grad`` and ``add_param_group`` methods.
-
-Master weights (``master_weights=True``, O2's default).  For every low-precision (fp16/bf16) parameter
-the optimizer holds, an fp32 master copy replaces it inside ``param_groups`` (Apex's design), so any
-torch optimizer steps fp32 weights with fp32 state; after the step the model weights are refreshed from
-the masters with one ``multi_tensor_scale_`` (scale 1.0) per (device, dtype).  fp32 parameters (e.g.
-batch norm kept in fp32) are their own masters.  ``optimizer.state_dict()`` additionally saves the
-masters under ``"amp_master_params"`` and ``optimizer.load_state_dict()`` restores them bit for bit
-(optimizer state-dict hooks; see docs/amp_api.md).
-
-Gradients.  On ``scale_loss`` entry (``prepare_backward``) existing gradients are stashed so that the
-backward pass writes fresh, scaled ones; on exit (``post_backward``) the fresh ones are unscaled into the
-master gradients (``multi_tensor_scale_``, fp16/bf16 in, fp32 out) or added to the stashed ones
-(``multi_tensor_axpby_``, only the new gradients checked for inf/NaN).  The overflow flag stays on the
-device; ``scale_loss`` reads it once to decide whether the next ``step()`` is skipped.
-
-Fused optimizers (``peak.optimizers``; NOTE: [Fused master-weight step] in csrc/core). Under master
-weights they keep the fp32 masters in their own state and read the low-precision gradients
-directly, so amp neither swaps masters into ``param_groups`` nor unscales: on ``scale_loss`` exit one
-read-only pass checks the gradients for inf/NaN, the scale used is kept on the device, and
-``step()`` hands it to the optimizer (``grad_scale``), which unscales inside its single pass and
-writes the model weights itself. Gradient accumulation over several ``scale_loss`` passes keeps the
-gradients scaled by the latest scale (earlier gradients are rescaled by the ratio of two powers of
-two, exact short of overflow). When an earlier loss overflowed (a step skip is pending), the
-gradients it left are set aside during the next pass, so that only the new gradients are charged to
-that pass's scaler, and added back after it. ``amp.master_params`` gives the fused optimizer's fp32
-masters fp32 gradients (the unscaled model gradients), which the step then reads instead: clipping
-them clips what is stepped, and leaving them alone changes nothing (the step's arithmetic is the same).
-
-Closures.  ``optimizer.step(closure)`` runs the closure first (with grad enabled and O1 casts on, as
-the forward would run) and then steps on the gradients it produced, as ``torch.optim`` optimizers
-call it at the start of ``step``; so a closure that runs ``amp.scale_loss`` works at every opt_level.
-``torch.optim.LBFGS`` re-evaluates its closure inside the step: it keeps it, without master weights.
+Every optimizer gets ``optimizer._amp_stash`` (an ``AmpOptimizerState``) and instance-level
+``step``, ``zero_grad`` and ``add_param_group`` methods. The design (where masters live, the
+gradient data path of ``scale_loss``, fused optimizers, closures, checkpoints) is in
+docs/amp_api.md, "Master weights (O2)" and "Fused optimizers under amp".
 """
 
 from __future__ import annotations

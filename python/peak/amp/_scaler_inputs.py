@@ -105,7 +105,6 @@ def agree_on_overflow(optimizer, per_device_found_inf: dict) -> None:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
 
 
-
 def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:
     """The optimizer's gradients as the kernels take them and, with ``with_owners``, their
     ``(param, group index, param index)``. A DTensor gradient is its local shard; a sparse one its

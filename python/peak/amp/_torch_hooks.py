@@ -1,8 +1,6 @@
 """The torch-private hooks of the O1 caster, in one module: what depends on torch internals, and
 so on the torch release, lives here and nowhere else (checked against torch 2.13 and 2.14).
 
-- the autograd engine entry (``torch.autograd.graph._engine_run_backward`` and the argument
-  helpers of ``torch.autograd``): backward runs with a caster mode still on the stack;
 - ``torch.nn.RNNBase.check_input``: its input-vs-weight dtype check, relaxed while O1 casts;
 - ``torch.utils.checkpoint``'s non-reentrant generator and ``CheckpointFunction``: the
   recomputation runs under the forward's caster state.
@@ -18,106 +16,7 @@ from .. import _C
 
 _c = _C.caster
 
-__all__ = ["AUTOGRAD_ENTRIES", "run_autograd_in_mode", "remove_mode", "install_rnn_check",
-           "remove_rnn_check", "install_checkpoint", "remove_checkpoint"]
-
-def run_autograd_in_mode(mode, func, args, kwargs):
-    """Run an autograd entry point (``Tensor.backward``, ``torch.autograd.backward``,
-    ``torch.autograd.grad``) with ``mode`` on the torch-function mode stack.
-
-    torch pops a mode while its ``__torch_function__`` runs, so a plain call-through would run
-    the engine -- and with it the recomputation of ``torch.utils.checkpoint`` -- without the
-    mode: recomputed activations would not get the forward's dtypes (checkpoint then raises, or
-    the gradients differ). So the argument handling of the entry point is done here and the
-    engine is run with the mode back on the stack (as Apex's process-wide patches did). Used by
-    the O1 caster's mode dispatch and by ``peak.amp.autocast``'s list edits."""
-    kwargs = dict(kwargs or {})
-    if _engine is None or func not in _AUTOGRAD_SIGNATURES:
-        return func(*args, **kwargs)
-    a = _AUTOGRAD_SIGNATURES[func].bind(*args, **kwargs)
-    a.apply_defaults()
-    a = a.arguments
-    if func is torch.autograd.grad:
-        if a["is_grads_batched"]:
-            return func(*args, **kwargs)  # vmap over the engine: left to torch (not re-moded)
-        outputs = (a["outputs"],) if _is_one(a["outputs"]) else tuple(a["outputs"])
-        inputs = (a["inputs"],) if _is_one(a["inputs"]) else tuple(a["inputs"])
-        allow_unused = a["allow_unused"]
-        if a["materialize_grads"] and allow_unused is False:
-            return func(*args, **kwargs)  # torch's own error
-        if allow_unused is None:
-            allow_unused = a["materialize_grads"]
-        grads = _engine["make_grads"](outputs, _engine["to_tuple"](a["grad_outputs"], len(outputs)),
-                                      is_grads_batched=False)
-        retain_graph = a["create_graph"] if a["retain_graph"] is None else a["retain_graph"]
-        with _mode_pushed(mode):
-            result = _engine["run"](outputs, grads, retain_graph, a["create_graph"], inputs,
-                                    allow_unused, accumulate_grad=False)
-            if a["materialize_grads"]:
-                result = tuple(r if r is not None else torch.zeros_like(i, requires_grad=True)
-                               for r, i in zip(result, inputs))
-        return result
-    if func is torch.Tensor.backward:
-        tensors, grad_tensors = a["self"], a["gradient"]
-    else:
-        tensors = a["tensors"]
-        grad_tensors = a["grad_tensors"] if a["grad_variables"] is None else a["grad_variables"]
-    inputs = a["inputs"]
-    if inputs is not None and not _is_one(inputs) and len(inputs) == 0:
-        return func(*args, **kwargs)  # torch's own error
-    tensors = (tensors,) if _is_one(tensors) else tuple(tensors)
-    inputs = (inputs,) if _is_one(inputs) else tuple(inputs) if inputs is not None else ()
-    grads = _engine["make_grads"](tensors, _engine["to_tuple"](grad_tensors, len(tensors)),
-                                  is_grads_batched=False)
-    retain_graph = a["create_graph"] if a["retain_graph"] is None else a["retain_graph"]
-    with _mode_pushed(mode):
-        _engine["run"](tensors, grads, retain_graph, a["create_graph"], inputs,
-                       allow_unreachable=True, accumulate_grad=True)
-    return None
-
-
-def _is_one(x) -> bool:
-    return isinstance(x, torch.Tensor) or type(x).__name__ == "GradientEdge"
-
-
-class _mode_pushed:
-    def __init__(self, mode):
-        self.mode = mode
-
-    def __enter__(self):
-        torch._C._push_on_torch_function_stack(self.mode)
-
-    def __exit__(self, *exc):
-        remove_mode(self.mode)
-
-
-try:  # torch internals used by run_autograd_in_mode (present in 2.3 .. 2.14); else call through
-    import inspect as _inspect
-
-    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
-    from torch.autograd.graph import _engine_run_backward
-    _engine = {"make_grads": _make_grads, "to_tuple": _tensor_or_tensors_to_tuple,
-               "run": _engine_run_backward}
-    _AUTOGRAD_SIGNATURES = {f: _inspect.signature(f) for f in
-                            (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)}
-except (ImportError, ValueError, TypeError):  # pragma: no cover
-    _engine = None
-    _AUTOGRAD_SIGNATURES = {}
-
-#: The autograd entry points that get the "hook" policy (see run_autograd_in_mode).
-AUTOGRAD_ENTRIES = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-
-
-def remove_mode(mode) -> None:
-    """Take ``mode`` off this thread's torch-function mode stack (wherever it sits)."""
-    above = []
-    while torch._C._len_torch_function_stack() > 0:
-        top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            break
-        above.append(top)
-    for m in reversed(above):
-        torch._C._push_on_torch_function_stack(m)
+__all__ = ["install_rnn_check", "remove_rnn_check", "install_checkpoint", "remove_checkpoint"]
 
 
 # ---- nn.RNN/LSTM/GRU under O1
@@ -148,7 +47,6 @@ def install_rnn_check() -> None:
 def remove_rnn_check() -> None:
     if _rnn_check:
         torch.nn.RNNBase.check_input = _rnn_check.pop("orig")
-
 
 
 # ---- torch.utils.checkpoint: recompute under the forward's caster state

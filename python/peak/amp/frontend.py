@@ -22,9 +22,6 @@ from .loss_scaler import LossScaler
 from ._options import (LOW_DTYPES, O0, O1, O2, O3, Properties,  # noqa: F401
                        opt_levels, parse_loss_scale)
 
-_parse_loss_scale = parse_loss_scale  # the name peak.amp.frontend had
-
-
 
 def _print_options(properties) -> None:
     for k, v in properties.options.items():
@@ -121,16 +118,12 @@ def initialize(
     maybe_print("Processing user overrides (additional kwargs that are not None)...", True)
     properties.enabled = enabled
     properties.opt_level = opt_level
-    if cast_model_type is not None:
-        properties.cast_model_type = cast_model_type
-    if patch_torch_functions is not None:
-        properties.patch_torch_functions = patch_torch_functions
-    if keep_batchnorm_fp32 is not None:
-        properties.keep_batchnorm_fp32 = keep_batchnorm_fp32
-    if master_weights is not None:
-        properties.master_weights = master_weights
-    if loss_scale is not None:
-        properties.loss_scale = loss_scale
+    overrides = dict(cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
+                     keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
+                     loss_scale=loss_scale)
+    for name, value in overrides.items():  # in Apex's order: each is checked on assignment
+        if value is not None:
+            setattr(properties, name, value)
     _apply_low_precision_dtype(properties, low_precision_dtype, cast_model_type, loss_scale)
     maybe_print("After processing overrides, optimization options are:", True)
     _print_options(properties)

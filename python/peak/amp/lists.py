@@ -1,27 +1,11 @@
 """``peak.amp.lists``: the O1 caster's op lists, editable at run time.
 
-The tables live in C++ and map a callable (a ``torch`` function, a ``torch.Tensor`` method or a
-``torch.nn.functional`` function: the object torch hands to ``__torch_function__``) to a policy:
-
-==================  ==========================================================================
-``"lower"``         cast f32/f16/bf16 arguments to the low dtype (fp16 or bf16); weights cached
-``"fp32"``          cast f16/bf16 arguments to float32
-``"promote"``       if the floating arguments mix f16/bf16/f32, cast them all to float32
-``"sequence_promote"``  the same, for the tensors in the first (sequence) argument (``cat``)
-``"banned"``        raise on low-precision arguments (``allow_banned``: run in fp32 instead)
-==================  ==========================================================================
-
-(plus ``"inplace_fp32"`` and ``"match_self"``, which the defaults give the in-place twins.)
-float64, integer and complex tensors are never cast. The defaults are Apex's O1 lists.
-
-    from peak.amp import lists
-    lists.add("fp32", torch.nn.functional.gelu)   # or move it: add() replaces a policy
-    lists.remove(torch.nn.functional.gelu)        # unlisted: runs in the dtypes it gets
-    lists.policy_of(torch.mm)                      # "lower"
-    lists.reset()                                  # back to Apex's lists
-
-Edits act at once, in every thread, whether O1 is on or not (they persist across
-``amp.initialize``); the user functions of ``register_*_function`` are applied by ``initialize``.
+The tables live in C++ and map a torch callable (a ``torch`` function, a ``torch.Tensor``
+method, a ``torch.nn.functional`` function) to a policy: ``"lower"``, ``"fp32"``,
+``"promote"``, ``"sequence_promote"``, ``"banned"`` (and ``"inplace_fp32"``/``"match_self"``
+for in-place twins); the defaults are Apex's O1 lists. Edits act at once, in every thread,
+whether O1 is on or not, and persist across ``amp.initialize``; ``local`` edits one thread and
+one block. See docs/caster.md, "Policies and the default lists" and "Editing the lists".
 """
 
 from __future__ import annotations
@@ -149,10 +133,15 @@ def reset() -> None:
 
 
 def set_dispatch(dispatch: str) -> None:
-    """How the next O1 ``initialize`` dispatches casts: ``"patch"`` (default: C++ wrappers in place
-    of the listed callables; unlisted ops pay nothing) or ``"mode"`` (a TorchFunctionMode with a
-    C++ handler: sees every call, also in autograd's worker threads). See docs/caster.md."""
-    _caster.set_default_dispatch(dispatch)
+    """Kept for scripts written for earlier peak: O1 has one dispatch, ``"patch"`` (C++ wrappers
+    in place of the listed callables; unlisted ops pay nothing), so this accepts only that.
+    The ``"mode"`` dispatch was removed (docs/caster.md, "One dispatch")."""
+    if dispatch == "mode":
+        raise ValueError("lists.set_dispatch('mode'): the TorchFunctionMode dispatch was removed; "
+                         "O1 always uses the patch dispatch, which casts the same ops at lower "
+                         "cost. Delete the set_dispatch call (see docs/caster.md, 'One dispatch')")
+    if dispatch != "patch":
+        raise ValueError(f"dispatch must be 'patch' (O1's only dispatch), got {dispatch!r}")
 
 
 def set_allow_banned(allow: bool) -> None:

@@ -1,26 +1,8 @@
-"""Apex's per-loss scaler (``amp.scale_loss``, one ``LossScaler`` per ``loss_id``): dynamic or static
-loss scaling, a front door over peak's one scaling core (``peak.scaling``).  Its state is four
-device tensors, those of the core:
-
-====================  ============  ==================================================================
-``scale``             float32 [1]   the current loss scale S
-``growth_tracker``    int32 [1]     clean (overflow-free) updates since the last change of S; this is
-                                    Apex's ``_unskipped`` and torch's ``_growth_tracker``
-``hysteresis_tracker`` int32 [1]    overflows still tolerated before backing off (hysteresis=1: none)
-``found_inf``         float32 [1]   set to 1.0 by the multi-tensor kernels when a gradient is inf/NaN
-====================  ============  ==================================================================
-
-They change only on the device: through the multi-tensor kernels (``found_inf``) and
-``peak.ops.update_scale_`` (a static scaler only counts its updates), so nothing here forces a
-device→host sync.  The Apex API needs exactly one sync per
-``scale_loss`` exit, to decide whether to skip the next ``optimizer.step()`` (``update_scale``), as Apex
-itself did; ``update()`` is the sync-free variant for callers that skip on the device.
-
-Dynamic algorithm (Apex's, with its knobs exposed): start at ``min(init_scale, max_loss_scale)``; on an
-overflow multiply by ``backoff_factor`` (0.5), not going below ``min_loss_scale``; after
-``scale_window`` (2000) clean updates multiply by ``scale_factor`` (2.0), not going above
-``max_loss_scale``.  A static scaler never checks for overflow and never changes its scale; it only
-counts updates in ``growth_tracker`` (Apex's ``_unskipped`` does the same).
+"""Apex's per-loss scaler (``amp.scale_loss``, one ``LossScaler`` per ``loss_id``): dynamic or
+static loss scaling, a front door over peak's one scaling core (``peak.scaling``), under Apex's
+names and checkpoint format. Its state is the core's device tensors, changed only on the device;
+the Apex API reads the overflow flag once per ``scale_loss`` exit (``update_scale``), as Apex
+did. docs/amp_api.md, "Loss scaler", has the state and the algorithm.
 """
 
 from __future__ import annotations

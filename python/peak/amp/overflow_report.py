@@ -37,7 +37,6 @@ class OverflowReport:
         return f"iteration {self.iteration} skipped: inf/NaN gradients in {names}"
 
 
-
 class OverflowAttribution:
     """GradScaler's skipped-step counters and overflow attribution (see the module docstring)."""
 
@@ -61,7 +60,6 @@ class OverflowAttribution:
             if self._skipped_steps_device is None:
                 self._skipped_steps_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
             self._skipped_steps_device.add_(skipped != 0)
-
 
     # ------------------------------------------------------------------ skipped steps
     @property

@@ -71,15 +71,16 @@ class FusedSGD(FusedOptimizer):
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         buffers = [s["momentum_buffer"] for s in states] if group["momentum"] != 0 else []
-        ops.fused_sgd_(params, grads, masters, buffers, [s["step"] for s in states], lr,
-                                  group["momentum"], group["dampening"], group["weight_decay"],
-                                  group["nesterov"], group["maximize"], grad_scale, found_inf,
-                                  stochastic_rounding_seed=self._rounding_seed(group, params),
-                                  store_unscaled_grads=self._step_store_grads,
-                                  **self._moment_args(group, states),
-                                  **self._clip_args(group, lr.device),
-                                  **self._scale_args(states if buffers else [],
-                                                     {"momentum_scales": "momentum_buffer"}))
+        ops.fused_sgd_(
+            params, grads, masters, buffers, [s["step"] for s in states], lr=lr,
+            momentum=group["momentum"], dampening=group["dampening"],
+            weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+            maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf,
+            stochastic_rounding_seed=self._rounding_seed(group, params),
+            store_unscaled_grads=self._step_store_grads, **self._moment_args(group, states),
+            **self._clip_args(group, lr.device),
+            **self._scale_args(states if buffers else [],
+                               {"momentum_scales": "momentum_buffer"}))
 
     def _complete_loaded_state(self, p, state):
         had_step = "step" in state
@@ -161,9 +162,10 @@ class FusedAdam(FusedOptimizer):
             params, grads, masters, [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states],
             [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
-            [s["step"] for s in states], lr, beta1, beta2, group["eps"], group["weight_decay"],
-            amsgrad, group["adam_w_mode"], group["maximize"], group["bias_correction"],
-            grad_scale, found_inf,
+            [s["step"] for s in states], lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], amsgrad=amsgrad, adam_w_mode=group["adam_w_mode"],
+            maximize=group["maximize"], bias_correction=group["bias_correction"],
+            grad_scale=grad_scale, found_inf=found_inf,
             stochastic_rounding_seed=self._rounding_seed(group, params),
             store_unscaled_grads=self._step_store_grads,
             **self._moment_args(group, states),
@@ -226,10 +228,12 @@ class FusedLAMB(FusedOptimizer):
             norm = self._on(norm, lr.device)
         ops.fused_lamb_(
             params, grads, masters, [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
-            group["eps"], group["weight_decay"], group["adam_w_mode"], group["grad_averaging"],
-            group["bias_correction"], group["max_grad_norm"], group["use_nvlamb"], norm,
-            grad_scale, found_inf, store_unscaled_grads=self._step_store_grads,
+            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=lr, beta1=beta1,
+            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            adam_w_mode=group["adam_w_mode"], grad_averaging=group["grad_averaging"],
+            bias_correction=group["bias_correction"], max_grad_norm=group["max_grad_norm"],
+            use_nvlamb=group["use_nvlamb"], grad_norm=norm, grad_scale=grad_scale,
+            found_inf=found_inf, store_unscaled_grads=self._step_store_grads,
             **self._moment_args(group, states), **self._scale_args(states, _ADAM_SCALES))
 
 
@@ -296,9 +300,11 @@ class FusedAdagrad(FusedOptimizer):
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         ops.fused_adagrad_(
-            params, grads, masters, [s["sum"] for s in states], [s["step"] for s in states], lr,
-            group["eps"], group["weight_decay"], group["adagrad_w_mode"], group["lr_decay"],
-            grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)
+            params, grads, masters, [s["sum"] for s in states], [s["step"] for s in states],
+            lr=lr, eps=group["eps"], weight_decay=group["weight_decay"],
+            adagrad_w_mode=group["adagrad_w_mode"], lr_decay=group["lr_decay"],
+            grad_scale=grad_scale, found_inf=found_inf,
+            store_unscaled_grads=self._step_store_grads)
 
 
 class FusedNovoGrad(FusedOptimizer):
@@ -346,10 +352,12 @@ class FusedNovoGrad(FusedOptimizer):
         beta1, beta2 = group["betas"]
         ops.fused_novograd_(
             params, grads, masters, [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr, beta1, beta2,
-            group["eps"], group["weight_decay"], group["grad_averaging"],
-            group["reg_inside_moment"], group["bias_correction"], group["norm_type"],
-            group["init_zero"], grad_scale, found_inf, store_unscaled_grads=self._step_store_grads)
+            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=lr, beta1=beta1,
+            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            grad_averaging=group["grad_averaging"], reg_inside_moment=group["reg_inside_moment"],
+            bias_correction=group["bias_correction"], norm_type=group["norm_type"],
+            init_zero=group["init_zero"], grad_scale=grad_scale, found_inf=found_inf,
+            store_unscaled_grads=self._step_store_grads)
 
     def _complete_loaded_state(self, p, state):
         super()._complete_loaded_state(p, state)

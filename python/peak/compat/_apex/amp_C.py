@@ -138,9 +138,10 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum
     flag = noop_flag.to(torch.float32).reshape(1)
     _ops.fused_sgd_(
         params, grads, masters, momenta if momentum != 0 else [],
-        _steps(params, 1 if first_run else 2), _scalar(lr, device), float(momentum),
-        float(dampening), float(weight_decay), bool(nesterov), False,
-        _scalar(1.0 / float(scale), device), flag, chunk_size)
+        _steps(params, 1 if first_run else 2), lr=_scalar(lr, device), momentum=float(momentum),
+        dampening=float(dampening), weight_decay=float(weight_decay), nesterov=bool(nesterov),
+        maximize=False, grad_scale=_scalar(1.0 / float(scale), device), found_inf=flag,
+        chunk_size=chunk_size)
     if copies is not None:  # (a skipped step left the weights, so this rewrites the same bits)
         _ops.multi_tensor_scale_(weights, copies, 1.0, torch.zeros(1, device=device),
                                  chunk_size=chunk_size)
@@ -154,9 +155,10 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         return
     _check_fp32_state("multi_tensor_adam", "exp_avg and exp_avg_sq", m + v)
     _ops.fused_adam_(params, grads, [], m, v, [], _steps(params, step),
-                               _scalar(lr, params[0].device), float(beta1), float(beta2),
-                               float(epsilon), float(weight_decay), False, bool(mode), False,
-                               bool(bias_correction), None, None, chunk_size)
+                     lr=_scalar(lr, params[0].device), beta1=float(beta1), beta2=float(beta2),
+                     eps=float(epsilon), weight_decay=float(weight_decay), amsgrad=False,
+                     adam_w_mode=bool(mode), maximize=False,
+                     bias_correction=bool(bias_correction), chunk_size=chunk_size)
 
 
 def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay):
@@ -166,8 +168,9 @@ def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
         return
     _check_fp32_state("multi_tensor_adagrad", "state sums", sums)
     _ops.fused_adagrad_(params, grads, [], sums, _steps(params, 1),
-                                  _scalar(lr, params[0].device), float(epsilon),
-                                  float(weight_decay), bool(mode), 0.0, None, None, chunk_size)
+                        lr=_scalar(lr, params[0].device), eps=float(epsilon),
+                        weight_decay=float(weight_decay), adagrad_w_mode=bool(mode),
+                        chunk_size=chunk_size)
 
 
 def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2,
@@ -186,9 +189,10 @@ def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, b
                            f"{grad_norms.numel()} elements")
     _ops.fused_novograd_(
         params, grads, [], m, list(grad_norms.reshape(-1).unbind(0)), _steps(params, step),
-        _scalar(lr, params[0].device), float(beta1), float(beta2), float(epsilon),
-        float(weight_decay), bool(grad_averaging), int(moment_mode) == 0, bool(bias_correction),
-        int(norm_type), True, None, None, chunk_size)
+        lr=_scalar(lr, params[0].device), beta1=float(beta1), beta2=float(beta2),
+        eps=float(epsilon), weight_decay=float(weight_decay), grad_averaging=bool(grad_averaging),
+        reg_inside_moment=int(moment_mode) == 0, bias_correction=bool(bias_correction),
+        norm_type=int(norm_type), init_zero=True, chunk_size=chunk_size)
 
 
 def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
@@ -202,7 +206,9 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     _check_fp32_state("multi_tensor_lamb", "exp_avg and exp_avg_sq", m + v)
     device = params[0].device
     _ops.fused_lamb_(
-        params, grads, [], m, v, _steps(params, step), _scalar(lr, device), float(beta1),
-        float(beta2), float(epsilon), float(weight_decay), bool(mode), bool(grad_averaging),
-        bool(bias_correction), float(max_grad_norm), bool(use_nvlamb),
-        _scalar(global_grad_norm, device), None, None, chunk_size)
+        params, grads, [], m, v, _steps(params, step), lr=_scalar(lr, device), beta1=float(beta1),
+        beta2=float(beta2), eps=float(epsilon), weight_decay=float(weight_decay),
+        adam_w_mode=bool(mode), grad_averaging=bool(grad_averaging),
+        bias_correction=bool(bias_correction), max_grad_norm=float(max_grad_norm),
+        use_nvlamb=bool(use_nvlamb), grad_norm=_scalar(global_grad_norm, device),
+        chunk_size=chunk_size)

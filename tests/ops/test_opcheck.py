@@ -5,7 +5,7 @@ import torch
 
 import peak  # noqa: F401  (registers the ops)
 
-from peak_testing import DEVICES
+from peak_testing import opcheck_op, DEVICES
 
 
 def lists(device, dtype_in=torch.float16, dtype_out=torch.float32):
@@ -19,14 +19,14 @@ def lists(device, dtype_in=torch.float16, dtype_out=torch.float32):
 def test_opcheck_multi_tensor_scale(device):
     xs, outs = lists(device)
     args = (xs, outs, torch.tensor([0.5], device=device), torch.zeros(1, device=device), 64)
-    torch.library.opcheck(torch.ops.peak.multi_tensor_scale_.default, args)
+    opcheck_op(torch.ops.peak.multi_tensor_scale_.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_multi_tensor_scale_in_place(device):
     xs, _ = lists(device)
     args = (xs, None, torch.tensor([0.5], device=device), torch.zeros(1, device=device), 64)
-    torch.library.opcheck(torch.ops.peak.multi_tensor_scale_.default, args)
+    opcheck_op(torch.ops.peak.multi_tensor_scale_.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -35,7 +35,7 @@ def test_opcheck_multi_tensor_scale_per_tensor_flags(device):
     xs[2][5] = float("nan")
     args = (xs, outs, torch.tensor([0.5], device=device), torch.zeros(1, device=device), 64,
             torch.zeros(len(xs), device=device))
-    torch.library.opcheck(torch.ops.peak.multi_tensor_scale_.default, args)
+    opcheck_op(torch.ops.peak.multi_tensor_scale_.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -44,14 +44,14 @@ def test_opcheck_multi_tensor_axpby(device):
     ys = [torch.randn_like(o) for o in outs]
     args = (xs, ys, outs, torch.tensor([0.5], device=device), torch.tensor([2.0], device=device),
             torch.zeros(1, device=device), 3, 64)
-    torch.library.opcheck(torch.ops.peak.multi_tensor_axpby_.default, args)
+    opcheck_op(torch.ops.peak.multi_tensor_axpby_.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_tensor", [False, True])
 def test_opcheck_multi_tensor_l2norm(device, per_tensor):
     xs, _ = lists(device, torch.bfloat16)
-    torch.library.opcheck(torch.ops.peak.multi_tensor_l2norm.default, (xs, per_tensor, 64))
+    opcheck_op(torch.ops.peak.multi_tensor_l2norm.default, (xs, per_tensor, 64))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -63,14 +63,15 @@ def test_opcheck_update_scale(device, with_hysteresis):
     args = (scale, growth, hyst, [torch.ones(1, device=device), torch.zeros(1, device=device)],
             2.0, 0.5, 10,
             2 if with_hysteresis else 1, 0.0, float("inf"))
-    torch.library.opcheck(torch.ops.peak.update_scale_.default, args)
+    opcheck_op(torch.ops.peak.update_scale_.default, args)
 
 
 def test_compiled_unscale_matches_eager():
     """The ops inside a torch.compile'd function (through the fake kernels) do the same work."""
     def unscale(grads, found_inf, inv_scale):
-        torch.ops.peak.multi_tensor_scale_(grads, grads, inv_scale, found_inf, 64)
-        return torch.ops.peak.multi_tensor_l2norm(grads, False, 64)[0]
+        torch.ops.peak.multi_tensor_scale_(grads, grads, scale=inv_scale, found_inf=found_inf,
+                                           chunk_size=64)
+        return torch.ops.peak.multi_tensor_l2norm(grads, per_tensor=False, chunk_size=64)[0]
 
     grads = [torch.randn(n) * 1024 for n in (5, 100, 300)]
     eager = [g.clone() for g in grads]
@@ -92,9 +93,10 @@ def test_fake_kernels_take_the_schema_defaults():
     with FakeTensorMode():
         grads = [torch.empty(5), torch.empty(7)]
         flag = torch.zeros(1)
-        torch.ops.peak.multi_tensor_scale_(grads, grads, torch.ones(1), flag)
-        torch.ops.peak.multi_tensor_axpby_(grads, grads, grads, torch.ones(1), torch.ones(1), flag)
-        torch.ops.peak.multi_tensor_check_finite_(grads, flag)
+        torch.ops.peak.multi_tensor_scale_(grads, grads, scale=torch.ones(1), found_inf=flag)
+        torch.ops.peak.multi_tensor_axpby_(grads, grads, grads, a=torch.ones(1), b=torch.ones(1),
+                                           found_inf=flag)
+        torch.ops.peak.multi_tensor_check_finite_(grads, found_inf=flag)
         total, per = torch.ops.peak.multi_tensor_l2norm(grads)
         assert total.shape == (1,) and per.shape == (0,)
 

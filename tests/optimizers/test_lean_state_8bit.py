@@ -14,6 +14,7 @@ from peak.optimizers import (FusedAdam, FusedAdamW, FusedLAMB, FusedSGD,
                              export_fp32_optimizer_state_dict, export_fp32_state_dict,
                              memory_report)
 from peak.optimizers._quant import dequantize, quantize
+from peak_testing import opcheck_op
 
 BF16, U8 = torch.bfloat16, torch.uint8
 BLOCK = 256
@@ -145,19 +146,23 @@ def _call(ns, family, params, grads, masters, state, found, *, chunk=512, store=
     lr = torch.tensor([lr])
     kw = dict(store_unscaled_grads=store, moment_rounding_seed=seed)
     if family == "adam":
-        op.fused_adam_(params, grads, masters, state["m"], state["v"], [], state["steps"], lr,
-                       0.9, b2, 1e-8, 0.01, False, True, False, True, torch.tensor([4.0]),
-                       found, chunk, exp_avg_scales=state["ms"], exp_avg_sq_scales=state["vs"],
-                       **kw)
+        op.fused_adam_(params, grads, masters, state["m"], state["v"], [], state["steps"], lr=lr,
+                       beta1=0.9, beta2=b2, eps=1e-8, weight_decay=0.01, amsgrad=False,
+                       adam_w_mode=True, maximize=False, bias_correction=True,
+                       grad_scale=torch.tensor([4.0]), found_inf=found, chunk_size=chunk,
+                       exp_avg_scales=state["ms"], exp_avg_sq_scales=state["vs"], **kw)
     elif family == "sgd":
-        op.fused_sgd_(params, grads, masters, state["m"], state["steps"], lr, 0.9, 0.1, 0.01,
-                      False, False, torch.tensor([4.0]), found, chunk,
+        op.fused_sgd_(params, grads, masters, state["m"], state["steps"], lr=lr, momentum=0.9,
+                      dampening=0.1, weight_decay=0.01, nesterov=False, maximize=False,
+                      grad_scale=torch.tensor([4.0]), found_inf=found, chunk_size=chunk,
                       momentum_scales=state["ms"], **kw)
     else:
-        op.fused_lamb_(params, grads, masters, state["m"], state["v"], state["steps"], lr, 0.9,
-                       b2, 1e-6, 0.01, True, True, True, 1.0, False, None, torch.tensor([4.0]),
-                       found, chunk, exp_avg_scales=state["ms"], exp_avg_sq_scales=state["vs"],
-                       **kw)
+        op.fused_lamb_(params, grads, masters, state["m"], state["v"], state["steps"], lr=lr,
+                       beta1=0.9, beta2=b2, eps=1e-6, weight_decay=0.01, adam_w_mode=True,
+                       grad_averaging=True, bias_correction=True, max_grad_norm=1.0,
+                       use_nvlamb=False, grad_norm=None, grad_scale=torch.tensor([4.0]),
+                       found_inf=found, chunk_size=chunk, exp_avg_scales=state["ms"],
+                       exp_avg_sq_scales=state["vs"], **kw)
 
 
 def _ref_adam_step(w, g, m_codes, m_scales, v_codes, v_scales, step, lr=1e-2, b1=0.9, b2=0.99,
@@ -516,8 +521,10 @@ def test_bad_8bit_arguments_name_the_argument_and_the_fix():
     with pytest.raises(RuntimeError, match="exp_avg_sq_scales must be empty unless"):
         torch.ops.peak.fused_adam_(params, grads, [p.float() for p in params],
                                    [torch.zeros(300)], [torch.zeros(300)], [], st["steps"],
-                                   torch.tensor([1e-3]), 0.9, 0.99, 1e-8, 0.0, False, True,
-                                   False, True, exp_avg_sq_scales=st["vs"])
+                                   lr=torch.tensor([1e-3]), beta1=0.9, beta2=0.99, eps=1e-8,
+                                   weight_decay=0.0, amsgrad=False, adam_w_mode=True,
+                                   maximize=False, bias_correction=True,
+                                   exp_avg_sq_scales=st["vs"])
 
 
 def test_opcheck_8bit_variants():
@@ -526,7 +533,7 @@ def test_opcheck_8bit_variants():
     lr, gs, fi = torch.tensor([1e-2]), torch.tensor([2.0]), torch.zeros(1)
     for seed in (None, 5):
         st = _state(sizes)
-        torch.library.opcheck(
+        opcheck_op(
             torch.ops.peak.fused_adam_.default,
             ([p.clone() for p in params], [g.clone() for g in grads],
              [torch.zeros(p.shape, dtype=torch.int16) for p in params], st["m"], st["v"], [],

@@ -1,8 +1,11 @@
 // The multi-tensor ops run through the CUDA launcher's plan and block code, emulated on the CPU
-// (see core/emulated_grid.h). Test-only entry points, bound in peak._C.
+// (see core/emulated_grid.h). Test-only entry points (PEAK_TEST_TWINS=ON), bound in
+// peak._C.emulated.
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <pybind11/pybind11.h>
 
 #include <tuple>
 
@@ -24,6 +27,9 @@ void axpby(at::TensorList xs, at::TensorList ys, at::TensorList outputs, const a
 std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tensor,
                                           int64_t chunk_size, int64_t max_tensors,
                                           int64_t max_blocks, int64_t threads);
+
+// Adds the submodule `emulated` (the functions above) to peak._C.
+void register_bindings(pybind11::module_& parent);
 
 }  // namespace emulated_ops
 }  // namespace peak

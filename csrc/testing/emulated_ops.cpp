@@ -1,60 +1,18 @@
-// The emulated-grid variants of the peak ops used by tests, and the host epilogues. (The CPU
-// kernels themselves: cpu_kernels.cpp, per CPU level.)
+// Test-only twins (built with PEAK_TEST_TWINS=ON, as `make build` does; not in a release
+// wheel): the multi-tensor ops and the fused optimizer ops run through the CUDA launcher's plan,
+// metadata and per-block code emulated serially on the CPU (core/emulated_grid.h), so that the
+// tests exercise the CUDA path's logic on a machine without a GPU. The optimizer twins are the
+// torch.ops.peak_emulated.* ops (the same schemas as torch.ops.peak.*); the multi-tensor ones
+// are bound in peak._C.emulated (emulated_bindings.cpp).
 #include <torch/library.h>
 
-#include <cmath>
-
 #include "../core/emulated_grid.h"
-#include "../core/loss_scale_update.h"
+#include "../ops/host_exec.h"
+#include "../ops/op_entries.h"
+#include "../ops/schemas.h"
 #include "emulated_ops.h"
-#include "host_exec.h"
-#include "op_entries.h"
-#include "../bindings/fused_schemas.h"
 
 namespace peak {
-
-void finish_norms_on_host(const float* partials, const std::vector<int64_t>& offsets,
-                          float* total, float* per_tensor) {
-  float sum = 0.0f;
-  for (size_t t = 0; t + 1 < offsets.size(); ++t) {
-    float tensor_sum = 0.0f;
-    for (int64_t c = offsets[t]; c < offsets[t + 1]; ++c) tensor_sum += partials[c];
-    if (per_tensor != nullptr) per_tensor[t] = std::sqrt(tensor_sum);
-    sum += tensor_sum;
-  }
-  *total = std::sqrt(sum);
-}
-
-void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                             const c10::optional<at::Tensor>& hysteresis_tracker,
-                             at::TensorList found_infs, double growth_factor,
-                             double backoff_factor, int64_t growth_interval, int64_t hysteresis,
-                             double min_scale, double max_scale) {
-  constexpr const char* name = "update_scale_";
-  const c10::Device device = scale.device();
-  check_scalar_tensor(name, "scale", scale, at::kFloat, device);
-  check_scalar_tensor(name, "growth_tracker", growth_tracker, at::kInt, device);
-  TORCH_CHECK(!found_infs.empty(), name, ": found_infs is empty; pass the overflow flags of "
-              "the step (at least one float32 tensor of one element)");
-  for (const at::Tensor& f : found_infs) {
-    check_scalar_tensor(name, "found_infs[i]", f, at::kFloat, f.device());
-  }
-  if (hysteresis_tracker.has_value()) {
-    check_scalar_tensor(name, "hysteresis_tracker", *hysteresis_tracker, at::kInt, device);
-  }
-  // growth 1 and backoff 1 are allowed: a static scale that still counts clean updates.
-  TORCH_CHECK(growth_factor >= 1.0, name, ": growth_factor must be >= 1, got ", growth_factor);
-  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor <= 1.0, name,
-              ": backoff_factor must be in (0, 1], got ", backoff_factor);
-  TORCH_CHECK(growth_interval >= 1, name, ": growth_interval must be >= 1, got ",
-              growth_interval);
-  TORCH_CHECK(hysteresis >= 1, name, ": hysteresis must be >= 1, got ", hysteresis);
-  TORCH_CHECK(hysteresis == 1 || hysteresis_tracker.has_value(), name, ": hysteresis=",
-              hysteresis, " needs a hysteresis_tracker (an int32 tensor of one element)");
-  TORCH_CHECK(min_scale >= 0.0 && min_scale <= max_scale, name,
-              ": need 0 <= min_scale <= max_scale, got min_scale=", min_scale,
-              ", max_scale=", max_scale);
-}
 
 namespace {
 
@@ -120,17 +78,18 @@ std::tuple<at::Tensor, at::Tensor> l2norm(at::TensorList tensors, bool per_tenso
 
 }  // namespace emulated_ops
 
-// The CPU kernels of the peak ops are registered by cpu_kernels.cpp (one copy per CPU level,
-// chosen at run time: cpu_dispatch.cpp).
-
 }  // namespace peak
 
 // Test-only twins of the fused optimizer ops that run through the emulated CUDA grid (launch
 // plan, metadata with per-tensor scalars, per-block code), shaped by set_grid_shape.
 TORCH_LIBRARY(peak_emulated, m) {
-  m.def(peak::kFusedAdamSchema, &peak::fused_adam_entry<peak::EmulatedExec>);
-  m.def(peak::kFusedSgdSchema, &peak::fused_sgd_entry<peak::EmulatedExec>);
-  m.def(peak::kFusedLambSchema, &peak::fused_lamb_entry<peak::EmulatedExec>);
-  m.def(peak::kFusedAdagradSchema, &peak::fused_adagrad_entry<peak::EmulatedExec>);
-  m.def(peak::kFusedNovoGradSchema, &peak::fused_novograd_entry<peak::EmulatedExec>);
+  for (const char* schema : peak::kFusedOptimizerSchemas) m.def(schema);
+}
+
+TORCH_LIBRARY_IMPL(peak_emulated, CPU, m) {
+  m.impl("fused_adam_", &peak::fused_adam_entry<peak::EmulatedExec>);
+  m.impl("fused_sgd_", &peak::fused_sgd_entry<peak::EmulatedExec>);
+  m.impl("fused_lamb_", &peak::fused_lamb_entry<peak::EmulatedExec>);
+  m.impl("fused_adagrad_", &peak::fused_adagrad_entry<peak::EmulatedExec>);
+  m.impl("fused_novograd_", &peak::fused_novograd_entry<peak::EmulatedExec>);
 }

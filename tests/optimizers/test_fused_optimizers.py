@@ -10,7 +10,7 @@ import torch
 
 from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD, export_fp32_state_dict
 
-from peak_testing import DEVICES, TOLERANCES, dtype_id
+from peak_testing import opcheck_op, DEVICES, TOLERANCES, dtype_id
 
 LOW = [torch.float16, torch.bfloat16]
 SHAPES = [(7, 13), (130,), (3, 5, 2), (1,), (65536 + 3,)]  # straddles a chunk boundary
@@ -186,7 +186,8 @@ def test_grad_scale_unscales_inside_the_step(device, dtype):
         for p, q, g in zip(a, b, grads_for(step, a)):
             p.grad, q.grad = g, (g.float() * scale).to(dtype)
         opt_a.step()
-        opt_b.step(grad_scale=torch.tensor([scale], device=device), found_inf=torch.zeros(1, device=device))
+        opt_b.step(grad_scale=torch.tensor([scale], device=device),
+                   found_inf=torch.zeros(1, device=device))
     for p, q in zip(a, b):
         assert torch.equal(p, q)
 
@@ -303,7 +304,7 @@ RESUME_CASES = [(f, d) for f in ("adam", "sgd", "lamb") for d in ("float32", "bf
 
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests!r} + "/.."]
     from test_fused_optimizers import RESUME_CASES, make_resumable, run
     torch.set_num_threads(1)
     mode, path = sys.argv[1], sys.argv[2]
@@ -378,27 +379,27 @@ def test_opcheck_fused_ops(device):
     lr = torch.tensor([1e-2], device=device)
     fi = torch.zeros(1, device=device)
     gs = torch.tensor([2.0], device=device)
-    torch.library.opcheck(torch.ops.peak.fused_adam_.default,
+    opcheck_op(torch.ops.peak.fused_adam_.default,
                           ([p.detach() for p in params], grads, masters, zeros(), zeros(), zeros(),
                            steps(), lr, 0.9, 0.999, 1e-8, 0.0, True, False, False, True, gs, fi))
-    torch.library.opcheck(torch.ops.peak.fused_sgd_.default,
+    opcheck_op(torch.ops.peak.fused_sgd_.default,
                           ([p.detach() for p in params], grads, masters, zeros(), steps(), lr,
                            0.9, 0.0, 0.0, False, False, gs, fi))
-    torch.library.opcheck(torch.ops.peak.fused_lamb_.default,
+    opcheck_op(torch.ops.peak.fused_lamb_.default,
                           ([p.detach() for p in params], grads, masters, zeros(), zeros(), steps(),
                            lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi))
-    torch.library.opcheck(torch.ops.peak.multi_tensor_check_finite_.default,
+    opcheck_op(torch.ops.peak.multi_tensor_check_finite_.default,
                           (grads, fi, 64, torch.zeros(len(grads), device=device)))
     # the variants that write the unscaled gradients back (NOTE: [Unscaled gradients after the step])
     store = {"store_unscaled_grads": True}
-    torch.library.opcheck(torch.ops.peak.fused_adam_.default,
+    opcheck_op(torch.ops.peak.fused_adam_.default,
                           ([p.detach() for p in params], grads, masters, zeros(), zeros(), zeros(),
                            steps(), lr, 0.9, 0.999, 1e-8, 0.0, True, False, False, True, gs, fi),
                           kwargs=store)
-    torch.library.opcheck(torch.ops.peak.fused_sgd_.default,
+    opcheck_op(torch.ops.peak.fused_sgd_.default,
                           ([p.detach() for p in params], grads, masters, zeros(), steps(), lr,
                            0.9, 0.0, 0.0, False, False, gs, fi), kwargs=store)
-    torch.library.opcheck(torch.ops.peak.fused_lamb_.default,
+    opcheck_op(torch.ops.peak.fused_lamb_.default,
                           ([p.detach() for p in params], grads, masters, zeros(), zeros(), steps(),
                            lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi),
                           kwargs=store)
@@ -408,16 +409,22 @@ def _fused_call(ns, family, params, grads, masters, state, lr, found_inf, chunk,
     op = getattr(torch.ops, ns)
     steps = state["steps"]
     if family == "adam":
-        op.fused_adam_(params, grads, masters, state["m"], state["v"], state["vmax"], steps, lr,
-                       0.9, 0.99, 1e-8, 0.01, True, True, False, True, torch.tensor([4.0]),
-                       found_inf, chunk, store_unscaled_grads=store)
+        op.fused_adam_(params, grads, masters, state["m"], state["v"], state["vmax"], steps, lr=lr,
+                       beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, amsgrad=True,
+                       adam_w_mode=True, maximize=False, bias_correction=True,
+                       grad_scale=torch.tensor([4.0]), found_inf=found_inf, chunk_size=chunk,
+                       store_unscaled_grads=store)
     elif family == "sgd":
-        op.fused_sgd_(params, grads, masters, state["m"], steps, lr, 0.9, 0.1, 0.01, False, False,
-                      torch.tensor([4.0]), found_inf, chunk, store_unscaled_grads=store)
+        op.fused_sgd_(params, grads, masters, state["m"], steps, lr=lr, momentum=0.9, dampening=0.1,
+                      weight_decay=0.01, nesterov=False, maximize=False,
+                      grad_scale=torch.tensor([4.0]), found_inf=found_inf, chunk_size=chunk,
+                      store_unscaled_grads=store)
     else:
-        op.fused_lamb_(params, grads, masters, state["m"], state["v"], steps, lr, 0.9, 0.99, 1e-6,
-                       0.01, True, True, True, 1.0, False, None, torch.tensor([4.0]), found_inf,
-                       chunk, store_unscaled_grads=store)
+        op.fused_lamb_(params, grads, masters, state["m"], state["v"], steps, lr=lr, beta1=0.9,
+                       beta2=0.99, eps=1e-6, weight_decay=0.01, adam_w_mode=True,
+                       grad_averaging=True, bias_correction=True, max_grad_norm=1.0,
+                       use_nvlamb=False, grad_norm=None, grad_scale=torch.tensor([4.0]),
+                       found_inf=found_inf, chunk_size=chunk, store_unscaled_grads=store)
 
 
 @pytest.mark.parametrize("family", ["adam", "sgd", "lamb"])
@@ -509,7 +516,8 @@ def test_emulated_cuda_grid_equals_cpu_bitwise(family, dtype, with_master, grid)
     assert s1["steps"][1].item() == 1 + 3  # started at 1, 4 calls, one skipped
 
 
-@pytest.mark.parametrize("make", [lambda p: FusedAdam(p, lr=1e-2), lambda p: FusedSGD(p, lr=0.1, momentum=0.9)],
+@pytest.mark.parametrize("make",
+                         [lambda p: FusedAdam(p, lr=1e-2), lambda p: FusedSGD(p, lr=0.1, momentum=0.9)],
                          ids=["adam", "sgd"])
 def test_torch_grad_scaler_hands_off_by_attributes(make):
     """torch.amp.GradScaler sets optimizer.grad_scale / found_inf (not keywords): an overflow must

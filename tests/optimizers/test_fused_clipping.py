@@ -9,6 +9,7 @@ import torch
 import peak.amp.grad_scaler as peak_grad_scaler
 from peak import amp, ops
 from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD
+from peak_testing import opcheck_op
 
 SHAPES = [(7, 13), (130,), (3, 5, 2), (65536 + 3,)]  # straddles a chunk boundary
 LOW = [torch.float16, torch.bfloat16]
@@ -187,11 +188,13 @@ def test_errors():
         FusedAdam([p], max_grad_norm=1.0).step(grad_norm=1.0)
     lr, st = torch.tensor([0.1]), [torch.zeros(())]
     with pytest.raises(RuntimeError, match="max_grad_norm > 0 needs grad_norm"):
-        torch.ops.peak.fused_sgd_([p.detach()], [p.grad], [], [], st, lr, 0.0, 0.0, 0.0, False,
-                                  False, max_grad_norm=1.0)
+        torch.ops.peak.fused_sgd_([p.detach()], [p.grad], [], [], st, lr=lr, momentum=0.0,
+                                  dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                                  max_grad_norm=1.0)
     with pytest.raises(RuntimeError, match="grad_norm"):
-        torch.ops.peak.fused_sgd_([p.detach()], [p.grad], [], [], st, lr, 0.0, 0.0, 0.0, False,
-                                  False, grad_norm=torch.ones(2), max_grad_norm=1.0)
+        torch.ops.peak.fused_sgd_([p.detach()], [p.grad], [], [], st, lr=lr, momentum=0.0,
+                                  dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                                  grad_norm=torch.ones(2), max_grad_norm=1.0)
 
 
 def test_opcheck_and_emulated_grid():
@@ -201,7 +204,7 @@ def test_opcheck_and_emulated_grid():
     zeros = lambda: [torch.zeros(p.shape) for p in params]
     steps = lambda: [torch.zeros(()) for _ in params]
     norm = torch.tensor([50.0])
-    torch.library.opcheck(torch.ops.peak.fused_adam_.default,
+    opcheck_op(torch.ops.peak.fused_adam_.default,
                           ([p.detach().clone() for p in params], grads, [], zeros(), zeros(), [],
                            steps(), torch.tensor([1e-2]), 0.9, 0.999, 1e-8, 0.0, False, True,
                            False, True, None, None, 65536, None, norm, 40.0))
@@ -211,16 +214,18 @@ def test_opcheck_and_emulated_grid():
         for ns in ("peak", "peak_emulated"):
             ps = [p.detach().clone() for p in params]
             getattr(torch.ops, ns).fused_sgd_(ps, grads, [], zeros(), steps(),
-                                              torch.tensor([0.1]), 0.9, 0.0, 0.0, False, False,
-                                              None, None, 4096, grad_norm=norm,
-                                              max_grad_norm=40.0)
+                                              lr=torch.tensor([0.1]), momentum=0.9, dampening=0.0,
+                                              weight_decay=0.0, nesterov=False, maximize=False,
+                                              grad_scale=None, found_inf=None, chunk_size=4096,
+                                              grad_norm=norm, max_grad_norm=40.0)
             outs.append(ps)
         for a, b in zip(*outs):
             assert torch.equal(a, b)
         # and the factor was applied: 40/50 of an unclipped SGD step from the same start
         unclipped = [p.detach().clone() for p in params]
-        torch.ops.peak.fused_sgd_(unclipped, grads, [], zeros(), steps(), torch.tensor([0.1]),
-                                  0.9, 0.0, 0.0, False, False)
+        torch.ops.peak.fused_sgd_(unclipped, grads, [], zeros(), steps(), lr=torch.tensor([0.1]),
+                                  momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
+                                  maximize=False)
         for a, u, p in zip(outs[0], unclipped, params):
             torch.testing.assert_close(a - p.detach(), (u - p.detach()) * (40.0 / (50.0 + 1e-6)))
     finally:

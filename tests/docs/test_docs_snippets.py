@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md"]
 
 

@@ -20,20 +20,23 @@ def test_list_length_mismatch():
 
 
 def test_numel_mismatch():
-    with pytest.raises(RuntimeError, match=r"outputs\[0\] has shape \[4\] but inputs\[0\] has shape \[3\]"):
+    with pytest.raises(RuntimeError,
+                       match=r"outputs\[0\] has shape \[4\] but inputs\[0\] has shape \[3\]"):
         ops.multi_tensor_scale_([torch.ones(3)], [torch.ones(4)], 1.0, flag())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.complex64])
 def test_unsupported_dtype(dtype):
-    with pytest.raises(RuntimeError, match=r"inputs\[0\] has dtype .* supported dtypes are float32, float16 and bfloat16"):
+    with pytest.raises(RuntimeError,
+                       match=r"inputs\[0\] has dtype .* supported dtypes are float32, float16 and bfloat16"):
         ops.multi_tensor_scale_([torch.ones(3, dtype=dtype)], [torch.ones(3)], 1.0, flag())
     with pytest.raises(RuntimeError, match="supported dtypes"):
         ops.multi_tensor_l2norm([torch.ones(3, dtype=dtype)])
 
 
 def test_mixed_dtypes_within_a_list():
-    with pytest.raises(RuntimeError, match=r"inputs\[1\] has dtype Half but inputs\[0\] has Float; each list must have one dtype"):
+    with pytest.raises(RuntimeError,
+                       match=r"inputs\[1\] has dtype Half but inputs\[0\] has Float; each list must have one dtype"):
         ops.multi_tensor_scale_([torch.ones(3), torch.ones(3).half()], [torch.ones(3)] * 2, 1.0, flag())
 
 
@@ -61,7 +64,8 @@ def test_non_dense_input_goes_through_a_dense_copy():
 def test_transposed_tensors_are_handled_when_layouts_match():
     x = torch.randn(5, 7).t()
     out = torch.empty(7, 5).t().t()  # contiguous (7,5) -> wrong strides vs x (7,5) transposed
-    with pytest.raises(RuntimeError, match=r"outputs\[0\] has strides .* use the same memory format"):
+    with pytest.raises(RuntimeError,
+                       match=r"outputs\[0\] has strides .* use the same memory format"):
         ops.multi_tensor_scale_([x], [out], 2.0, flag())
     out = torch.empty(5, 7).t()
     ops.multi_tensor_scale_([x], [out], 2.0, flag())
@@ -72,14 +76,16 @@ def test_transposed_tensors_are_handled_when_layouts_match():
                                  torch.zeros(1, dtype=torch.int32)],
                          ids=["f64", "two_elements", "int32"])
 def test_bad_flag(bad):
-    with pytest.raises(RuntimeError, match=r"found_inf must be a Float tensor with one element on cpu"):
+    with pytest.raises(RuntimeError,
+                       match=r"found_inf must be a Float tensor with one element on cpu"):
         ops.multi_tensor_scale_([torch.ones(3)], [torch.ones(3)], 1.0, bad)
     with pytest.raises(RuntimeError, match=r"found_inf must be a Float tensor"):
         ops.multi_tensor_axpby_([torch.ones(3)], [torch.ones(3)], [torch.ones(3)], 1, 1, bad)
 
 
 def test_flag_on_wrong_device():
-    with pytest.raises(RuntimeError, match=r"found_inf must be a Float tensor with one element on cpu .*on meta"):
+    with pytest.raises(RuntimeError,
+                       match=r"found_inf must be a Float tensor with one element on cpu .*on meta"):
         _C.emulated.multi_tensor_scale_([torch.ones(3)], [torch.ones(3)], torch.ones(1),
                                         torch.zeros(1, device="meta"), 8, 3, 4, 5)
 
@@ -104,7 +110,8 @@ def test_bad_chunk_size_and_check():
                                 check="z")
     with pytest.raises(RuntimeError, match="check must be 0"):
         torch.ops.peak.multi_tensor_axpby_([torch.ones(3)], [torch.ones(3)], [torch.ones(3)],
-                                           torch.ones(1), torch.ones(1), flag(), 7, 64)
+                                           a=torch.ones(1), b=torch.ones(1), found_inf=flag(),
+                                           check=7, chunk_size=64)
     with pytest.raises(RuntimeError, match=r"a must be a Float tensor with one element"):
         ops.multi_tensor_axpby_([torch.ones(3)], [torch.ones(3)], [torch.ones(3)],
                                 torch.ones(2), 1.0, flag())

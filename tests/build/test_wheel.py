@@ -20,9 +20,9 @@ import pytest
 
 from peak import _build_info, ops
 
-REPO = Path(__file__).resolve().parents[1]
-KERNEL_TESTS = ["tests/test_multi_tensor_ops.py", "tests/test_fused_optimizers.py",
-                "tests/test_stochastic_rounding.py", "tests/test_fused_clipping.py"]
+REPO = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = ["tests/ops/test_multi_tensor_ops.py", "tests/optimizers/test_fused_optimizers.py",
+                "tests/optimizers/test_stochastic_rounding.py", "tests/optimizers/test_fused_clipping.py"]
 LEVELS = ops.cpu_levels()
 
 

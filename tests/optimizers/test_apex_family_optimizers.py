@@ -16,7 +16,7 @@ from peak.optimizers import (LARC, FusedAdagrad, FusedAdam, FusedAdamW, FusedLAM
                              FusedMixedPrecisionLamb,
                              FusedNovoGrad, FusedSGD)
 
-from peak_testing import DEVICES, TOLERANCES, dtype_id
+from peak_testing import opcheck_op, DEVICES, TOLERANCES, dtype_id
 from test_fused_optimizers import grads_for, lamb_reference, make_params, run, snapshot
 
 LOW = [torch.float16, torch.bfloat16]
@@ -505,7 +505,7 @@ RESUME_CASES = [(f, d) for f in ("adagrad", "novograd", "novograd_inf", "mp_lamb
 
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {tests!r} + "/.."]
     from test_apex_family_optimizers import RESUME_CASES, make_resumable
     from test_fused_optimizers import run
     torch.set_num_threads(1)
@@ -586,11 +586,11 @@ def test_opcheck_new_fused_ops(device):
     lr = torch.tensor([1e-2], device=device)
     fi = torch.zeros(1, device=device)
     gs = torch.tensor([2.0], device=device)
-    torch.library.opcheck(torch.ops.peak.fused_adagrad_.default,
+    opcheck_op(torch.ops.peak.fused_adagrad_.default,
                           ([p.detach() for p in params], grads, masters, zeros(), scalars(), lr,
                            1e-10, 0.01, False, 0.0, gs, fi))
     for norm_type in (2, 0):
-        torch.library.opcheck(torch.ops.peak.fused_novograd_.default,
+        opcheck_op(torch.ops.peak.fused_novograd_.default,
                               ([p.detach() for p in params], grads, masters, zeros(),
                                scalars(1.0), scalars(), lr, 0.9, 0.999, 1e-8, 0.01, True, False,
                                True, norm_type, False, gs, fi))
@@ -602,22 +602,26 @@ def test_fake_kernels_take_the_schema_defaults():
     with FakeTensorMode():
         p, g = [torch.empty(5)], [torch.empty(5)]
         st = [torch.zeros(())]
-        torch.ops.peak.fused_adagrad_(p, g, [], [torch.zeros(5)], st, torch.ones(1), 1e-10, 0.0,
-                                      False)
+        torch.ops.peak.fused_adagrad_(p, g, [], [torch.zeros(5)], st, lr=torch.ones(1), eps=1e-10,
+                                      weight_decay=0.0, adagrad_w_mode=False)
         torch.ops.peak.fused_novograd_(p, g, [], [torch.zeros(5)], [torch.zeros(())], st,
-                                       torch.ones(1), 0.9, 0.99, 1e-8, 0.0, True, False, True)
+                                       lr=torch.ones(1), beta1=0.9, beta2=0.99, eps=1e-8,
+                                       weight_decay=0.0, grad_averaging=True,
+                                       reg_inside_moment=False, bias_correction=True)
 
 
 def _call(ns, family, params, grads, masters, state, lr, found_inf, chunk):
     op = getattr(torch.ops, ns)
     if family == "adagrad":
-        op.fused_adagrad_(params, grads, masters, state["m"], state["steps"], lr, 1e-10, 0.01,
-                          False, 0.01, torch.tensor([4.0]), found_inf, chunk)
+        op.fused_adagrad_(params, grads, masters, state["m"], state["steps"], lr=lr, eps=1e-10,
+                          weight_decay=0.01, adagrad_w_mode=False, lr_decay=0.01,
+                          grad_scale=torch.tensor([4.0]), found_inf=found_inf, chunk_size=chunk)
     else:
-        op.fused_novograd_(params, grads, masters, state["m"], state["v"], state["steps"], lr,
-                           0.9, 0.99, 1e-8, 0.01, True, family == "novograd_inside", True,
-                           0 if family == "novograd_inside" else 2, False, torch.tensor([4.0]),
-                           found_inf, chunk)
+        op.fused_novograd_(params, grads, masters, state["m"], state["v"], state["steps"], lr=lr,
+                           beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, grad_averaging=True,
+                           reg_inside_moment=family == "novograd_inside", bias_correction=True,
+                           norm_type=0 if family == "novograd_inside" else 2, init_zero=False,
+                           grad_scale=torch.tensor([4.0]), found_inf=found_inf, chunk_size=chunk)
 
 
 @pytest.mark.parametrize("family", ["adagrad", "novograd", "novograd_inside"])
@@ -685,14 +689,18 @@ def test_bad_arguments_name_the_argument_and_change_nothing():
     steps = [torch.zeros(())]
     with pytest.raises(RuntimeError, match="exp_avg_sqs has 0 tensors"):
         torch.ops.peak.fused_novograd_(params, grads, [], [torch.zeros(4)], [], steps,
-                                       torch.ones(1), 0.9, 0.99, 1e-8, 0.0, True, False, True)
+                                       lr=torch.ones(1), beta1=0.9, beta2=0.99, eps=1e-8,
+                                       weight_decay=0.0, grad_averaging=True,
+                                       reg_inside_moment=False, bias_correction=True)
     with pytest.raises(RuntimeError, match="norm_type must be 2"):
         torch.ops.peak.fused_novograd_(params, grads, [], [torch.zeros(4)], [torch.zeros(())],
-                                       steps, torch.ones(1), 0.9, 0.99, 1e-8, 0.0, True, False,
-                                       True, 1)
+                                       steps, lr=torch.ones(1), beta1=0.9, beta2=0.99, eps=1e-8,
+                                       weight_decay=0.0, grad_averaging=True,
+                                       reg_inside_moment=False, bias_correction=True, norm_type=1)
     with pytest.raises(RuntimeError, match="state_sums must be float32"):
         torch.ops.peak.fused_adagrad_(params, grads, [], [torch.zeros(4, dtype=torch.float16)],
-                                      steps, torch.ones(1), 1e-10, 0.0, False)
+                                      steps, lr=torch.ones(1), eps=1e-10, weight_decay=0.0,
+                                      adagrad_w_mode=False)
     assert steps[0].item() == 0 and torch.equal(params[0], torch.ones(4))  # nothing moved
 
 

@@ -21,7 +21,7 @@ from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD
 
 LEVELS = ops.cpu_levels()
 SUPPORTED = LEVELS["supported"]
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DISPATCH_BUILD = len(LEVELS["compiled"]) > 1
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

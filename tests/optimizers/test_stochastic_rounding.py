@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from peak.optimizers import FusedAdam, FusedSGD
+from peak_testing import opcheck_op
 
 BF16 = torch.bfloat16
 
@@ -15,7 +16,8 @@ BF16 = torch.bfloat16
 def bf16_neighbours(x: torch.Tensor):
     """The bf16 values just below and just above each fp32 value (equal when x is one)."""
     down = x.to(BF16)
-    down = torch.where(down.float() > x, torch.nextafter(down, torch.tensor(-float("inf"), dtype=BF16)), down)
+    down = torch.where(down.float() > x, torch.nextafter(down, torch.tensor(-float("inf"),
+                                                                            dtype=BF16)), down)
     up = torch.where(down.float() < x, torch.nextafter(down, torch.tensor(float("inf"), dtype=BF16)), down)
     return down.float(), up.float()
 
@@ -205,12 +207,15 @@ def test_emulated_cuda_grid_rounds_alike(grid, family):
             steps = [torch.full((), float(i)) for i in range(len(sizes))]  # differing counts
             lr = torch.tensor([1e-2])
             if family == "adam":
-                op.fused_adam_(params, gs, [], state, state2, [], steps, lr, 0.9, 0.99, 1e-8, 0.0,
-                               False, True, False, True, None, None, 512,
+                op.fused_adam_(params, gs, [], state, state2, [], steps, lr=lr, beta1=0.9,
+                               beta2=0.99, eps=1e-8, weight_decay=0.0, amsgrad=False,
+                               adam_w_mode=True, maximize=False, bias_correction=True,
+                               grad_scale=None, found_inf=None, chunk_size=512,
                                stochastic_rounding_seed=123)
             else:
-                op.fused_sgd_(params, gs, [], state, steps, lr, 0.9, 0.0, 0.0, False, False,
-                              None, None, 512, stochastic_rounding_seed=123)
+                op.fused_sgd_(params, gs, [], state, steps, lr=lr, momentum=0.9, dampening=0.0,
+                              weight_decay=0.0, nesterov=False, maximize=False, grad_scale=None,
+                              found_inf=None, chunk_size=512, stochastic_rounding_seed=123)
             outs.append(params)
         for a, b in zip(*outs):
             assert torch.equal(a, b)
@@ -238,14 +243,17 @@ def test_errors():
     # The op itself: bf16 without masters only, seed in range.
     lr, st = torch.tensor([0.1]), [torch.zeros(())]
     with pytest.raises(RuntimeError, match="without master weights"):
-        torch.ops.peak.fused_sgd_([b.detach()], [b.grad], [b.detach().float()], [], st, lr, 0.0,
-                                  0.0, 0.0, False, False, stochastic_rounding_seed=1)
+        torch.ops.peak.fused_sgd_([b.detach()], [b.grad], [b.detach().float()], [], st, lr=lr,
+                                  momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                                  maximize=False, stochastic_rounding_seed=1)
     with pytest.raises(RuntimeError, match="for bfloat16 params"):
-        torch.ops.peak.fused_sgd_([torch.ones(2)], [torch.ones(2)], [], [], st, lr, 0.0, 0.0,
-                                  0.0, False, False, stochastic_rounding_seed=1)
+        torch.ops.peak.fused_sgd_([torch.ones(2)], [torch.ones(2)], [], [], st, lr=lr, momentum=0.0,
+                                  dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                                  stochastic_rounding_seed=1)
     with pytest.raises(RuntimeError, match=r"must be in \[0, 2\*\*32\)"):
-        torch.ops.peak.fused_sgd_([b.detach()], [b.grad], [], [], st, lr, 0.0, 0.0, 0.0, False,
-                                  False, stochastic_rounding_seed=-1)
+        torch.ops.peak.fused_sgd_([b.detach()], [b.grad], [], [], st, lr=lr, momentum=0.0,
+                                  dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                                  stochastic_rounding_seed=-1)
 
 
 def test_opcheck():
@@ -254,9 +262,9 @@ def test_opcheck():
     grads = [torch.randn_like(p) for p in params]
     zeros = lambda: [torch.zeros(p.shape) for p in params]
     steps = [torch.zeros(()) for _ in params]
-    torch.library.opcheck(torch.ops.peak.fused_adam_.default,
+    opcheck_op(torch.ops.peak.fused_adam_.default,
                           (params, grads, [], zeros(), zeros(), [], steps, torch.tensor([1e-2]),
                            0.9, 0.999, 1e-8, 0.0, False, True, False, True, None, None, 65536, 5))
-    torch.library.opcheck(torch.ops.peak.fused_sgd_.default,
+    opcheck_op(torch.ops.peak.fused_sgd_.default,
                           (params, grads, [], zeros(), steps, torch.tensor([1e-2]), 0.9, 0.0,
                            0.0, False, False, None, None, 65536, 5))

@@ -12,6 +12,7 @@ import peak
 from peak import amp
 from peak.optimizers import (FusedAdam, FusedLAMB, FusedSGD, export_fp32_state_dict,
                              join_remainder, memory_report, split_master)
+from peak_testing import opcheck_op
 
 BF16 = torch.bfloat16
 SIZES = [((i * 53) % 200) + 1 for i in range(40)] + [70_000]  # one tensor over a chunk
@@ -90,16 +91,20 @@ def _call(ns, family, params, grads, masters, state, found, *, chunk=64, store=F
     lr = torch.tensor([lr])
     kw = dict(store_unscaled_grads=store, moment_rounding_seed=seed)
     if family == "adam":
-        op.fused_adam_(params, grads, masters, state["m"], state["v"], [], state["steps"], lr,
-                       0.9, 0.99, 1e-8, 0.01, False, True, False, True, torch.tensor([4.0]),
-                       found, chunk, **kw)
+        op.fused_adam_(params, grads, masters, state["m"], state["v"], [], state["steps"], lr=lr,
+                       beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, amsgrad=False,
+                       adam_w_mode=True, maximize=False, bias_correction=True,
+                       grad_scale=torch.tensor([4.0]), found_inf=found, chunk_size=chunk, **kw)
     elif family == "sgd":
-        op.fused_sgd_(params, grads, masters, state["m"], state["steps"], lr, 0.9, 0.1, 0.01,
-                      False, False, torch.tensor([4.0]), found, chunk, **kw)
+        op.fused_sgd_(params, grads, masters, state["m"], state["steps"], lr=lr, momentum=0.9,
+                      dampening=0.1, weight_decay=0.01, nesterov=False, maximize=False,
+                      grad_scale=torch.tensor([4.0]), found_inf=found, chunk_size=chunk, **kw)
     else:
-        op.fused_lamb_(params, grads, masters, state["m"], state["v"], state["steps"], lr, 0.9,
-                       0.99, 1e-6, 0.01, True, True, True, 1.0, False, None, torch.tensor([4.0]),
-                       found, chunk, **kw)
+        op.fused_lamb_(params, grads, masters, state["m"], state["v"], state["steps"], lr=lr,
+                       beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01, adam_w_mode=True,
+                       grad_averaging=True, bias_correction=True, max_grad_norm=1.0,
+                       use_nvlamb=False, grad_norm=None, grad_scale=torch.tensor([4.0]),
+                       found_inf=found, chunk_size=chunk, **kw)
 
 
 def _state(sizes, moment_dtype):
@@ -407,8 +412,9 @@ def test_fp16_model_with_remainders_names_the_alternatives():
     with pytest.raises(RuntimeError, match="int16 master_params.*For float16 params keep float32"):
         torch.ops.peak.fused_adam_([p], [p.clone()], [torch.zeros(4, dtype=torch.int16)],
                                    [torch.zeros(4)], [torch.zeros(4)], [], [torch.zeros(())],
-                                   torch.tensor([1.0]), 0.9, 0.99, 1e-8, 0.0, False, True, False,
-                                   True)
+                                   lr=torch.tensor([1.0]), beta1=0.9, beta2=0.99, eps=1e-8,
+                                   weight_decay=0.0, amsgrad=False, adam_w_mode=True,
+                                   maximize=False, bias_correction=True)
 
 
 def test_bad_lean_arguments():
@@ -427,13 +433,15 @@ def test_bad_lean_arguments():
     w = torch.zeros(4, dtype=BF16)
     with pytest.raises(RuntimeError, match="exp_avgs must be float32, bfloat16 or uint8"):
         torch.ops.peak.fused_adam_([w], [w.clone()], [], [torch.zeros(4, dtype=torch.float16)],
-                                   [torch.zeros(4)], [], [torch.zeros(())], torch.tensor([1.0]),
-                                   0.9, 0.99, 1e-8, 0.0, False, True, False, True)
+                                   [torch.zeros(4)], [], [torch.zeros(())], lr=torch.tensor([1.0]),
+                                   beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, amsgrad=False,
+                                   adam_w_mode=True, maximize=False, bias_correction=True)
     with pytest.raises(RuntimeError, match=r"master_params\[0\] \(a remainder\) has shape"):
         torch.ops.peak.fused_adam_([w], [w.clone()], [torch.zeros(3, dtype=torch.int16)],
                                    [torch.zeros(4)], [torch.zeros(4)], [], [torch.zeros(())],
-                                   torch.tensor([1.0]), 0.9, 0.99, 1e-8, 0.0, False, True, False,
-                                   True)
+                                   lr=torch.tensor([1.0]), beta1=0.9, beta2=0.99, eps=1e-8,
+                                   weight_decay=0.0, amsgrad=False, adam_w_mode=True,
+                                   maximize=False, bias_correction=True)
 
 
 def test_memory_report_bytes_per_param():
@@ -464,15 +472,15 @@ def test_opcheck_lean_variants():
     lr, gs, fi = torch.tensor([1e-2]), torch.tensor([2.0]), torch.zeros(1)
     for seed in (None, 5):
         kw = {"moment_rounding_seed": seed, "store_unscaled_grads": True}
-        torch.library.opcheck(torch.ops.peak.fused_adam_.default,
+        opcheck_op(torch.ops.peak.fused_adam_.default,
                               ([p.clone() for p in params], [g.clone() for g in grads], rem,
                                mom(BF16), mom(BF16), [], steps(), lr, 0.9, 0.999, 1e-8, 0.0,
                                False, True, False, True, gs, fi), kwargs=kw)
-        torch.library.opcheck(torch.ops.peak.fused_sgd_.default,
+        opcheck_op(torch.ops.peak.fused_sgd_.default,
                               ([p.clone() for p in params], [g.clone() for g in grads], rem,
                                mom(BF16), steps(), lr, 0.9, 0.0, 0.0, False, False, gs, fi),
                               kwargs=kw)
-        torch.library.opcheck(torch.ops.peak.fused_lamb_.default,
+        opcheck_op(torch.ops.peak.fused_lamb_.default,
                               ([p.clone() for p in params], [g.clone() for g in grads],
                                [p.float() for p in params], mom(BF16), mom(torch.float32),
                                steps(), lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False,
