@@ -68,8 +68,10 @@ struct Q8 {
     const float s = coded_scale(absmax);
     return s > 0.0f ? kTop / s : 0.0f;
   }
-  // What the block's absmax is taken of, for one new value.
-  PEAK_HD static float magnitude(float x) { return Signed ? fabsf(x) : x; }
+  // The block's absmax is taken of |x| (v >= 0 anyway), compared as bits: for non-negative
+  // floats the unsigned order of the bits is the order of the values (a NaN compares above
+  // every number, so it reaches the scale), and an integer max reduction vectorises.
+  PEAK_HD static uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
 
   PEAK_HD static float decode(uint32_t code, float unit) {
     const uint32_t q = code & kMagMask;

@@ -308,22 +308,24 @@ inline void q8_cpu_decode(void* base, float (*scratch)[kQBlock], int64_t off, in
     const uint8_t* codes = static_cast<const uint8_t*>(base) + off;
     const float unit = units[q];
     float* out = scratch[q];
+#pragma GCC ivdep
     for (int64_t j = 0; j < n; ++j) out[j] = L::decode(codes[j], unit);
   }
 }
 
-// The block's absmax in 8 lanes (max is exact and order-free: the grid's serial fold agrees).
+// The block's absmax, an integer max over the bits (Q8::magnitude_bits): it vectorises (a float
+// max with NaN semantics did not: a chain through memory cost more than the step's math), and
+// max is exact and order-free, so the grid's serial fold gives the same value.
 template <typename L>
 inline void q8_cpu_absmax(const float (*scratch)[kQBlock], int64_t n, float* absmax, int q) {
   if constexpr (is_q8<L>) {
-    float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    const float* src = scratch[q];
+    uint32_t m = 0;
     for (int64_t j = 0; j < n; ++j) {
-      const float a = L::magnitude(scratch[q][j]);
-      lanes[j & 7] = a > lanes[j & 7] ? a : lanes[j & 7];
+      const uint32_t a = L::magnitude_bits(src[j]);
+      m = a > m ? a : m;
     }
-    float m = 0.0f;
-    for (float l : lanes) m = l > m ? l : m;
-    absmax[q] = m;
+    absmax[q] = bits_float(m);
   }
 }
 
@@ -333,9 +335,12 @@ inline void q8_cpu_encode(const Op& op, void* base, const float (*scratch)[kQBlo
   if constexpr (is_q8<L>) {
     uint8_t* codes = static_cast<uint8_t*>(base) + off;
     const float inv = inv_units[q];
+    const float* src = scratch[q];
+    // (ivdep: the byte stores may alias anything as far as the compiler knows; without it the
+    // loop stayed scalar.)
+#pragma GCC ivdep
     for (int64_t j = 0; j < n; ++j) {
-      codes[j] = static_cast<uint8_t>(
-          L::encode(scratch[q][j], inv, q8_round_add<Op, L>(op, off + j)));
+      codes[j] = static_cast<uint8_t>(L::encode(src[j], inv, q8_round_add<Op, L>(op, off + j)));
     }
   }
 }

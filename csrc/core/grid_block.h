@@ -158,16 +158,16 @@ PEAK_HD void store_element_q8(const Op& op, void* const* base, int64_t i, const 
       ...);
 }
 
-// The new absmax of each quantized list, folded in (NaN is ignored by the comparison).
+// The new absmax of each quantized list, folded in (as bits: Q8::magnitude_bits).
 template <typename... T, size_t... D>
 PEAK_HD void fold_absmax(const float* v, float* absmax, std::index_sequence<D...>) {
   (
       [&] {
         using L = typename ListType<D, T...>::type;
         if constexpr (is_q8<L>) {
-          const float a = L::magnitude(v[D]);
+          const uint32_t a = L::magnitude_bits(v[D]);
           float& m = absmax[q8_index<D, T...>()];
-          m = a > m ? a : m;
+          m = a > float_bits(m) ? bits_float(a) : m;
         }
       }(),
       ...);
