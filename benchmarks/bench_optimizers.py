@@ -7,7 +7,8 @@ Contenders, all in one run, on the same parameter shapes:
 - peak:     peak.optimizers.FusedAdam(adam_w_mode=True) on fp16/bf16 params and grads with fp32
             masters and moments, unscaling inside the step (grad_scale, found_inf) -- one pass.
 - lean (bf16 only, issue 16): the same step with remainder masters (store_param_remainders)
-            and/or bf16 moments (stochastic rounding; "RNE": rounded to nearest), grads left
+            and/or bf16 or 8-bit block-quantized moments (stochastic rounding of bf16 moments /
+            8-bit exp_avg_sq; "RNE": rounded to nearest), grads left
             scaled (store_unscaled_grads=False).
 - unfused:  Apex's O2 pipeline written with torch ops: unscale the low-precision grads into fp32
             master grads (torch._amp_foreach_non_finite_check_and_unscale_ after a copy),
@@ -78,6 +79,15 @@ LEAN = {  # name: (FusedAdam options, bytes per parameter moved)
     "remainder, fp32 moments": (dict(store_param_remainders=True), 2 + 4 + 4 + 16),
     "fp32 masters, bf16 moments": (dict(exp_avg_dtype=torch.bfloat16,
                                         exp_avg_sq_dtype=torch.bfloat16), 2 + 2 + 8 + 8),
+    # grad r, param r+w, remainder r+w, m r+w (8-bit), v r+w (8-bit), + scales (4 B r+w per 256
+    # elements each): 2 + 4 + 4 + 2 + 2 + 0.0625
+    "remainder + 8-bit moments": (dict(store_param_remainders=True, exp_avg_dtype=torch.uint8,
+                                       exp_avg_sq_dtype=torch.uint8), 14 + 16 / 256),
+    "remainder + 8-bit (RNE)": (dict(store_param_remainders=True, exp_avg_dtype=torch.uint8,
+                                     exp_avg_sq_dtype=torch.uint8, moment_rounding="nearest"),
+                                14 + 16 / 256),
+    "fp32 masters, 8-bit moments": (dict(exp_avg_dtype=torch.uint8,
+                                         exp_avg_sq_dtype=torch.uint8), 2 + 2 + 8 + 4 + 16 / 256),
 }
 
 
@@ -200,7 +210,7 @@ def run(args, threads):
     for name, t in times.items():
         b = nbytes[name]
         gbs = n * b / t / 1e9
-        print(f"{name:<{width}}{t * 1e3:>9.2f}{b:>9d}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}"
+        print(f"{name:<{width}}{t * 1e3:>9.2f}{b:>9.4g}{gbs:>8.1f}{gbs / copy_gbs:>9.2f}"
               f"{t_torch / t:>15.2f}x")
     print(f"{'plain copy':<{width}}{t_copy * 1e3:>9.2f}{'':>9}{copy_gbs:>8.1f}{1.0:>9.2f}")
     for label, t, gbs in inplace:

@@ -209,7 +209,7 @@ constexpr int lanes_for() {
 }
 
 template <typename Op, typename... T, size_t... D>
-inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
+inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
                       const std::array<const float*, Op::tensor_scalars>& tensor_scalars,
                       int64_t begin, int64_t end, Op op, typename Op::State& state,
                       std::index_sequence<D...>) {
@@ -265,6 +265,140 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
      ...);
   }
   for (int l = 0; l < L; ++l) state.merge(lanes[l]);
+}
+
+// NOTE: [8-bit moments] (block_quant.h) on the CPU: per block of kQBlock elements, phase 1 runs
+// the functor once per element, stores what is not quantized (weights, remainders, grads) and
+// keeps the new moments in a float scratch; phase 2 encodes them with the block's new absmax.
+// Elements are converted one at a time (the same bits as the tiles: NOTE: [fp16 NaN bits]).
+template <typename L>
+inline float q8_cpu_read(void* base, const float (*scratch)[kQBlock], int64_t i, int64_t j,
+                         int q) {
+  if constexpr (is_q8<L>) {
+    return scratch[q][j];  // (decoded into the scratch before the element loop)
+  } else if constexpr (std::is_same_v<L, float>) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (kInlineType<L>) {
+    return widen_inline(static_cast<const L*>(base), i);
+  } else {
+    return half_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+template <typename L>
+inline void q8_cpu_write(void* base, float (*scratch)[kQBlock], int64_t i, int64_t j, int q,
+                         float x) {
+  if constexpr (is_q8<L>) {
+    scratch[q][j] = x;
+  } else if constexpr (std::is_same_v<L, float>) {
+    static_cast<float*>(base)[i] = x;
+  } else if constexpr (kInlineType<L>) {
+    narrow_inline(static_cast<L*>(base), i, x);
+  } else {
+    static_cast<uint16_t*>(base)[i] = float_to_half(x);
+  }
+}
+
+// The block's old codes, decoded into the scratch in a loop of their own (it vectorises; inside
+// the element loop the byte loads kept the whole loop scalar).
+template <typename L>
+inline void q8_cpu_decode(void* base, float (*scratch)[kQBlock], int64_t off, int64_t n,
+                          const float* units, int q) {
+  if constexpr (is_q8<L>) {
+    const uint8_t* codes = static_cast<const uint8_t*>(base) + off;
+    const float unit = units[q];
+    float* out = scratch[q];
+#pragma GCC ivdep
+    for (int64_t j = 0; j < n; ++j) out[j] = L::decode(codes[j], unit);
+  }
+}
+
+// The block's absmax, an integer max over the bits (Q8::magnitude_bits): it vectorises (a float
+// max with NaN semantics did not: a chain through memory cost more than the step's math), and
+// max is exact and order-free, so the grid's serial fold gives the same value.
+template <typename L>
+inline void q8_cpu_absmax(const float (*scratch)[kQBlock], int64_t n, float* absmax, int q) {
+  if constexpr (is_q8<L>) {
+    const float* src = scratch[q];
+    uint32_t m = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const uint32_t a = L::magnitude_bits(src[j]);
+      m = a > m ? a : m;
+    }
+    absmax[q] = bits_float(m);
+  }
+}
+
+template <typename L, typename Op>
+inline void q8_cpu_encode(const Op& op, void* base, const float (*scratch)[kQBlock], int64_t off,
+                          int64_t n, const float* inv_units, int q) {
+  if constexpr (is_q8<L>) {
+    uint8_t* codes = static_cast<uint8_t*>(base) + off;
+    const float inv = inv_units[q];
+    const float* src = scratch[q];
+    // (ivdep: the byte stores may alias anything as far as the compiler knows; without it the
+    // loop stayed scalar.)
+#pragma GCC ivdep
+    for (int64_t j = 0; j < n; ++j) {
+      codes[j] = static_cast<uint8_t>(L::encode(src[j], inv, q8_round_add<Op, L>(op, off + j)));
+    }
+  }
+}
+
+template <typename Op, typename... T, size_t... D>
+inline void run_chunk_q8(const std::array<void*, sizeof...(T)>& base,
+                         const std::array<const float*, Op::tensor_scalars>& tensor_scalars,
+                         int64_t begin, int64_t end, Op op, typename Op::State& state,
+                         std::index_sequence<D...>) {
+  constexpr int Depth = sizeof...(T);
+  constexpr int NQ = q8_count<T...>;
+  op.load_scalars();
+  op.load_tensor_scalars(tensor_scalars.data());
+  if (op.skip()) return;
+  float* scales[NQ];
+  for (int q = 0; q < NQ; ++q) {
+    scales[q] = const_cast<float*>(tensor_scalars[Op::tensor_scalars - NQ + q]);
+  }
+  alignas(64) float scratch[NQ][kQBlock];
+  const auto lists = std::index_sequence<D...>{};
+  for (int64_t off = begin; off < end; off += kQBlock) {
+    const int64_t n = end - off < kQBlock ? end - off : kQBlock;
+    const int64_t block = off / kQBlock;
+    float units[NQ], inv_units[NQ], absmax[NQ];
+    for (int q = 0; q < NQ; ++q) absmax[q] = scales[q][block];
+    q8_units<T...>(absmax, units, inv_units, lists);
+    (q8_cpu_decode<T>(base[D], scratch, off, n, units, q8_index<D, T...>()), ...);
+#pragma GCC ivdep
+    for (int64_t j = 0; j < n; ++j) {  // phase 1
+      const int64_t i = off + j;
+      float v[Depth] = {(((Op::read_mask >> D) & 1u)
+                             ? q8_cpu_read<T>(base[D], scratch, i, j, q8_index<D, T...>())
+                             : 0.0f)...};
+      apply_op(op, v, state, i);
+      ((((Op::write_mask >> D) & 1u)
+            ? q8_cpu_write<T>(base[D], scratch, i, j, q8_index<D, T...>(), v[D])
+            : (void)0),
+       ...);
+    }
+    for (int q = 0; q < NQ; ++q) absmax[q] = 0.0f;
+    (q8_cpu_absmax<T>(scratch, n, absmax, q8_index<D, T...>()), ...);
+    q8_units<T...>(absmax, units, inv_units, lists);
+    (q8_cpu_encode<T>(op, base[D], scratch, off, n, inv_units, q8_index<D, T...>()),
+     ...);  // phase 2
+    for (int q = 0; q < NQ; ++q) scales[q][block] = absmax[q];
+  }
+}
+
+template <typename Op, typename... T, size_t... D>
+inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
+                      const std::array<const float*, Op::tensor_scalars>& tensor_scalars,
+                      int64_t begin, int64_t end, Op op, typename Op::State& state,
+                      std::index_sequence<D...> lists) {
+  if constexpr (q8_count<T...> > 0) {
+    run_chunk_q8<Op, T...>(base, tensor_scalars, begin, end, op, state, lists);
+  } else {
+    run_chunk_plain<Op, T...>(base, tensor_scalars, begin, end, op, state, lists);
+  }
 }
 
 // Runs `op` over every element of every tensor. Results per chunk go to `sink`, indexed by

@@ -50,6 +50,10 @@ struct OpDefaults {
   // An op that needs each element's index within its tensor (the random bits of stochastic
   // rounding) sets this and takes the index as operator()'s third argument.
   static constexpr bool indexed = false;
+  // 8-bit exp_avg_sq codes round stochastically, keyed by `moment_rounding` (block_quant.h).
+  static constexpr bool q8_stochastic = false;
+  // The master list holds 16-bit remainders (NOTE: [Remainder masters]).
+  static constexpr bool remainder_master = false;
   PEAK_HD void load_tensor_scalars(const float* const*) {}
   PEAK_HD bool skip() const { return false; }
 };

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "block_quant.h"
 #include "host_device.h"
 #include "launch_plan.h"
 
@@ -120,6 +121,109 @@ PEAK_HD void store_element(void* const* base, int64_t i, const float* v,
 template <typename Op, typename... T>
 using MetadataFor = TensorListMetadata<sizeof...(T), Op::tensor_scalars>;
 
+// NOTE: [8-bit moments] (block_quant.h): element access of a step with quantized lists, given
+// each quantized list's scale unit (decode) or inverse unit (encode) for the element's block.
+template <typename Op, typename... T, size_t... D>
+PEAK_HD void load_element_q8(void* const* base, int64_t i, float* v, const float* units,
+                             std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        if constexpr (!((Op::read_mask >> D) & 1u)) {
+          v[D] = 0.0f;
+        } else if constexpr (is_q8<L>) {
+          v[D] = L::decode(static_cast<const uint8_t*>(base[D])[i], units[q8_index<D, T...>()]);
+        } else {
+          v[D] = to_opmath(static_cast<const L*>(base[D])[i]);
+        }
+      }(),
+      ...);
+}
+
+template <typename Op, typename... T, size_t... D>
+PEAK_HD void store_element_q8(const Op& op, void* const* base, int64_t i, const float* v,
+                              const float* inv_units, std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        if constexpr (!((Op::write_mask >> D) & 1u)) {
+        } else if constexpr (is_q8<L>) {
+          static_cast<uint8_t*>(base[D])[i] =
+              static_cast<uint8_t>(L::encode(v[D], inv_units[q8_index<D, T...>()],
+                                             q8_round_add<Op, L>(op, i)));
+        } else {
+          static_cast<L*>(base[D])[i] = from_opmath<L>(v[D]);
+        }
+      }(),
+      ...);
+}
+
+// The new absmax of each quantized list, folded in (as bits: Q8::magnitude_bits).
+template <typename... T, size_t... D>
+PEAK_HD void fold_absmax(const float* v, float* absmax, std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        if constexpr (is_q8<L>) {
+          const uint32_t a = L::magnitude_bits(v[D]);
+          float& m = absmax[q8_index<D, T...>()];
+          m = a > float_bits(m) ? bits_float(a) : m;
+        }
+      }(),
+      ...);
+}
+
+// The scale and units of each quantized list, by its position among them.
+template <typename... T, size_t... D>
+PEAK_HD void q8_units(const float* absmax, float* units, float* inv_units,
+                      std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        if constexpr (is_q8<L>) {
+          units[q8_index<D, T...>()] = L::unit(absmax[q8_index<D, T...>()]);
+          inv_units[q8_index<D, T...>()] = L::inv_unit(absmax[q8_index<D, T...>()]);
+        }
+      }(),
+      ...);
+}
+
+// A step with quantized lists, in the grid: thread `thread` owns quantization blocks thread,
+// thread + nthreads, ... of the chunk (chunks are multiples of kQBlock: checked by the host) and
+// runs both phases of NOTE: [8-bit moments] on each, the second recomputing the first. The
+// scales are the last q8_count<T...> per-tensor scalars (pointers to each tensor's fp32 scales).
+template <typename Op, typename... T>
+PEAK_HD void grid_q8_thread(float* const* scales, void* const* base, int64_t start, int64_t n,
+                            int thread, int nthreads, const Op& op, typename Op::State& state) {
+  constexpr int Depth = sizeof...(T);
+  constexpr int NQ = q8_count<T...>;
+  const auto lists = std::make_index_sequence<Depth>{};
+  for (int64_t b = thread * int64_t{kQBlock}; b < n; b += int64_t{nthreads} * kQBlock) {
+    const int64_t block = (start + b) / kQBlock;
+    const int64_t end = b + kQBlock < n ? b + kQBlock : n;
+    float units[NQ], inv_units[NQ], absmax[NQ];
+    for (int q = 0; q < NQ; ++q) absmax[q] = scales[q][block];  // the old scales
+    q8_units<T...>(absmax, units, inv_units, lists);
+    for (int q = 0; q < NQ; ++q) absmax[q] = 0.0f;
+    for (int64_t i = b; i < end; ++i) {  // phase 1: the new moments' absmax
+      float v[Depth];
+      load_element_q8<Op, T...>(base, start + i, v, units, lists);
+      typename Op::State scratch_state{};
+      apply_op(op, v, scratch_state, start + i);
+      fold_absmax<T...>(v, absmax, lists);
+    }
+    float new_units[NQ], inv_new[NQ];
+    q8_units<T...>(absmax, new_units, inv_new, lists);
+    for (int64_t i = b; i < end; ++i) {  // phase 2: the same values, encoded and stored
+      float v[Depth];
+      load_element_q8<Op, T...>(base, start + i, v, units, lists);
+      apply_op(op, v, state, start + i);
+      store_element_q8<Op, T...>(op, base, start + i, v, inv_new, lists);
+    }
+    for (int q = 0; q < NQ; ++q) scales[q][block] = absmax[q];
+  }
+}
+
 // NOTE: [Aligned vector access]
 // A thread moves kVectorWidth consecutive elements of every list with one aligned access per list
 // (16 bytes of fp32, 8 of fp16/bf16) when every list's slice of the block starts on such a
@@ -211,11 +315,15 @@ PEAK_HD int64_t block_slice(const MetadataFor<Op, T...>& meta, int block, int64_
 // Whether a block takes the vector path (NOTE: [Aligned vector access]).
 template <typename Op, typename... T>
 PEAK_HD bool block_vectorises(const MetadataFor<Op, T...>& meta, int block, int64_t chunk_size) {
-  void* base[sizeof...(T)];
-  int64_t start = 0;
-  const int64_t n = block_slice<Op, T...>(meta, block, chunk_size, base, start);
-  return n >= kVectorWidth &&
-         lists_vector_aligned<T...>(base, start, std::make_index_sequence<sizeof...(T)>{});
+  if constexpr (q8_count<T...> > 0) {
+    return false;  // whole quantization blocks per thread (NOTE: [8-bit moments])
+  } else {
+    void* base[sizeof...(T)];
+    int64_t start = 0;
+    const int64_t n = block_slice<Op, T...>(meta, block, chunk_size, base, start);
+    return n >= kVectorWidth &&
+           lists_vector_aligned<T...>(base, start, std::make_index_sequence<sizeof...(T)>{});
+  }
 }
 
 // One thread's share of one block: groups of kVectorWidth elements (or single elements) thread,
@@ -239,23 +347,32 @@ PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int
   void* base[Depth];
   int64_t start = 0;
   const int64_t n = block_slice<Op, T...>(meta, block, chunk_size, base, start);
-  int64_t first_single = 0;  // where the per-element loop starts
-  if (n >= kVectorWidth && lists_vector_aligned<T...>(base, start, lists)) {
-    const int64_t groups = n / kVectorWidth;
-    for (int64_t g = thread; g < groups; g += nthreads) {
-      const int64_t i = start + g * kVectorWidth;
-      float v[kVectorWidth][Depth];
-      load_vectors<Op, T...>(base, i, v, lists);
-      for (int k = 0; k < kVectorWidth; ++k) apply_op(op, v[k], state, i + k);
-      store_vectors<Op, T...>(base, i, v, lists);
+  if constexpr (q8_count<T...> > 0) {  // NOTE: [8-bit moments]: whole quantization blocks
+    constexpr int NQ = q8_count<T...>;
+    float* scales[NQ];
+    for (int q = 0; q < NQ; ++q) {
+      scales[q] = const_cast<float*>(meta.tensor_scalars[Op::tensor_scalars - NQ + q][slot]);
     }
-    first_single = groups * kVectorWidth;
-  }
-  for (int64_t i = first_single + thread; i < n; i += nthreads) {
-    float v[Depth];
-    load_element<Op, T...>(base, start + i, v, lists);
-    apply_op(op, v, state, start + i);
-    store_element<Op, T...>(base, start + i, v, lists);
+    grid_q8_thread<Op, T...>(scales, base, start, n, thread, nthreads, op, state);
+  } else {
+    int64_t first_single = 0;  // where the per-element loop starts
+    if (n >= kVectorWidth && lists_vector_aligned<T...>(base, start, lists)) {
+      const int64_t groups = n / kVectorWidth;
+      for (int64_t g = thread; g < groups; g += nthreads) {
+        const int64_t i = start + g * kVectorWidth;
+        float v[kVectorWidth][Depth];
+        load_vectors<Op, T...>(base, i, v, lists);
+        for (int k = 0; k < kVectorWidth; ++k) apply_op(op, v[k], state, i + k);
+        store_vectors<Op, T...>(base, i, v, lists);
+      }
+      first_single = groups * kVectorWidth;
+    }
+    for (int64_t i = first_single + thread; i < n; i += nthreads) {
+      float v[Depth];
+      load_element<Op, T...>(base, start + i, v, lists);
+      apply_op(op, v, state, start + i);
+      store_element<Op, T...>(base, start + i, v, lists);
+    }
   }
 }
 

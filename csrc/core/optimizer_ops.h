@@ -17,6 +17,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "block_quant.h"
 #include "elementwise_ops.h"
 #include "stochastic_rounding.h"
 
@@ -83,6 +84,8 @@ constexpr unsigned grad_list_if(bool store_grad) { return store_grad ? 1u : 0u; 
 // nearest returns the old value: v neither decays nor follows a gradient that shrinks, and the
 // steps come out too small (docs/core.md shows the effect on a training run). Rounding up with
 // probability equal to the dropped fraction keeps v right on average.
+// 8-bit moments (ExpAvgT = Q8ExpAvg, ExpAvgSqT = Q8ExpAvgSq: NOTE: [8-bit moments] in
+// block_quant.h) are decoded before the functor and encoded after it, per block, by the launchers.
 // Stochastic: bf16 moments are rounded stochastically by the functor (else to nearest even by
 // the store). A template constant, as `Rounded` is: the variant without it computes no random bits.
 template <typename MasterT = float, typename ExpAvgT = float, typename ExpAvgSqT = float,
@@ -95,6 +98,15 @@ struct StateStorage {
   static constexpr bool round_exp_avg = Stochastic && std::is_same_v<ExpAvgT, c10::BFloat16>;
   static constexpr bool round_exp_avg_sq = Stochastic && std::is_same_v<ExpAvgSqT, c10::BFloat16>;
   static constexpr bool rounds_moments = round_exp_avg || round_exp_avg_sq;
+  // 8-bit block-quantized moments (NOTE: [8-bit moments] in block_quant.h): the launchers decode
+  // and encode them around the functor, which sees float values as for the other storages.
+  static constexpr int q8_exp_avg = is_q8<ExpAvgT> ? 1 : 0;
+  static constexpr int q8_exp_avg_sq = is_q8<ExpAvgSqT> ? 1 : 0;
+  static constexpr bool quantized = q8_exp_avg + q8_exp_avg_sq > 0;
+  // 8-bit exp_avg_sq codes are rounded stochastically by the launchers (NOTE: [8-bit moments]).
+  static constexpr bool q8_stochastic = Stochastic && q8_exp_avg_sq;
+  // The ops derive a moment-rounding key per tensor and step.
+  static constexpr bool keys_moments = rounds_moments || q8_stochastic;
 };
 using FullPrecisionState = StateStorage<>;
 
@@ -164,10 +176,12 @@ struct AdamOp : OpDefaults {
       all_lists(depth) & ~(HasMaster && !Storage::remainder ? (1u << kParam) : 0u);
   static constexpr unsigned write_mask =
       (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
-  static constexpr int tensor_scalars = 1;  // the step count
+  // The step count, then the scales of quantized moments (NOTE: [8-bit moments]).
+  static constexpr int tensor_scalars = 1 + Storage::q8_exp_avg + Storage::q8_exp_avg_sq;
   // Stochastic rounding's random bits (of the weights, or of bf16 moments).
   static constexpr bool indexed = Rounded || Storage::rounds_moments;
   static constexpr bool remainder_master = HasMaster && Storage::remainder;
+  static constexpr bool q8_stochastic = Storage::q8_stochastic;
   using State = NoState;
   template <typename T>
   using Lists = ConcatLists<ListTypes<T, T>, ListIf<HasMaster, typename Storage::Master>,
@@ -209,7 +223,7 @@ struct AdamOp : OpDefaults {
     step_size = static_cast<float>(s.lr.value / bc1);
     inv_bias_correction2_sqrt = static_cast<float>(1.0 / sqrt(bc2));
     if constexpr (Rounded) rounding.load_step(*p[0]);
-    if constexpr (Storage::rounds_moments) moment_rounding.load_step(*p[0]);
+    if constexpr (Storage::keys_moments) moment_rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return s.found_inf.value != 0.0f; }
 
@@ -256,7 +270,8 @@ struct SgdOp : OpDefaults {
       all_lists(depth) & ~(HasMaster && !Storage::remainder ? (1u << kParam) : 0u);
   static constexpr unsigned write_mask =
       (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
-  static constexpr int tensor_scalars = 1;  // the step count: the first step seeds the momentum
+  // The step count (the first step seeds the momentum), then an 8-bit buffer's scales.
+  static constexpr int tensor_scalars = 1 + (HasMomentum ? Storage::q8_exp_avg : 0);
   static constexpr bool rounds_momentum = HasMomentum && Storage::round_exp_avg;
   static constexpr bool indexed = Rounded || rounds_momentum;  // stochastic rounding's bits
   static constexpr bool remainder_master = HasMaster && Storage::remainder;
@@ -319,8 +334,10 @@ struct LambStage1Op : OpDefaults {
   static constexpr int depth = 5;
   static constexpr unsigned read_mask = 0b01111;
   static constexpr unsigned write_mask = 0b11100 | grad_list_if(StoreGrad);
-  static constexpr int tensor_scalars = 1;  // the step count
+  // The step count, then the scales of quantized moments (NOTE: [8-bit moments]).
+  static constexpr int tensor_scalars = 1 + Storage::q8_exp_avg + Storage::q8_exp_avg_sq;
   static constexpr bool indexed = Storage::rounds_moments;
+  static constexpr bool q8_stochastic = Storage::q8_stochastic;
   using State = NoState;
   // T: the gradients'; W: the weights stepped (the masters, or the params without them).
   template <typename T, typename W>
@@ -354,7 +371,7 @@ struct LambStage1Op : OpDefaults {
     const double step = *p[0];
     bias_correction1 = bias_correction ? static_cast<float>(1.0 - pow(beta1, step)) : 1.0f;
     bias_correction2 = bias_correction ? static_cast<float>(1.0 - pow(beta2, step)) : 1.0f;
-    if constexpr (Storage::rounds_moments) moment_rounding.load_step(*p[0]);
+    if constexpr (Storage::keys_moments) moment_rounding.load_step(*p[0]);
   }
   PEAK_HD bool skip() const { return found_inf.value != 0.0f; }
 

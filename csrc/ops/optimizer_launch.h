@@ -95,14 +95,64 @@ inline void check_optimizer_args(const OptimizerArgs& a) {
               "passed, still scaled) as a one-element float32 tensor");
 }
 
+// 8-bit block-quantized moments (NOTE: [8-bit moments] in core/block_quant.h): uint8 codes laid
+// out exactly as their params, and one float32 scale per block of 256 elements of each tensor.
+inline bool is_q8_list(at::TensorList l) { return !l.empty() && l[0].scalar_type() == at::kByte; }
+
+inline void check_q8_list(const OptimizerArgs& a, const NamedList& codes, const NamedList& scales) {
+  TORCH_CHECK(a.chunk_size % kQBlock == 0, a.name, ": chunk_size must be a multiple of ", kQBlock,
+              " with 8-bit (uint8) ", codes.first, " (a block of ", kQBlock,
+              " elements shares one scale and must lie inside one chunk); got ", a.chunk_size);
+  TORCH_CHECK(codes.second.size() == a.params.size() && scales.second.size() == a.params.size(),
+              a.name, ": uint8 ", codes.first, " (8-bit codes) need one ", scales.first,
+              " tensor per param; got ", codes.second.size(), " codes, ", scales.second.size(),
+              " scale tensors and ", a.params.size(), " params");
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    const at::Tensor& c = codes.second[i];
+    const at::Tensor& p = a.params[i];
+    const at::Tensor& sc = scales.second[i];
+    TORCH_CHECK(c.defined() && c.scalar_type() == at::kByte, a.name, ": ", codes.first, "[", i,
+                "] must be uint8 like ", codes.first, "[0]");
+    TORCH_CHECK(c.device() == p.device() && sc.device() == p.device(), a.name, ": ", codes.first,
+                "[", i, "] and ", scales.first, "[", i, "] must be on params[", i, "]'s device ",
+                p.device());
+    TORCH_CHECK(c.sizes() == p.sizes() && (c.numel() <= 1 || c.strides() == p.strides()), a.name,
+                ": ", codes.first, "[", i, "] has shape ", c.sizes(), " and strides ", c.strides(),
+                " but params[", i, "] has ", p.sizes(), " and ", p.strides(),
+                "; 8-bit codes are laid out exactly as their param");
+    const int64_t blocks = (p.numel() + kQBlock - 1) / kQBlock;
+    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.numel() == blocks,
+                a.name, ": ", scales.first, "[", i, "] must be a contiguous float32 tensor of ",
+                blocks, " elements (one scale per ", kQBlock, " elements of params[", i,
+                "]); got ", sc.scalar_type(), " with ", sc.numel(), " elements");
+  }
+}
+
 // A per-parameter state list: one tensor per param, shaped like it, fp32 (or bf16 where the
 // functor supports lean storage: NOTE: [Lean optimizer state] in core/optimizer_ops.h).
 inline void check_state_list(const OptimizerArgs& a, const NamedList& l, bool bf16_ok = false) {
   if (a.params.empty() && l.second.empty()) return;
+  if (bf16_ok && is_q8_list(l.second)) return;  // 8-bit codes: check_q8_list
   check_tensor_lists(a.name, {{"params", a.params}, l});
   const at::ScalarType t = l.second[0].scalar_type();
   TORCH_CHECK(t == at::kFloat || (bf16_ok && t == at::kBFloat16), a.name, ": ", l.first,
-              bf16_ok ? " must be float32 or bfloat16, got " : " must be float32, got ", t);
+              bf16_ok ? " must be float32, bfloat16 or uint8 (8-bit codes), got "
+                      : " must be float32, got ", t);
+}
+
+// Checks the scale lists of a moment list (empty unless its codes are 8-bit) and returns their
+// data pointers as per-tensor scalars (the launchers read and write them).
+inline std::vector<const float*> q8_scales(const OptimizerArgs& a, const NamedList& codes,
+                                           const NamedList& scales) {
+  if (!is_q8_list(codes.second)) {
+    TORCH_CHECK(scales.second.empty(), a.name, ": ", scales.first, " must be empty unless ",
+                codes.first, " are uint8 8-bit codes");
+    return {};
+  }
+  check_q8_list(a, codes, scales);
+  std::vector<const float*> p(scales.second.size());
+  for (size_t i = 0; i < p.size(); ++i) p[i] = scales.second[i].data_ptr<float>();
+  return p;
 }
 
 // The storage of a variant's master and moment lists as a StateStorage type (fp32 masters or
@@ -115,8 +165,21 @@ void with_state_storage(at::ScalarType master, at::ScalarType exp_avg, at::Scala
     using M = std::remove_cvref_t<decltype(master_t)>;
     using B = c10::BFloat16;
     const bool bf1 = exp_avg == at::kBFloat16, bf2 = exp_avg_sq == at::kBFloat16;
-    with_bool(stochastic && (bf1 || bf2), [&](auto sr) {
+    const bool q2 = exp_avg_sq == at::kByte;
+    with_bool(stochastic && (bf1 || bf2 || q2), [&](auto sr) {
       constexpr bool S = std::remove_cvref_t<decltype(sr)>::value;
+      // 8-bit moments: both (Adam, LAMB; S: exp_avg_sq rounded stochastically) or the first
+      // alone (SGD's momentum, rounded to nearest).
+      if (exp_avg == at::kByte && q2) {
+        return f(StateStorage<M, Q8ExpAvg, Q8ExpAvgSq, S>{});
+      } else if constexpr (!S) {
+        if (exp_avg == at::kByte && exp_avg_sq == at::kFloat) {
+          return f(StateStorage<M, Q8ExpAvg, float>{});
+        }
+      }
+      TORCH_CHECK(exp_avg != at::kByte && exp_avg_sq != at::kByte,
+                  "peak: 8-bit exp_avgs need 8-bit or float32 exp_avg_sqs, and 8-bit "
+                  "exp_avg_sqs need 8-bit exp_avgs");
       if (bf1 && bf2) {
         f(StateStorage<M, B, B, S>{});
       } else if (bf1) {
@@ -227,6 +290,18 @@ void apply_list_types(Exec& exec, const std::tuple<T...>*,
   exec.template apply<Op, T...>(host, chunk_size, op, sink);
 }
 
+// Whether Op names its lists' storage types (`Lists<T>`). A trait, not a requires-expression in
+// the launch lambda: nvcc (EDG) instantiated the discarded branch of the latter.
+template <typename Op, typename T, typename = void>
+struct OpListTypes {
+  static constexpr bool value = false;
+};
+template <typename Op, typename T>
+struct OpListTypes<Op, T, std::void_t<typename Op::template Lists<T>>> {
+  static constexpr bool value = true;
+  using type = typename Op::template Lists<T>;
+};
+
 // Launches Op over `lists` with the grad and param lists in `dtype` and the others as the op's
 // `Lists` says (NOTE: [Lean optimizer state]), or fp32 for an op without one.
 template <typename Op, typename Exec>
@@ -237,12 +312,12 @@ void launch_optimizer(Exec& exec, at::ScalarType dtype, const std::vector<at::Te
   const BlockSink sink{};
   with_storage_type(dtype, [&](auto t) {
     using T = decltype(t);
-    if constexpr (requires { typename Op::template Lists<T>; }) {
+    if constexpr (OpListTypes<Op, T>::value) {
       // Remainders complete bf16 weights only (checked): no other instantiation.
       if constexpr (Op::remainder_master && !std::is_same_v<T, c10::BFloat16>) {
         TORCH_CHECK(false, "peak: remainders need bfloat16 params");
       } else {
-        using Types = typename Op::template Lists<T>;
+        using Types = typename OpListTypes<Op, T>::type;
         apply_list_types<Op>(exec, static_cast<const Types*>(nullptr), host, chunk_size, op,
                              sink);
       }

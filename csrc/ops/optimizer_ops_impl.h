@@ -12,7 +12,8 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                 double beta2, double eps, double weight_decay, bool amsgrad, bool adam_w_mode,
                 bool maximize, bool bias_correction,
                 const std::optional<int64_t>& stochastic_rounding_seed,
-                const std::optional<int64_t>& moment_rounding_seed) {
+                const std::optional<int64_t>& moment_rounding_seed,
+                at::TensorList exp_avg_scales = {}, at::TensorList exp_avg_sq_scales = {}) {
   check_optimizer_args(a);
   const StochasticRounding rounding = stochastic_rounding_from(a, stochastic_rounding_seed);
   const MomentRounding moment_rounding = moment_rounding_from(a, moment_rounding_seed);
@@ -22,7 +23,13 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   TORCH_CHECK(!amsgrad || (list_dtype(exp_avgs) == at::kFloat &&
                            list_dtype(exp_avg_sqs) == at::kFloat),
               a.name, ": amsgrad=True keeps its moments in float32; pass float32 exp_avgs and "
-              "exp_avg_sqs (or amsgrad=False for bfloat16 moments)");
+              "exp_avg_sqs (or amsgrad=False for bfloat16 or 8-bit moments)");
+  TORCH_CHECK(is_q8_list(exp_avgs) == is_q8_list(exp_avg_sqs), a.name,
+              ": 8-bit moments are both or neither: exp_avgs are ", list_dtype(exp_avgs),
+              " and exp_avg_sqs are ", list_dtype(exp_avg_sqs), "; pass uint8 codes for both");
+  const auto s1 = q8_scales(a, {"exp_avgs", exp_avgs}, {"exp_avg_scales", exp_avg_scales});
+  const auto s2 =
+      q8_scales(a, {"exp_avg_sqs", exp_avg_sqs}, {"exp_avg_sq_scales", exp_avg_sq_scales});
   TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), a.name,
               ": max_exp_avg_sqs must be empty unless amsgrad=True");
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, a.name,
@@ -36,11 +43,12 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
    with_state_storage(list_dtype(a.masters), list_dtype(exp_avgs), list_dtype(exp_avg_sqs),
                       moment_rounding_seed.has_value(), [&](auto storage) {
     using Storage = decltype(storage);
-    constexpr bool kLean = Storage::remainder || Storage::rounds_moments;
+    constexpr bool kLean = Storage::remainder || Storage::rounds_moments || Storage::quantized;
     with_bool(amsgrad, [&](auto ams) {
-     // Combinations the checks exclude are not instantiated: amsgrad keeps fp32 state, and a
-     // remainder needs master_params.
+     // Combinations the checks exclude are not instantiated: amsgrad keeps fp32 state, a
+     // remainder needs master_params, 8-bit moments are both or neither.
      if constexpr ((kLean && std::remove_cvref_t<decltype(ams)>::value) ||
+                   (Storage::q8_exp_avg != Storage::q8_exp_avg_sq) ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
        return;
      } else {
@@ -57,8 +65,10 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
       op.maximize = maximize;
       op.bias_correction = bias_correction;
       op.rounding = rounding;
-      launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)},
-                       a.chunk_size, op);
+      std::vector<std::vector<const float*>> scalars{float_ptrs(a.steps)};
+      if constexpr (Storage::quantized) scalars.insert(scalars.end(), {s1, s2});
+      launch_optimizer(exec, a.params[0].scalar_type(), lists, std::move(scalars), a.chunk_size,
+                       op);
      });
      }
     });
@@ -71,7 +81,8 @@ template <typename Exec>
 void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffers,
                double momentum, double dampening, double weight_decay, bool nesterov,
                bool maximize, const std::optional<int64_t>& stochastic_rounding_seed,
-               const std::optional<int64_t>& moment_rounding_seed) {
+               const std::optional<int64_t>& moment_rounding_seed,
+               at::TensorList momentum_scales = {}) {
   check_optimizer_args(a);
   const StochasticRounding rounding = stochastic_rounding_from(a, stochastic_rounding_seed);
   const MomentRounding moment_rounding = moment_rounding_from(a, moment_rounding_seed);
@@ -84,6 +95,8 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
   if (!momentum_buffers.empty()) {
     check_state_list(a, {"momentum_buffers", momentum_buffers}, /*bf16_ok=*/true);
   }
+  const auto s1 = q8_scales(a, {"momentum_buffers", momentum_buffers},
+                            {"momentum_scales", momentum_scales});
   if (a.params.empty()) return;
   bump_steps(a.steps);
   const auto lists = optimizer_lists(a, {momentum_buffers});
@@ -92,7 +105,9 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
                       moment_rounding_seed.has_value(), [&](auto storage) {
     using Storage = decltype(storage);
     with_bool(momentum != 0.0, [&](auto has_momentum) {
-     if constexpr ((Storage::round_exp_avg && !std::remove_cvref_t<decltype(has_momentum)>::value) ||
+     if constexpr (((Storage::round_exp_avg || Storage::quantized) &&
+                    !std::remove_cvref_t<decltype(has_momentum)>::value) ||
+                   Storage::q8_exp_avg_sq ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
        return;  // excluded by the checks: not instantiated
      } else {
@@ -107,8 +122,10 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
       op.nesterov = nesterov;
       op.maximize = maximize;
       op.rounding = rounding;
-      launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)},
-                       a.chunk_size, op);
+      std::vector<std::vector<const float*>> scalars{float_ptrs(a.steps)};
+      if constexpr (Storage::quantized) scalars.push_back(s1);
+      launch_optimizer(exec, a.params[0].scalar_type(), lists, std::move(scalars), a.chunk_size,
+                       op);
      });
      }
     });
@@ -122,7 +139,8 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, double beta1, double beta2, double eps,
                 double weight_decay, bool adam_w_mode, bool grad_averaging, bool bias_correction,
                 double max_grad_norm, bool use_nvlamb, const std::optional<at::Tensor>& grad_norm,
-                const std::optional<int64_t>& moment_rounding_seed) {
+                const std::optional<int64_t>& moment_rounding_seed,
+                at::TensorList exp_avg_scales = {}, at::TensorList exp_avg_sq_scales = {}) {
   check_optimizer_args(a);
   TORCH_CHECK(a.masters.empty() || a.masters[0].scalar_type() == at::kFloat, a.name,
               ": LAMB's trust ratio needs the norm of the fp32 weights: pass float32 "
@@ -133,6 +151,12 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, a.name,
               ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
   TORCH_CHECK(max_grad_norm >= 0.0, a.name, ": max_grad_norm must be >= 0 (0: no clipping)");
+  TORCH_CHECK(is_q8_list(exp_avgs) == is_q8_list(exp_avg_sqs), a.name,
+              ": 8-bit moments are both or neither: exp_avgs are ", list_dtype(exp_avgs),
+              " and exp_avg_sqs are ", list_dtype(exp_avg_sqs), "; pass uint8 codes for both");
+  const auto s1 = q8_scales(a, {"exp_avgs", exp_avgs}, {"exp_avg_scales", exp_avg_scales});
+  const auto s2 =
+      q8_scales(a, {"exp_avg_sqs", exp_avg_sqs}, {"exp_avg_sq_scales", exp_avg_sq_scales});
   if (a.params.empty()) return;
   const c10::Device device = a.params[0].device();
   if (grad_norm) check_scalar_tensor(a.name, "grad_norm", *grad_norm, at::kFloat, device);
@@ -148,8 +172,9 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   for (const at::Tensor& p : a.params) updates.push_back(at::empty_like(p, p.options().dtype(at::kFloat)));
   with_state_storage(at::kFloat, list_dtype(exp_avgs), list_dtype(exp_avg_sqs),
                      moment_rounding_seed.has_value(), [&](auto storage) {
-   if constexpr (decltype(storage)::remainder) {
-     return;  // (not instantiated: LAMB keeps fp32 masters, checked above)
+   if constexpr (decltype(storage)::remainder ||
+                 decltype(storage)::q8_exp_avg != decltype(storage)::q8_exp_avg_sq) {
+     return;  // (not instantiated: LAMB keeps fp32 masters; 8-bit moments are both or neither)
    } else {
    with_bool(a.store_unscaled_grads, [&](auto store_grad) {
     using Op = LambStage1Op<std::remove_cvref_t<decltype(store_grad)>::value, decltype(storage)>;
@@ -167,8 +192,10 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
     op.adam_w = adam_w_mode;
     op.grad_averaging = grad_averaging;
     op.bias_correction = bias_correction;
-    const auto host = host_lists_from<5, 1>({a.grads, weights, exp_avgs, exp_avg_sqs, updates},
-                                            {float_ptrs(a.steps)});
+    std::vector<std::vector<const float*>> scalars{float_ptrs(a.steps)};
+    if constexpr (decltype(storage)::quantized) scalars.insert(scalars.end(), {s1, s2});
+    const auto host = host_lists_from<5, Op::tensor_scalars>(
+        {a.grads, weights, exp_avgs, exp_avg_sqs, updates}, std::move(scalars));
     with_storage_type(a.params[0].scalar_type(), [&](auto t) {
       using T = decltype(t);
       using WithoutMasters = typename Op::template Lists<T, T>;
@@ -329,7 +356,9 @@ void fused_adam_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                       const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
                       std::optional<int64_t> stochastic_rounding_seed,
                       const std::optional<at::Tensor>& grad_norm, double max_grad_norm,
-                      bool store_unscaled_grads, std::optional<int64_t> moment_rounding_seed) {
+                      bool store_unscaled_grads, std::optional<int64_t> moment_rounding_seed,
+                      std::optional<at::TensorList> exp_avg_scales,
+                      std::optional<at::TensorList> exp_avg_sq_scales) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_adam(exec,
@@ -338,7 +367,8 @@ void fused_adam_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                            store_unscaled_grads},
              exp_avgs, exp_avg_sqs, max_exp_avg_sqs, beta1, beta2, eps, weight_decay, amsgrad,
              adam_w_mode, maximize, bias_correction, stochastic_rounding_seed,
-             moment_rounding_seed);
+             moment_rounding_seed, exp_avg_scales.value_or(at::TensorList{}),
+             exp_avg_sq_scales.value_or(at::TensorList{}));
 }
 
 template <typename Exec>
@@ -349,7 +379,8 @@ void fused_sgd_entry(at::TensorList params, at::TensorList grads, at::TensorList
                      const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
                      std::optional<int64_t> stochastic_rounding_seed,
                      const std::optional<at::Tensor>& grad_norm, double max_grad_norm,
-                     bool store_unscaled_grads, std::optional<int64_t> moment_rounding_seed) {
+                     bool store_unscaled_grads, std::optional<int64_t> moment_rounding_seed,
+                     std::optional<at::TensorList> momentum_scales) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_sgd(exec,
@@ -357,7 +388,8 @@ void fused_sgd_entry(at::TensorList params, at::TensorList grads, at::TensorList
                           found_inf, chunk_size, grad_norm, max_grad_norm,
                           store_unscaled_grads},
             momentum_buffers, momentum, dampening, weight_decay, nesterov, maximize,
-            stochastic_rounding_seed, moment_rounding_seed);
+            stochastic_rounding_seed, moment_rounding_seed,
+            momentum_scales.value_or(at::TensorList{}));
 }
 
 template <typename Exec>
@@ -369,14 +401,18 @@ void fused_lamb_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                       const std::optional<at::Tensor>& grad_norm,
                       const std::optional<at::Tensor>& grad_scale,
                       const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
-                      bool store_unscaled_grads, std::optional<int64_t> moment_rounding_seed) {
+                      bool store_unscaled_grads, std::optional<int64_t> moment_rounding_seed,
+                      std::optional<at::TensorList> exp_avg_scales,
+                      std::optional<at::TensorList> exp_avg_sq_scales) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_lamb(exec,
              OptimizerArgs{"fused_lamb_", params, grads, master_params, steps, lr, grad_scale,
                            found_inf, chunk_size, std::nullopt, 0.0, store_unscaled_grads},
              exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, adam_w_mode, grad_averaging,
-             bias_correction, max_grad_norm, use_nvlamb, grad_norm, moment_rounding_seed);
+             bias_correction, max_grad_norm, use_nvlamb, grad_norm, moment_rounding_seed,
+             exp_avg_scales.value_or(at::TensorList{}),
+             exp_avg_sq_scales.value_or(at::TensorList{}));
 }
 
 template <typename Exec>

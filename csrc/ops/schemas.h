@@ -21,7 +21,9 @@
 // back divided by grad_scale (NOTE: [Unscaled gradients after the step]). Lean state (NOTE:
 // [Lean optimizer state] in core/optimizer_ops.h): int16 master_params are remainders of bf16
 // params (fused_adam_, fused_sgd_); moments (momentum_buffers) may be bfloat16;
-// moment_rounding_seed rounds bf16 moments stochastically (None: to nearest).
+// moment_rounding_seed rounds bf16 moments (and 8-bit exp_avg_sqs) stochastically (None: to
+// nearest); uint8 moments are 8-bit block-quantized codes whose per-256-element fp32 scales are
+// the *_scales lists (None otherwise; NOTE: [8-bit moments] in core/block_quant.h).
 #pragma once
 
 namespace peak {
@@ -54,7 +56,8 @@ inline constexpr const char* kFusedAdamSchema =
     "bool amsgrad, bool adam_w_mode, bool maximize, bool bias_correction, "
     "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536, "
     "int? stochastic_rounding_seed=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
-    "bool store_unscaled_grads=False, int? moment_rounding_seed=None) -> ()";
+    "bool store_unscaled_grads=False, int? moment_rounding_seed=None, "
+    "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None) -> ()";
 
 inline constexpr const char* kFusedSgdSchema =
     "fused_sgd_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
@@ -62,7 +65,8 @@ inline constexpr const char* kFusedSgdSchema =
     "float dampening, float weight_decay, bool nesterov, bool maximize, "
     "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536, "
     "int? stochastic_rounding_seed=None, Tensor? grad_norm=None, float max_grad_norm=0.0, "
-    "bool store_unscaled_grads=False, int? moment_rounding_seed=None) -> ()";
+    "bool store_unscaled_grads=False, int? moment_rounding_seed=None, "
+    "Tensor(h!)[]? momentum_scales=None) -> ()";
 
 inline constexpr const char* kFusedLambSchema =
     "fused_lamb_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
@@ -70,7 +74,8 @@ inline constexpr const char* kFusedLambSchema =
     "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
     "bool grad_averaging, bool bias_correction, float max_grad_norm, bool use_nvlamb, "
     "Tensor? grad_norm=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
-    "int chunk_size=65536, bool store_unscaled_grads=False, int? moment_rounding_seed=None) -> ()";
+    "int chunk_size=65536, bool store_unscaled_grads=False, int? moment_rounding_seed=None, "
+    "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None) -> ()";
 
 // state_sums: Adagrad's fp32 sums of squared gradients; lr_decay as torch.optim.Adagrad's.
 inline constexpr const char* kFusedAdagradSchema =

@@ -9,7 +9,15 @@ with peak.optimizers.FusedAdam (AdamW), changing only the optimizer's storage:
     bf16 moments          fp32 masters, bf16 moments (stochastic)
     remainder+bf16 (RNE)  the naive variant: bf16 moments rounded to nearest even
     bf16 moments (RNE)    the same with fp32 masters
+    remainder+8bit        remainder masters, 8-bit block-quantized moments (exp_avg_sq rounded
+                          stochastically, the default)
+    8bit moments          fp32 masters, 8-bit moments
+    remainder+8bit (RNE)  the naive variant: 8-bit exp_avg_sq rounded to nearest
     fp32 state, seed + 1  the baseline with another seed: the spread of an unchanged setup
+
+--only NAME[,NAME...] runs the baseline and the named configurations and replaces (or appends)
+their rows in the existing table; the plot then shows the runs of this invocation (written to
+<out>_<suffix>.png with --plot-suffix).
 
 Gradients are clipped inside the step (max_grad_norm=1.0: NOTE: [Clipping inside the step]), the
 same arithmetic for every storage; clipping through amp.master_params would clip fp32 master
@@ -39,6 +47,7 @@ from peak.optimizers import FusedAdam, memory_report  # noqa: E402
 
 BF16 = torch.bfloat16
 LEAN = dict(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+Q8 = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
 CONFIGS = {
     "fp32 state": {},
     "remainder": dict(store_param_remainders=True),
@@ -46,6 +55,9 @@ CONFIGS = {
     "bf16 moments": dict(LEAN),
     "remainder+bf16 (RNE)": dict(store_param_remainders=True, moment_rounding="nearest", **LEAN),
     "bf16 moments (RNE)": dict(moment_rounding="nearest", **LEAN),
+    "remainder+8bit": dict(store_param_remainders=True, **Q8),
+    "8bit moments": dict(Q8),
+    "remainder+8bit (RNE)": dict(store_param_remainders=True, moment_rounding="nearest", **Q8),
     # The spread of an unchanged setup: the baseline with another seed (weights and data order).
     "fp32 state, seed + 1": dict(seed_offset=1),
 }
@@ -97,15 +109,23 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "docs",
                                                  "_static", "lean_state_convergence"))
+    p.add_argument("--only", default="", help="comma-separated configurations (with the "
+                   "baseline) whose rows replace those of the existing table")
+    p.add_argument("--plot-suffix", default="", help="write the plot to <out>_<suffix>.png")
     args = p.parse_args()
+    only = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in only if n not in CONFIGS]
+    if unknown:
+        p.error(f"--only: unknown configurations {unknown}; choose from {list(CONFIGS)}")
     torch.set_num_threads(args.threads)
     text = load_text("argparse")
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
     data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
     split = int(0.9 * len(data))
+    chosen = {n: kw for n, kw in CONFIGS.items() if not only or n == "fp32 state" or n in only}
     runs = {name: train(name, kw, args, (chars, data[:split], data[split:]))
-            for name, kw in CONFIGS.items()}
+            for name, kw in chosen.items()}
     base_losses, base_val, _, base_weights = runs["fp32 state"]
     base_final = sum(base_losses[-50:]) / 50
     n_params = sum(w.numel() for w in base_weights)
@@ -123,6 +143,19 @@ def main():
         lines.append(f"| {name} | {bpp:.2f} | {final:.4f} | {100 * (final / base_final - 1):+.2f}% "
                      f"| {val:.4f} | {100 * (val / base_val - 1):+.2f}% | "
                      f"{'-' if first is None else first} | {100 * same / n_params:.1f}% |")
+    if only and os.path.exists(args.out + ".md"):  # replace / append the rows of this run
+        with open(args.out + ".md") as f:
+            old = f.read().splitlines()
+        new_rows = {ln.split(" | ")[0]: ln for ln in lines[4:]}
+        base_row = new_rows.pop("| fp32 state")
+        old_base = next((ln for ln in old if ln.startswith("| fp32 state |")), None)
+        if old_base is not None and old_base.split(" | ")[2:5] != base_row.split(" | ")[2:5]:
+            print("note: the baseline differs from the table's; its row is replaced")
+        kept = [base_row if ln.startswith("| fp32 state |") else ln for ln in old
+                if ln.split(" | ")[0] not in new_rows]
+        at = next((i for i, ln in enumerate(kept) if ln.startswith("| fp32 state, seed")),
+                  len(kept))
+        lines = kept[:at] + list(new_rows.values()) + kept[at:]
     table = "\n".join(lines)
     print(table)
     with open(args.out + ".md", "w") as f:
@@ -142,8 +175,9 @@ def main():
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(args.out + ".png", dpi=110)
-    print("wrote", args.out + ".md", "and", args.out + ".png")
+    png = args.out + (f"_{args.plot_suffix}" if args.plot_suffix else "") + ".png"
+    fig.savefig(png, dpi=110)
+    print("wrote", args.out + ".md", "and", png)
 
 
 if __name__ == "__main__":

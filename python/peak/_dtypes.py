@@ -17,18 +17,24 @@ import warnings
 
 import torch
 
-__all__ = ["parse_dtype", "DTYPE_NAMES", "LOW_PRECISION", "FLOATING", "warn_if_slow_fp16", "fp16_cpu_slowdown"]
+__all__ = ["parse_dtype", "DTYPE_NAMES", "LOW_PRECISION", "FLOATING", "MOMENT_STORAGE", "warn_if_slow_fp16", "fp16_cpu_slowdown"]
 
 #: The strings accepted for each dtype (compared case-insensitively; a leading "torch." is ignored).
 DTYPE_NAMES = {
     torch.float16: ("fp16", "float16", "half"),
     torch.bfloat16: ("bf16", "bfloat16"),
     torch.float32: ("fp32", "float32", "float"),
+    # Only as an optimizer's moment storage: 8-bit block-quantized moments (codes and per-block
+    # scales; "Lean optimizer state" in docs/core.md).
+    torch.uint8: ("8bit", "uint8"),
 }
 _BY_NAME = {name: dtype for dtype, names in DTYPE_NAMES.items() for name in names}
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLOATING = (torch.float16, torch.bfloat16, torch.float32)
+#: What a fused optimizer's ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` / ``momentum_dtype`` take
+#: (torch.uint8: 8-bit block-quantized).
+MOMENT_STORAGE = (torch.float32, torch.bfloat16, torch.uint8)
 
 
 class DtypeArgumentError(TypeError, ValueError):

@@ -249,7 +249,8 @@ _fused_novograd_op = torch.ops.peak.fused_novograd_.default
 def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1,
       beta2, eps, weight_decay, amsgrad, adam_w_mode, maximize, bias_correction, grad_scale=None,
       found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None, grad_norm=None,
-      max_grad_norm=0.0, store_unscaled_grads=False, moment_rounding_seed=None):
+      max_grad_norm=0.0, store_unscaled_grads=False, moment_rounding_seed=None,
+      exp_avg_scales=None, exp_avg_sq_scales=None):
     return None
 
 
@@ -257,7 +258,8 @@ def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
 def _(params, grads, master_params, momentum_buffers, steps, *, lr, momentum, dampening,
       weight_decay, nesterov, maximize, grad_scale=None, found_inf=None,
       chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None, grad_norm=None,
-      max_grad_norm=0.0, store_unscaled_grads=False, moment_rounding_seed=None):
+      max_grad_norm=0.0, store_unscaled_grads=False, moment_rounding_seed=None,
+      momentum_scales=None):
     return None
 
 
@@ -265,7 +267,8 @@ def _(params, grads, master_params, momentum_buffers, steps, *, lr, momentum, da
 def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
       weight_decay, adam_w_mode, grad_averaging, bias_correction, max_grad_norm, use_nvlamb,
       grad_norm=None, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
-      store_unscaled_grads=False, moment_rounding_seed=None):
+      store_unscaled_grads=False, moment_rounding_seed=None, exp_avg_scales=None,
+      exp_avg_sq_scales=None):
     return None
 
 

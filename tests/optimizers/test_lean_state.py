@@ -430,7 +430,7 @@ def test_fp16_model_with_remainders_names_the_alternatives():
 def test_bad_lean_arguments():
     p = [torch.zeros(3, requires_grad=True)]
     with pytest.raises(ValueError, match="exp_avg_dtype must be one of torch.float32, "
-                                         "torch.bfloat16, or one of the strings"):
+                                         "torch.bfloat16, torch.uint8"):
         FusedAdam(p, exp_avg_dtype=torch.float16)
     # dtype strings, as everywhere peak takes a dtype
     opt = FusedAdam(p, exp_avg_dtype="bf16", exp_avg_sq_dtype="float32")
@@ -454,7 +454,7 @@ def test_bad_lean_arguments():
     with pytest.raises(ValueError, match="FusedLAMB keeps fp32 masters"):
         FusedLAMB(p, store_param_remainders=True)
     w = torch.zeros(4, dtype=BF16)
-    with pytest.raises(RuntimeError, match="exp_avgs must be float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="exp_avgs must be float32, bfloat16 or uint8"):
         torch.ops.peak.fused_adam_([w], [w.clone()], [], [torch.zeros(4, dtype=torch.float16)],
                                    [torch.zeros(4)], [], [torch.zeros(())], lr=torch.tensor([1.0]),
                                    beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, amsgrad=False,

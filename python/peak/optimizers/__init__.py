@@ -10,10 +10,12 @@ skip happen inside the step. ``LARC`` wraps any optimizer (Apex's ``apex.paralle
 
 Lean state (bf16 models): ``store_param_remainders=True`` keeps each master as the 16 bits the
 bf16 weight drops, and ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (SGD: ``momentum_dtype``) may be
-``torch.bfloat16``: 10 bytes per parameter instead of 16; ``memory_report(model, optimizer)``
+``torch.bfloat16`` (10 bytes per parameter instead of 16) or ``torch.uint8`` (8-bit
+block-quantized: ~8.03 bytes); ``memory_report(model, optimizer)``
 shows where they go. See "Lean optimizer state" in docs/core.md.
 """
-from ._base import FusedOptimizer, export_fp32_state_dict, join_remainder, split_master
+from ._base import FusedOptimizer, join_remainder, split_master
+from ._export import export_fp32_optimizer_state_dict, export_fp32_state_dict
 from ._memory import MemoryReport, memory_report
 from .fused import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedMixedPrecisionLamb,
                     FusedNovoGrad, FusedSGD)
@@ -21,4 +23,5 @@ from .larc import LARC
 
 __all__ = ["FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB", "FusedMixedPrecisionLamb",
            "FusedAdagrad", "FusedNovoGrad", "LARC", "FusedOptimizer", "export_fp32_state_dict",
+           "export_fp32_optimizer_state_dict",
            "memory_report", "MemoryReport", "join_remainder", "split_master"]

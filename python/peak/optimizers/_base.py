@@ -14,18 +14,20 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from peak._dtypes import parse_dtype
+from .._dtypes import MOMENT_STORAGE, parse_dtype
+from ._quant import dequantize, new_state, quantize, scale_key
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
 # Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
 # fp32, or the lean storage a group asks for (see "Lean optimizer state" in docs/core.md).
-FP32_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                   "sum", "master_param", "master_param_remainder")
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+# The per-block scales of 8-bit moments (``exp_avg_scale``...: optimizers/_quant.py).
+SCALE_KEYS = tuple(scale_key(k) for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
+FP32_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                   "sum", "master_param", "master_param_remainder") + SCALE_KEYS
 REMAINDER_KEY = "master_param_remainder"
 LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
              "moment_rounding")
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
@@ -48,6 +50,12 @@ def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     high = ((bits >> 16) + (low >> 15)) & 0xFFFF
     as_int16 = lambda x: torch.where(x >= 2**15, x - 2**16, x).to(torch.int16)  # noqa: E731
     return as_int16(high).view(torch.bfloat16), as_int16(low)
+
+
+def _check_moment_dtype(name, value):
+    """A moment storage argument as a dtype: torch.float32, torch.bfloat16 or torch.uint8
+    (8-bit block-quantized), or one of their strings ("fp32", "bf16", "8bit"...)."""
+    return parse_dtype(value, name, MOMENT_STORAGE, allow_none=False)
 
 
 def _check_moment_rounding(value):
@@ -125,8 +133,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                                  "16-bit remainders; it needs master weights: leave "
                                  "master_weights=None (or True)")
             for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
-                if key in lean:  # dtype strings ("bf16") as everywhere peak takes a dtype
-                    lean[key] = parse_dtype(lean[key], key, _MOMENT_DTYPES, allow_none=False)
+                if key in lean:
+                    lean[key] = _check_moment_dtype(key, lean[key])
+            q8 = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if lean.get(k) == torch.uint8]
+            if len(q8) == 1:
+                other = ({"exp_avg_dtype", "exp_avg_sq_dtype"} - set(q8)).pop()
+                raise ValueError(f"{q8[0]}=torch.uint8 (8-bit block-quantized moments) needs "
+                                 f"{other}=torch.uint8 as well: both moments are 8-bit or "
+                                 "neither")
             _check_moment_rounding(lean.get("moment_rounding", "stochastic"))
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
                         stochastic_rounding_seed=torch.initial_seed() % 2**32,
@@ -195,8 +209,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         # warm-up from 0, amsgrad), and its state then starts here, as torch's would.
         for key in self._state_keys_for(group):
             if key not in state:
-                state[key] = torch.zeros_like(p, dtype=self._state_dtype(group, key),
-                                              memory_format=torch.preserve_format)
+                dtype = self._state_dtype(group, key)
+                if dtype == torch.uint8:  # 8-bit codes and their per-block scales
+                    state[key], state[scale_key(key)] = new_state(p)
+                else:
+                    state[key] = torch.zeros_like(p, dtype=dtype,
+                                                  memory_format=torch.preserve_format)
                 self._state_started(state, key)
         if (group.get("store_param_remainders", False) and p.dtype == torch.float32
                 and not getattr(self, "_warned_fp32_remainders", False)
@@ -401,13 +419,21 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _moment_args(self, group: dict, states: list) -> dict:
         """The kernel's moment_rounding_seed for a bucket: stochastic rounding of bf16 moments
-        unless the group asks for round to nearest (NOTE: [Lean optimizer state])."""
-        lean = any(t.dtype == torch.bfloat16 for s in states[:1] for k, t in s.items()
-                   if k in MOMENT_KEYS)
+        and of 8-bit exp_avg_sq codes unless the group asks for round to nearest (NOTE: [Lean
+        optimizer state], NOTE: [8-bit moments])."""
+        lean = any(t.dtype == torch.bfloat16 or (k == "exp_avg_sq" and t.dtype == torch.uint8)
+                   for s in states[:1] for k, t in s.items() if k in MOMENT_KEYS)
         if not lean or group.get("moment_rounding", "stochastic") != "stochastic":
             return {}
         # Its own key, apart from the weights' stochastic rounding (mixed in by the kernel).
         return {"moment_rounding_seed": int(group["stochastic_rounding_seed"])}
+
+    @staticmethod
+    def _scale_args(states: list, keys: dict) -> dict:
+        """The kernel's scale lists (``{argument: state key}``) for the 8-bit moments of a
+        bucket (NOTE: [8-bit moments]); none for other storage."""
+        return {arg: [s[scale_key(key)] for s in states] for arg, key in keys.items()
+                if states and states[0][key].dtype == torch.uint8}
 
     def _clip_args(self, group: dict, device) -> dict:
         """The kernel's clipping arguments for one bucket (NOTE: [Clipping inside the step])."""
@@ -476,9 +502,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             group = self._group_of(p)
             for key, value in entries.items():
-                if key in ("master_param", REMAINDER_KEY):
+                if key in ("master_param", REMAINDER_KEY) or key in SCALE_KEYS:
                     continue  # below: the masters follow this optimizer's choice
-                if isinstance(value, Tensor):
+                if isinstance(value, Tensor) and key in MOMENT_KEYS:
+                    self._load_moment(p, state, group, key, value, entries.get(scale_key(key)))
+                elif isinstance(value, Tensor):
                     value = value.reshape(()) if key == "step" and value.numel() == 1 else value
                     # Moments in this group's storage: fp32 -> bf16 rounds to nearest even,
                     # bf16 -> fp32 is exact; same dtype is a bit-for-bit copy.
@@ -488,6 +516,27 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
             self._load_master(p, state, group, entries)
             self._complete_loaded_state(p, state)
+
+    def _load_moment(self, p, state, group, key, value, scales) -> None:
+        """A saved moment in this group's storage: the same storage is a bit-for-bit copy; fp32
+        -> bf16 rounds to nearest even; bf16 -> fp32 is exact; 8-bit codes decode exactly to
+        fp32 (then round to bf16 if asked); fp32/bf16 -> 8-bit quantizes per block of 256, to
+        nearest, as the step does (optimizers/_quant.py)."""
+        want = self._state_dtype(group, key)
+        state.pop(scale_key(key), None)
+        if value.dtype == torch.uint8:
+            if scales is None:
+                raise ValueError(f"the checkpoint's {key} is 8-bit (uint8 codes) but has no "
+                                 f"{scale_key(key)}; save and load whole state dicts")
+            if want == torch.uint8:
+                state[key] = value.to(p.device, copy=True)
+                state[scale_key(key)] = scales.to(p.device, torch.float32, copy=True)
+                return
+            value = dequantize(value, scales, key)
+        if want == torch.uint8:
+            state[key], state[scale_key(key)] = quantize(value.to(p.device), key)
+        else:
+            state[key] = value.to(device=p.device, dtype=want, copy=True)
 
     def _load_master(self, p: Tensor, state: dict, group: dict, entries: dict) -> None:
         """A saved master into this optimizer's form: a remainder as it is, or rebuilt into an
@@ -528,45 +577,3 @@ class FusedOptimizer(torch.optim.Optimizer):
 
 
 _MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with
-
-
-def _masters_of(optimizer) -> dict[int, Tensor]:
-    """id(model parameter) -> its fp32 master, wherever the optimizer keeps them: a fused
-    optimizer's state, amp O2's masters (swapped into a torch optimizer's param_groups), or
-    FP16_Optimizer's."""
-    masters: dict[int, Tensor] = {}
-    pairs = []
-    if hasattr(optimizer, "fp32_from_fp16_groups"):  # FP16_Optimizer (it wraps a torch optimizer)
-        pairs += list(zip(optimizer.model_params, optimizer.master_params))
-    stash = getattr(optimizer, "_amp_stash", None)
-    if stash is not None:
-        pairs += list(zip(stash.model_low_params, stash.masters))
-    for p, m in pairs:
-        masters[id(p)] = m
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p, {})
-            if "master_param" in st:
-                masters[id(p)] = st["master_param"]
-            elif REMAINDER_KEY in st:  # the exact fp32 master, rebuilt from weight and remainder
-                masters[id(p)] = join_remainder(p.detach(), st[REMAINDER_KEY])
-    return masters
-
-
-def export_fp32_state_dict(model: torch.nn.Module, optimizer) -> dict:
-    """``model.state_dict()`` in fp32, taking each parameter's value from the optimizer's master
-    copy where it keeps one (exact fp32 weights, not the rounded model copy): a peak fused
-    optimizer, an optimizer that ``amp.initialize`` gave master weights (O2), or
-    ``FP16_Optimizer``. Tied parameters get the master under every name they have."""
-    masters = _masters_of(optimizer)
-    by_name = dict(model.named_parameters(remove_duplicate=False))
-    out = {}
-    for name, value in model.state_dict(keep_vars=True).items():
-        p = by_name.get(name)
-        if p is not None and id(p) in masters:
-            out[name] = masters[id(p)].detach().clone()
-        elif value.is_floating_point():
-            out[name] = value.detach().to(torch.float32, copy=True)
-        else:
-            out[name] = value.detach().clone()
-    return out

@@ -47,8 +47,8 @@ def memory_report(model: torch.nn.Module, optimizer, *, print_report: bool = Fal
     - ``grads``: their gradients, as the step reads them (a parameter without ``.grad`` yet is
       counted at its own dtype: the backward pass will give it one);
     - ``masters``: fp32 master weights, or 16-bit remainders (NOTE: [Remainder masters]);
-    - ``moments``: the optimizer's moments / momentum buffers;
-    - ``scales``: per-block scales of quantized state (none in this version);
+    - ``moments``: the optimizer's moments / momentum buffers (8-bit ones: their uint8 codes);
+    - ``scales``: the per-block fp32 scales of 8-bit moments (``exp_avg_scale``...);
     - ``other``: step counts and anything else in the optimizer state.
 
     Tied parameters are counted once. Works for peak's fused optimizers and for torch

@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ._base import FusedOptimizer, _check_hyper
+from ._base import FusedOptimizer, _check_hyper, _check_moment_dtype
+
+# The kernel's scale-list arguments for 8-bit moments, and the state keys they come from.
+_ADAM_SCALES = {"exp_avg_scales": "exp_avg", "exp_avg_sq_scales": "exp_avg_sq"}
 
 
 def _check_materialize(materialize_master_grads) -> None:
@@ -75,7 +78,9 @@ class FusedSGD(FusedOptimizer):
             maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf,
             stochastic_rounding_seed=self._rounding_seed(group, params),
             store_unscaled_grads=self._step_store_grads, **self._moment_args(group, states),
-            **self._clip_args(group, lr.device))
+            **self._clip_args(group, lr.device),
+            **self._scale_args(states if buffers else [],
+                               {"momentum_scales": "momentum_buffer"}))
 
     def _complete_loaded_state(self, p, state):
         had_step = "step" in state
@@ -94,10 +99,15 @@ class FusedAdam(FusedOptimizer):
     Lean state (see "Lean optimizer state" in docs/core.md): ``store_param_remainders=True``
     keeps the master of each bf16 parameter as the 16 low bits its bf16 weight drops (exact fp32
     masters in 2 bytes; the weight is the master rounded to nearest with ties away from zero);
-    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``torch.float32`` or ``torch.bfloat16``) choose the
-    moments' storage, rounded stochastically (``moment_rounding="stochastic"``, the default) or
-    to nearest even (``"nearest"``). All of them with a bf16 model: 10 bytes per parameter for
-    weights, gradients and optimizer state, against 16 for fp32 state."""
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``torch.float32``, ``torch.bfloat16``, or
+    ``torch.uint8`` for 8-bit block-quantized moments; strings ``"fp32"``, ``"bf16"``, ``"8bit"``
+    too) choose the moments' storage. bf16 moments are rounded stochastically
+    (``moment_rounding="stochastic"``, the default) or to nearest even (``"nearest"``). 8-bit
+    moments (both or neither) are uint8 codes with one fp32 scale per 256 elements
+    (``state["exp_avg_scale"]``, ``state["exp_avg_sq_scale"]``), rounded to nearest: a signed
+    small-float map for ``exp_avg``, one of ``sqrt(exp_avg_sq)`` for ``exp_avg_sq``. With a bf16
+    model and remainders: 10 bytes per parameter for weights, gradients and optimizer state with
+    bf16 moments, ~8.03 with 8-bit ones, against 16 for fp32 state."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
@@ -117,9 +127,12 @@ class FusedAdam(FusedOptimizer):
                         bias_correction=bias_correction, maximize=maximize,
                         max_grad_norm=float(max_grad_norm))
         _check_materialize(materialize_master_grads)
+        exp_avg_dtype = _check_moment_dtype("exp_avg_dtype", exp_avg_dtype)
+        exp_avg_sq_dtype = _check_moment_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
         if amsgrad and (exp_avg_dtype != torch.float32 or exp_avg_sq_dtype != torch.float32):
             raise ValueError("amsgrad=True keeps fp32 moments: leave exp_avg_dtype and "
-                             "exp_avg_sq_dtype at torch.float32, or set amsgrad=False")
+                             "exp_avg_sq_dtype at torch.float32, or set amsgrad=False (bf16 "
+                             "and 8-bit moments are for Adam without amsgrad)")
         lean = dict(store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
                     exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
@@ -156,7 +169,8 @@ class FusedAdam(FusedOptimizer):
             stochastic_rounding_seed=self._rounding_seed(group, params),
             store_unscaled_grads=self._step_store_grads,
             **self._moment_args(group, states),
-            **self._clip_args(group, lr.device))
+            **self._clip_args(group, lr.device),
+            **self._scale_args(states, _ADAM_SCALES))
 
     def _complete_loaded_state(self, p, state):
         super()._complete_loaded_state(p, state)
@@ -220,7 +234,7 @@ class FusedLAMB(FusedOptimizer):
             bias_correction=group["bias_correction"], max_grad_norm=group["max_grad_norm"],
             use_nvlamb=group["use_nvlamb"], grad_norm=norm, grad_scale=grad_scale,
             found_inf=found_inf, store_unscaled_grads=self._step_store_grads,
-            **self._moment_args(group, states))
+            **self._moment_args(group, states), **self._scale_args(states, _ADAM_SCALES))
 
 
 class FusedAdamW(FusedAdam):

@@ -1,0 +1,108 @@
+"""8-bit block-quantized moments outside the step: converting a checkpoint's moments to and from
+codes and scales (NOTE: [8-bit moments] in csrc/core/block_quant.h, "Lean optimizer state" in
+docs/core.md). The step itself quantizes in C++; these float32 torch expressions follow the same
+operations in the same order, so a moment quantized here codes as the kernels would code it.
+
+Format: one uint8 code per element and one float32 scale per block of 256 consecutive elements
+(the last block of a tensor may be short); the scale is the block's absmax (of ``|m|`` for
+``exp_avg`` and the momentum buffer, of ``v`` for ``exp_avg_sq``). A code is a small float of
+the value relative to its block: ``exp_avg``: sign + 3 exponent + 4 mantissa bits of
+``|m| / absmax``; ``exp_avg_sq``: 3 exponent + 5 mantissa bits of ``sqrt(v) / sqrt(absmax)``.
+Code 0 is 0; a positive ``v`` never codes as 0.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+BLOCK = 256
+SCALE_SUFFIX = "_scale"
+# (exponent bits, mantissa bits, signed, sqrt-coded) per moment key.
+FORMATS = {"exp_avg": (3, 4, True, False), "momentum_buffer": (3, 4, True, False),
+           "exp_avg_sq": (3, 5, False, True)}
+
+
+def scale_key(key: str) -> str:
+    return key + SCALE_SUFFIX
+
+
+def num_blocks(numel: int) -> int:
+    return math.ceil(numel / BLOCK)
+
+
+def _memory_order(x: Tensor) -> list[int]:
+    """Dims from outermost to innermost in memory: the kernels walk (and block) a tensor in
+    memory order, which is the logical order only for contiguous tensors."""
+    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+
+
+def _flat(x: Tensor) -> Tensor:
+    return x.detach().permute(_memory_order(x)).reshape(-1)
+
+
+def _unflat(flat: Tensor, like: Tensor, dtype) -> Tensor:
+    out = torch.empty_like(like, dtype=dtype, memory_format=torch.preserve_format)
+    out.permute(_memory_order(out)).copy_(flat.view([like.shape[d] for d in _memory_order(like)]))
+    return out
+
+
+def _blocks(x: Tensor) -> Tensor:
+    flat = _flat(x).to(torch.float32)
+    pad = num_blocks(flat.numel()) * BLOCK - flat.numel()
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)
+
+
+def _top(m: int) -> float:
+    return 2.0 - 2.0 ** -m
+
+
+def quantize(x: Tensor, key: str) -> tuple[Tensor, Tensor]:
+    """(uint8 codes shaped like ``x``, float32 scales): ``x`` (any float dtype) in ``key``'s
+    8-bit format, rounded to nearest as the kernels round."""
+    e, m, signed, sqrt = FORMATS[key]
+    blocks = _blocks(x)
+    mag = blocks.abs() if signed else blocks
+    absmax = mag.amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+    coded = absmax.sqrt() if sqrt else absmax
+    top = torch.tensor(_top(m), dtype=torch.float32)
+    inv = torch.where(coded > 0, top / coded, torch.zeros_like(coded))
+    a = blocks.sqrt() if sqrt else blocks.abs()
+    t = a * inv[:, None]
+    t = torch.where(t < top, t, top)
+    f = (t.view(torch.int32).to(torch.int64) + (1 << (22 - m))) & ~((1 << (23 - m)) - 1)
+    k = (f >> 23) - (127 - (2 ** e - 1))
+    q = torch.where(k < 0, torch.zeros_like(k), (k.clamp(min=0) << m) | ((f >> (23 - m)) & (2 ** m - 1)))
+    if signed:
+        q = q | torch.where(blocks < 0, 0x80, 0)
+    else:
+        q = torch.where((q == 0) & (a > 0), torch.ones_like(q), q)
+    codes = _unflat(q.reshape(-1)[: x.numel()].to(torch.uint8), x, torch.uint8)
+    return codes, absmax.to(x.device)
+
+
+def dequantize(codes: Tensor, scales: Tensor, key: str) -> Tensor:
+    """The float32 moments that ``codes`` and ``scales`` stand for (exactly as the kernels
+    decode them)."""
+    e, m, signed, sqrt = FORMATS[key]
+    q = _blocks(codes.to(torch.int32)).to(torch.int64)  # (exact: codes < 2**24)
+    mag_bits = q & (2 ** (e + m) - 1)
+    bits = (((mag_bits >> m) + (127 - (2 ** e - 1))) << 23) | ((mag_bits & (2 ** m - 1)) << (23 - m))
+    level = torch.where(mag_bits == 0, 0, bits).to(torch.int32).view(torch.float32)
+    scales = scales.detach().reshape(-1).to(torch.float32)
+    coded = scales.sqrt() if sqrt else scales
+    inv_top = torch.tensor(np.float32(1.0) / np.float32(_top(m)), dtype=torch.float32)
+    value = level * (coded * inv_top)[:, None]
+    if sqrt:
+        value = value * value
+    if signed:
+        value = torch.where((q & 0x80) != 0, -value, value)
+    return _unflat(value.reshape(-1)[: codes.numel()], codes, torch.float32)
+
+
+def new_state(p: Tensor) -> tuple[Tensor, Tensor]:
+    """Zero codes and scales for a moment of parameter ``p`` (they decode to 0)."""
+    return (torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format),
+            torch.zeros(num_blocks(p.numel()), dtype=torch.float32, device=p.device))
