@@ -13,7 +13,7 @@ from torch import Tensor
 from . import ops
 
 __all__ = ["group_by_device_dtype", "OverflowFlags", "sum_flags", "LossScale",
-           "unscale_grads_", "core_attribute"]
+           "unscale_grads_", "core_attribute", "optimizer_gradients", "agree_on_overflow"]
 
 
 def group_by_device_dtype(*lists: Sequence[Tensor]) -> list:
@@ -54,11 +54,8 @@ class OverflowFlags(dict):
         flag = self.get(device)
         if flag is None:
             first = self._first
-            if first is not None and first.device == device:
-                flag = first
-            else:
-                flag = torch.zeros(self.shape, dtype=torch.float32, device=device)
-            self[device] = flag
+            flag = self[device] = first if first is not None and first.device == device else (
+                torch.zeros(self.shape, dtype=torch.float32, device=device))
         return flag
 
     def zero_(self) -> None:
@@ -102,9 +99,8 @@ def unscale_grads_(grads: list[Tensor], inv_scale: Tensor | float, found_inf: Ov
             inv = per_device_inv.get(device)
             if inv is None:
                 inv = per_device_inv[device] = inv_scale.to(device, non_blocking=True, copy=True)
-        flags = None
-        if on_group is not None:
-            flags = torch.zeros(len(indices), dtype=torch.float32, device=device)
+        flags = None if on_group is None else torch.zeros(len(indices), dtype=torch.float32,
+                                                          device=device)
         group = columns[0]
         if float64 and dtype == torch.float64 and outputs is None:
             _unscale_with_torch(group, inv, flag, flags)
@@ -208,3 +204,44 @@ def core_attribute(name: str) -> property:
     written through: the front doors keep their own names, the core holds the values."""
     return property(lambda self: getattr(self._core, name),
                     lambda self, value: setattr(self._core, name, value))
+
+
+def agree_on_overflow(optimizer, per_device_found_inf: dict) -> None:
+    """Sharded gradients: an inf/NaN in one rank's shard must skip the step on every rank, so the
+    overflow flags are all-reduced (MAX) over every dimension of the gradients' meshes (what
+    torch's ShardedGradScaler does for FSDP1). Ordinary gradients (DDP all-reduced them already,
+    or one process) cost nothing here."""
+    meshes = {id(m): m for group in optimizer.param_groups for p in group["params"]
+              if (m := getattr(p.grad, "device_mesh", None)) is not None}
+    if not meshes:
+        return
+    import torch.distributed as dist  # noqa: PLC0415 (only for sharded gradients)
+
+    for device in sorted(per_device_found_inf, key=str):
+        flag = per_device_found_inf[device]
+        for mesh in meshes.values():
+            for dim in range(mesh.ndim):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+
+
+def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:
+    """The optimizer's gradients as the kernels take them and, with ``with_owners``, their
+    ``(param, group index, param index)``. A DTensor gradient is its local shard; a sparse one its
+    values -- coalesced first for fp16/bf16, whose duplicate indices may overflow only once summed
+    (torch does this for fp16), replacing ``.grad``."""
+    grads, owners = [], []
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, param in enumerate(group["params"]):
+            grad = param.grad
+            if grad is None:
+                continue
+            if hasattr(grad, "device_mesh") and getattr(grad, "_local_tensor", None) is not None:
+                grad = grad._local_tensor  # a DTensor (FSDP2): its local shard, same storage
+            if grad.is_sparse:
+                if grad.dtype in (torch.float16, torch.bfloat16):
+                    param.grad = grad = grad.coalesce()
+                grad = grad._values()
+            grads.append(grad)
+            if with_owners:
+                owners.append((param, gi, pi))
+    return grads, owners

@@ -22,8 +22,7 @@ class AmpState:
 
     def reset(self) -> None:
         """Forget what a previous ``initialize`` set up (called at the start of ``initialize``)."""
-        if hasattr(self, "opt_properties"):
-            del self.opt_properties
+        self.__dict__.pop("opt_properties", None)
         self.loss_scalers: list = []
         self.min_loss_scale = None
         self.max_loss_scale = 2.0**24
@@ -52,13 +51,10 @@ def warn_or_err(msg: str, exc_type: type = RuntimeError) -> None:
 
 
 def maybe_print(msg: str, rank0: bool = False) -> None:
-    if _amp_state.verbosity <= 0:
+    dist = torch.distributed
+    if _amp_state.verbosity <= 0 or (rank0 and dist.is_available() and dist.is_initialized()
+                                     and dist.get_rank() != 0):
         return
-    if rank0:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_rank() != 0:
-                return
     print(msg)
 
 
@@ -86,6 +82,4 @@ def master_params(optimizer):
         # gradients: the masters get fp32 gradients for clipping, which the step then reads.
         yield from stash.fused_master_params()
         return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            yield p
+    yield from (p for group in optimizer.param_groups for p in group["params"])

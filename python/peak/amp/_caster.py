@@ -169,23 +169,16 @@ def _apply_registrations() -> None:
     while _pending:
         module, name, policy = _pending.pop(0)
         had, own = name in vars(module), vars(module).get(name)
-        # The descriptor itself, also when a class inherits it (getattr would hand back the
-        # function a staticmethod holds, or a classmethod bound to this class).
-        raw = own
-        if isinstance(module, type):
-            try:
-                raw = inspect.getattr_static(module, name)
-            except AttributeError:  # found only through a metaclass __getattr__
-                raw = None
-        orig = getattr(module, name)
-        # A class's static/class methods stay what they are (wrapping what getattr returns would
-        # turn a staticmethod into an instance method, and bind a classmethod to this class).
-        if isinstance(raw, staticmethod):
-            new = staticmethod(decorator(policy)(raw.__func__))
-        elif isinstance(raw, classmethod):
-            new = classmethod(decorator(policy)(raw.__func__))
+        # The descriptor itself, also when a class inherits it (None: found only through a
+        # metaclass __getattr__). A class's static/class methods stay what they are (wrapping
+        # what getattr returns would turn a staticmethod into an instance method, and bind a
+        # classmethod to this class).
+        raw = inspect.getattr_static(module, name, None) if isinstance(module, type) else own
+        if isinstance(raw, (staticmethod, classmethod)):
             orig = raw.__func__
+            new = type(raw)(decorator(policy)(orig))
         else:
+            orig = getattr(module, name)
             new = decorator(policy)(orig)
         _applied.append((module, name, policy, had, own, orig, _c.get_policy(orig)))
         _c.set_policy(orig, CODES[policy])
@@ -344,8 +337,7 @@ def _patch(fn) -> None:
     functools.update_wrapper(wrapper, fn)
     for owner, name in sites:
         own = owner.__dict__ if isinstance(owner, type) else vars(owner)
-        had = name in own
-        prev = own.get(name)
+        had, prev = name in own, own.get(name)
         setattr(owner, name, _c.instancemethod(wrapper) if isinstance(owner, type) else wrapper)
         _patched.append((owner, name, had, prev))
 
@@ -382,7 +374,7 @@ cache_stats = _c.cache_stats
 
 @contextlib.contextmanager
 def disabled():
-    """Run the body without O1 casts (exception safe, unlike Apex's ``disable_casts``)."""
+    """Run the body without O1 casts (``amp.disable_casts``; exception safe, unlike Apex's)."""
     _c.suspend()
     try:
         yield

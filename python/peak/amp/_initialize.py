@@ -142,10 +142,8 @@ def _check_fp32(model: nn.Module) -> None:
 
 
 def first_device(models) -> torch.device:
-    for model in models:
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            return t.device
-    return torch.device("cpu")
+    devices = (t.device for m in models for t in itertools.chain(m.parameters(), m.buffers()))
+    return next(devices, torch.device("cpu"))
 
 
 def process(models, optimizers, properties, cast_model_outputs) -> None:
@@ -205,8 +203,7 @@ def _warn_on_training_without_masters(models, opt_level) -> None:
             "round away). Pass the optimizer to amp.initialize: model, optimizer = "
             "amp.initialize(model, optimizer, opt_level=...).", UserWarning, stacklevel=2)
 
-    for p in params:
-        handles.append(p.register_post_accumulate_grad_hook(warn))
+    handles.extend(p.register_post_accumulate_grad_hook(warn) for p in params)
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> dict:
@@ -296,9 +293,8 @@ def cast_tree(value, dtype):
     numpy arrays, modules and anything else pass through unchanged."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
-    if value is None or isinstance(value, (str, bytes, nn.Module, int, float, bool)):
-        return value
-    if type(value).__module__ == "numpy":
+    if (value is None or isinstance(value, (str, bytes, nn.Module, int, float, bool))
+            or type(value).__module__ == "numpy"):
         return value
     if hasattr(value, "to") and callable(value.to):
         return value.to(dtype)

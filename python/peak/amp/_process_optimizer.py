@@ -74,7 +74,7 @@ class AmpOptimizerState:
         self.own_master_params: list[torch.Tensor] = []
         self.grad_stash: list | None = None
         self.loaded_masters = None  # masters read from a checkpoint, applied after load_state_dict
-        self.copy_flags: dict = {}  # per-device throwaway overflow flags for master->model copies
+        self.copy_flags = OverflowFlags()  # throwaway overflow flags for master->model copies
         self.orig_step = optimizer.step
         self.orig_zero_grad = optimizer.zero_grad
         self.orig_add_param_group = optimizer.add_param_group
@@ -116,16 +116,9 @@ class AmpOptimizerState:
 
     def copy_masters_to_model(self) -> None:
         with torch.no_grad():
-            for device, _, _, (masters, models) in group_by_device_dtype(self.masters,
-                                                                         self.model_low_params):
-                if device not in self.copy_flags:
-                    self.copy_flags[device] = ops.new_found_inf(device)
-                ops.multi_tensor_scale_(masters, models, 1.0, self.copy_flags[device])
+            unscale_grads_(self.masters, 1.0, self.copy_flags, outputs=self.model_low_params)
 
     # ------------------------------------------------------------------ fused path
-    def fused_grads(self):
-        return [p.grad for p in self.fused_params if p.grad is not None]
-
     def fused_prepare_backward(self, scaler) -> None:
         """Gradients still pending from an earlier pass carry that pass's scale: bring them to the
         scale of the pass about to run, so that the backward accumulates like with like. After an
@@ -146,17 +139,7 @@ class AmpOptimizerState:
                 p.grad = None
         else:
             _rescale_([p.grad for p in params], scaler.scale, self.fused_grad_scale)
-        self.fused_grad_scale = None
-        self.fused_grad_norm = None
-
-    def fused_abort_backward(self) -> None:
-        """The backward pass raised: put set-aside gradients back as they were."""
-        if self.fused_set_aside is not None:
-            params, grads, scale = self.fused_set_aside
-            for p, g in zip(params, grads):
-                p.grad = g
-            self.fused_grad_scale = scale
-            self.fused_set_aside = None
+        self.fused_grad_scale = self.fused_grad_norm = None
 
     def fused_post_backward(self, scaler) -> None:
         self.fused_grad_norm = None
@@ -171,7 +154,7 @@ class AmpOptimizerState:
                                   out=flag)
                     self.fused_grad_norm = norm
             else:  # after an overflow: the new gradients alone, then the earlier ones added back
-                scaler.check(self.fused_grads())
+                scaler.check([p.grad for p in self.fused_params if p.grad is not None])
                 if self.fused_set_aside is not None:
                     self._add_back_set_aside(scaler)
         self.fused_grad_scale = scaler.scale.clone()  # taken before the scale is updated
@@ -232,6 +215,9 @@ class AmpOptimizerState:
                 yield master if master is not None else p
 
     def drop_master_grads(self) -> None:
+        """Drop the fp32 masters' gradients (amp's masters and a fused optimizer's)."""
+        for m in self.masters:
+            m.grad = None
         for p in self.fused_params:
             master = (self.optimizer.state.get(p) or {}).get("master_param")
             if master is not None:
@@ -247,13 +233,19 @@ class AmpOptimizerState:
             p.grad = None
 
     def abort_backward(self) -> None:
-        """Undo ``prepare_backward`` (the backward pass raised): restore the stashed gradients."""
+        """Undo ``prepare_backward`` / ``fused_prepare_backward`` (the backward pass raised):
+        restore the stashed gradients, put set-aside ones back as they were."""
         if self.grad_stash is not None:
             for p, s in zip(self.own_master_params, self.grad_stash):
                 p.grad = s
         for p in self.model_low_params:
             p.grad = None
         self.grad_stash = None
+        if self.fused_set_aside is not None:
+            params, grads, self.fused_grad_scale = self.fused_set_aside
+            for p, g in zip(params, grads):
+                p.grad = g
+            self.fused_set_aside = None
 
     def post_backward(self, scaler) -> None:
         """Unscale the backward's gradients into the master gradients (own masters: in place),
@@ -285,8 +277,8 @@ class AmpOptimizerState:
 def _rescale_(grads, new_scale: torch.Tensor, old_scale: torch.Tensor) -> None:
     """Bring gradients that carry ``old_scale`` to ``new_scale`` (device tensors)."""
     with torch.no_grad():
-        for device, _, _, (group,) in group_by_device_dtype(grads):
-            torch._foreach_mul_(group, (new_scale.to(device) / old_scale.to(device)).reshape(()))
+        ratio = new_scale / old_scale.to(new_scale.device)
+        unscale_grads_(grads, ratio, OverflowFlags(ratio.shape), float64=True)
 
 
 def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool = False) -> None:
@@ -341,11 +333,8 @@ def _step(self, closure=None):
         maybe_print("Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}"
                     .format(loss_id, new_scale))
         log_skip_step(step_index, loss_id, new_scale, type(self).__name__)
-        for m in stash.masters:
-            m.grad = None
-        if stash.fused:
-            stash.drop_master_grads()
-            stash.fused_grad_scale = stash.fused_grad_norm = None
+        stash.drop_master_grads()
+        stash.fused_grad_scale = stash.fused_grad_norm = None
         return loss
     if stash.masters and not stash.warned_no_master_grads:
         _warn_if_backward_bypassed_amp(stash)
@@ -391,8 +380,7 @@ def _zero_grad(self, set_to_none: bool = True):
                 p.grad = None
             else:
                 p.grad.detach_().zero_()
-    stash.grad_stash = stash.fused_grad_scale = stash.fused_grad_norm = None
-    stash.fused_set_aside = None
+    stash.grad_stash = stash.fused_grad_scale = stash.fused_grad_norm = stash.fused_set_aside = None
     stash.params_have_scaled_gradients = False
     if stash.fused:
         stash.drop_master_grads()

@@ -5,20 +5,16 @@ docs/torch_dialect.md and docs/caster.md.
 """
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import functools
 from typing import Any, Callable, Iterable
 
 import torch
 
+from torch.amp.autocast_mode import _cast  # torch's cast of custom_fwd's inputs, as torch's
+
 from .. import _C, _dtypes
 from . import _caster
-
-try:
-    import numpy as _np
-except ModuleNotFoundError:  # pragma: no cover
-    _np = None
 
 __all__ = ["autocast", "custom_fwd", "custom_bwd", "TORCH_AUTOCAST_LISTS",
            "TORCH_AUTOCAST_LIST_CHANGES"]
@@ -71,8 +67,7 @@ def _torch_lists() -> dict:
 def __getattr__(name: str):
     """``TORCH_AUTOCAST_LISTS`` (see ``_torch_lists``), read from torch on first use."""
     if name == "TORCH_AUTOCAST_LISTS":
-        lists = globals()["TORCH_AUTOCAST_LISTS"] = _torch_lists()
-        return lists
+        return globals().setdefault(name, _torch_lists())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -127,20 +122,10 @@ class autocast(torch.amp.autocast_mode.autocast):
     """``torch.autocast(device_type, dtype=None, enabled=True, cache_enabled=None)``, as a context
     manager or decorator, plus per-region list edits.
 
-    ``dtype`` also takes peak's dtype strings (``"bf16"``, ``"bfloat16"``, ``"fp16"``,
-    ``"float16"``, ``"half"``).
-
-    Args:
-        fp32_ops: torch functions (``torch.mm``, ``torch.nn.functional.linear``,
-            ``torch.Tensor.exp``) or their names (``"mm"``, ``"linear"``, ``"aten::conv2d"``;
-            an overload suffix is ignored) to run in float32 inside this region.
-        lower_ops: the same, to run in the region's lower-precision ``dtype``.
-
-    A listed op takes precedence over torch's lists (``fp32_ops=["mm"]`` runs ``mm`` in fp32
-    under CPU/CUDA autocast). An entry names the function and its Tensor method
-    (``torch.mm`` and ``x.mm``; ``"matmul"`` also covers ``@``), not in-place variants. Nested
-    regions inherit the edits of outer ones; the innermost edit of an op wins. Edits apply only
-    where autocast for ``device_type`` is enabled.
+    ``dtype`` also takes peak's dtype strings (``"bf16"``, ``"fp16"``, ...). ``fp32_ops`` /
+    ``lower_ops``: torch functions (``torch.mm``, ``torch.Tensor.exp``) or their names (``"mm"``)
+    to run in float32 / in ``dtype`` inside this region, over torch's lists; nested regions
+    inherit them, the innermost wins (docs/torch_dialect.md, "List edits").
     """
 
     def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
@@ -176,29 +161,6 @@ class autocast(torch.amp.autocast_mode.autocast):
         if edited:
             _caster.pop_edits()
         return super().__exit__(exc_type, exc_val, exc_tb)
-
-
-def _cast(value, device_type: str, dtype: torch.dtype):
-    """torch.amp's ``_cast``: floating tensors (not float64) on ``device_type`` to ``dtype``,
-    looking inside mappings (keys too), lists, tuples and other iterables; str/bytes and numpy
-    arrays pass through."""
-    if isinstance(value, torch.Tensor):
-        eligible = (value.is_floating_point() and value.dtype is not torch.float64
-                    and value.device.type == device_type)
-        return value.to(dtype) if eligible else value
-    if isinstance(value, (str, bytes)):
-        return value
-    if _np is not None and isinstance(value, _np.ndarray):
-        return value
-    if isinstance(value, collections.abc.Mapping):
-        return {_cast(k, device_type, dtype): _cast(v, device_type, dtype)
-                for k, v in value.items()}
-    if isinstance(value, collections.abc.Iterable):
-        iterable = (_cast(v, device_type, dtype) for v in value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(iterable)
-        return iterable
-    return value
 
 
 def _check_device_type(device_type) -> None:
@@ -277,10 +239,9 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
                                  "torch.amp.custom_fwd); decorate both forward and backward")
         region = autocast(device_type=device_type, enabled=ctx._fwd_used_autocast,
                           dtype=ctx._dtype)
-        merged: dict = {}
-        for codes in getattr(ctx, "_peak_edits", []):  # outer first, inner edits win
-            merged.update(codes)
-        region._edits = merged or None
+        # The forward's open edits, outer first: inner edits win.
+        region._edits = {fn: code for codes in getattr(ctx, "_peak_edits", [])
+                         for fn, code in codes.items()} or None
         with region, (_caster.disabled() if getattr(ctx, "_peak_o1_off", False)
                       else contextlib.nullcontext()):
             return bwd(*args, **kwargs)

@@ -40,8 +40,7 @@ class Properties:
     def __init__(self) -> None:
         self.__dict__["options"] = OrderedDict(
             enabled=False, opt_level=None, cast_model_type=None, patch_torch_functions=False,
-            keep_batchnorm_fp32=None, master_weights=None, loss_scale=1.0,
-        )
+            keep_batchnorm_fp32=None, master_weights=None, loss_scale=1.0)
         # peak: the low-precision dtype this run uses (fp16/bf16), or None for fp32 training.
         self.__dict__["low_precision_dtype"] = None
 
@@ -79,16 +78,13 @@ class Properties:
             if not o1 and value:
                 warn_or_err("Currently, patch_torch_functions=True should only be set by "
                             "selecting opt_level='O1'.")
-        elif name == "keep_batchnorm_fp32":
+        elif name in ("keep_batchnorm_fp32", "master_weights"):
             if o1 and value is not None:
                 warn_or_err("With opt_level O1, batchnorm functions are automatically patched to "
                             "run in FP32, so keep_batchnorm_fp32 should be None. "
-                            f"keep_batchnorm_fp32 was {value}")
-            value = _parse_bool(name, value)
-        elif name == "master_weights":
-            if o1 and value is not None:
-                warn_or_err("It doesn't make sense to use master_weights with O1. With O1, your "
-                            "model weights themselves should be FP32.")
+                            f"keep_batchnorm_fp32 was {value}" if name == "keep_batchnorm_fp32"
+                            else "It doesn't make sense to use master_weights with O1. With O1, "
+                            "your model weights themselves should be FP32.")
             value = _parse_bool(name, value)
         elif name == "loss_scale":
             value = parse_loss_scale(value)
@@ -167,20 +163,15 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     shape passed in.
 
     peak additions (docs/amp_api.md, "Low-precision dtype"): ``low_precision_dtype`` (keyword
-    only; ``torch.float16``/``torch.bfloat16`` or ``"fp16"``/``"bf16"``; default fp16, as Apex),
-    the run's lower precision at any opt_level (O1's casts, O2/O3's model type); with bf16, O1
-    and O2 default to a static loss scale of 1.0 (pass ``loss_scale="dynamic"`` to scale anyway);
-    ``cast_model_type=torch.bfloat16`` for O2/O3; dtype strings (``"bf16"``, ``"fp32"``, ...) for
-    every dtype argument; CPU models.
+    only, ``torch.bfloat16`` or ``"bf16"``, default fp16), the run's lower precision at any
+    opt_level (bf16: loss scale 1.0 unless ``loss_scale`` is passed); dtype strings; CPU models.
     """
     _amp_state.verbosity = verbosity
 
     if not enabled:
         _reset_global_state()
         _amp_state.opt_properties = Properties()
-        if optimizers is None:
-            return models
-        return models, optimizers
+        return models if optimizers is None else (models, optimizers)
 
     if opt_level not in opt_levels:
         raise RuntimeError(
@@ -247,10 +238,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         _amp_state.handle = AmpHandle()
     _dtypes.warn_if_slow_fp16(properties.low_precision_dtype, device.type,
                               fix='low_precision_dtype=torch.bfloat16 (or "bf16")')
-
-    if optimizers is None:
-        return models
-    return models, optimizers
+    return models if optimizers is None else (models, optimizers)
 
 
 def _apply_low_precision_dtype(properties, low_precision_dtype, cast_model_type, loss_scale):
@@ -261,12 +249,8 @@ def _apply_low_precision_dtype(properties, low_precision_dtype, cast_model_type,
             raise ValueError(f"cast_model_type={cast_model_type} and low_precision_dtype="
                              f"{low_precision_dtype} disagree; pass only one of them")
         properties.cast_model_type = cmt = low_precision_dtype
-    if cmt in LOW_DTYPES:
-        low = cmt
-    elif properties.patch_torch_functions:
-        low = low_precision_dtype or torch.float16
-    else:
-        low = None
+    low = cmt if cmt in LOW_DTYPES else (  # O1 casts to the run's dtype, fp16 by default
+        (low_precision_dtype or torch.float16) if properties.patch_torch_functions else None)
     properties.low_precision_dtype = low
     if low == torch.bfloat16 and loss_scale is None and properties.loss_scale == "dynamic":
         properties.loss_scale = 1.0

@@ -5,6 +5,8 @@ scaling core (``peak.scaling``), plus what torch's lacks: see docs/torch_dialect
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import warnings
 from collections import abc, defaultdict
 from importlib.util import find_spec
@@ -14,9 +16,9 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .. import _C
-from ..scaling import LossScale, OverflowFlags, core_attribute, sum_flags, unscale_grads_
-from ._scaler_inputs import agree_on_overflow as _agree_on_overflow
-from ._scaler_inputs import check_options, optimizer_gradients
+from ..scaling import (LossScale, OverflowFlags, core_attribute, optimizer_gradients, sum_flags,
+                       unscale_grads_)
+from ..scaling import agree_on_overflow as _agree_on_overflow
 from .overflow_report import OverflowAttribution, OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
@@ -30,23 +32,66 @@ OptState = _torch_grad_scaler.OptState
 _refresh_per_optimizer_state = _torch_grad_scaler._refresh_per_optimizer_state
 
 
+class _ConfigError(ValueError, AssertionError):
+    """A bad constructor argument where torch raises AssertionError (growth/backoff factors)."""
+
+
+def _number(kind: type, name: str, value):
+    """``value`` as a ``kind`` (float: a real number -- Python, numpy or a one-element floating
+    tensor, as torch takes; int: an integral one), else a TypeError."""
+    if (kind is float and isinstance(value, torch.Tensor) and value.numel() == 1
+            and value.is_floating_point()):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(
+            value, numbers.Real if kind is float else numbers.Integral):
+        raise TypeError(f"GradScaler: {name} must be {'a float' if kind is float else 'an int'}, "
+                        f"got {type(value).__name__} ({value!r})")
+    return kind(value)
+
+
+def check_options(options: dict, on_min_scale) -> dict:
+    """GradScaler's options as numbers, or the error torch (or peak, for its own) raises."""
+    ints, optional = ("growth_interval", "hysteresis"), ("min_scale", "max_scale")
+    o = {name: None if value is None and name in optional
+         else _number(int if name in ints else float, name, value)
+         for name, value in options.items()}
+    if on_min_scale not in ("warn", "raise", "keep"):
+        raise ValueError(f"GradScaler: on_min_scale must be one of ('warn', 'raise', 'keep'), "
+                         f"got {on_min_scale!r}")
+    # torch's two checks (AssertionError there; _ConfigError is also an AssertionError).
+    if o["growth_factor"] <= 1.0:
+        raise _ConfigError("The growth factor must be > 1.0.")
+    if o["backoff_factor"] >= 1.0:
+        raise _ConfigError("The backoff factor must be < 1.0.")
+    init_scale, min_scale, max_scale = o["init_scale"], o["min_scale"], o["max_scale"]
+    if not (math.isfinite(init_scale) and init_scale > 0):
+        raise ValueError(f"GradScaler: init_scale must be finite and > 0, got {init_scale}")
+    if not o["backoff_factor"] > 0:
+        raise ValueError(f"GradScaler: backoff_factor must be > 0, got {o['backoff_factor']}")
+    if o["growth_interval"] < 1:
+        raise ValueError(f"GradScaler: growth_interval must be >= 1, got {o['growth_interval']}")
+    if o["hysteresis"] < 1:
+        raise ValueError(f"GradScaler: hysteresis must be >= 1 (1 backs off at the first "
+                         f"overflow, as torch), got {o['hysteresis']}")
+    if min_scale is not None and not (0 <= min_scale <= init_scale):
+        raise ValueError(f"GradScaler: min_scale={min_scale} must be in [0, init_scale="
+                         f"{init_scale}]; lower min_scale or raise init_scale")
+    if max_scale is not None and not (max_scale >= init_scale):
+        raise ValueError(f"GradScaler: max_scale={max_scale} must be >= init_scale="
+                         f"{init_scale}; raise max_scale or lower init_scale")
+    return o
+
+
 class GradScaler(OverflowAttribution, torch.amp.GradScaler):
     """Gradient scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``
-    (a subclass, so ``isinstance(scaler, torch.amp.GradScaler)`` holds; every method is peak's).
+    (a subclass, so ``isinstance(scaler, torch.amp.GradScaler)`` holds; every method is peak's,
+    a few of them running torch's code over peak's state).
 
-    ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` as with torch.
-    The first five keyword arguments and ``enabled`` mean what they mean in torch. Beyond torch:
-
-    Args:
-        hysteresis (int): the scale backs off only after this many overflowing iterations in a
-            row (Megatron/DeepSpeed style; 1 = back off at once, as torch). Steps with inf/NaN
-            gradients are always skipped, whatever the hysteresis.
-        min_scale (float or None): floor of the scale (None: no floor, as torch).
-        max_scale (float or None): ceiling of the scale (None: no ceiling, as torch).
-        on_min_scale ("warn", "raise" or "keep"): when gradients overflow while the scale is at
-            ``min_scale``, ``update()`` keeps it there and emits a RuntimeWarning, raises
-            RuntimeError, or says nothing (steps are still skipped). "warn" and "raise" cost a
-            host read in ``update()`` when an overflow may have happened (docs/torch_dialect.md).
+    ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` as with torch,
+    whose arguments mean what they mean there. Beyond torch (docs/torch_dialect.md): back off
+    only after ``hysteresis`` overflowing iterations in a row (overflowing steps are always
+    skipped); ``min_scale``/``max_scale`` bound the scale (None: unbounded); ``on_min_scale``
+    ("warn", "raise" or "keep"): what ``update()`` does when gradients overflow at the floor.
     """
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
@@ -74,17 +119,13 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                 stacklevel=2)
             self._enabled = False
 
+        options = dict(init_scale=init_scale, growth_factor=growth_factor,
+                       backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale,
+                       growth_interval=growth_interval, hysteresis=hysteresis)
         if self._enabled:  # a disabled scaler checks nothing (as torch's): it never uses them
-            (init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
-             max_scale) = check_options(init_scale, growth_factor, backoff_factor,
-                                        growth_interval, hysteresis, min_scale, max_scale,
-                                        on_min_scale)
-
+            options = check_options(options, on_min_scale)
         # The state: 0-dim tensors created on the device of the first tensor scale() sees.
-        self._core = LossScale(init_scale, growth_factor=growth_factor,
-                               backoff_factor=backoff_factor, growth_interval=growth_interval,
-                               hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-                               shape=())
+        self._core = LossScale(**options, shape=())
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
             _refresh_per_optimizer_state)
         self._on_min_scale = on_min_scale
@@ -98,47 +139,10 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         self._last_skipped: bool | torch.Tensor = False
         self._step_sig_cache: dict = {}
 
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = ("This may indicate your script did not use scaler.scale(loss or outputs) earlier "
-               "in the iteration.")
-        if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return (self._scale, self._growth_tracker)
-
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         if self._growth_tracker is not None:
             raise AssertionError("_growth_tracker initialized before _scale")
         self._core.materialize(dev)
-
-    def scale(self, outputs):
-        """Multiplies ('scales') a tensor or an (arbitrarily nested) iterable of tensors by the
-        scale factor. Returns the outputs unchanged when disabled."""
-        if not self._enabled:
-            return outputs
-        if isinstance(outputs, torch.Tensor):
-            if self._scale is None:
-                self._lazy_init_scale_growth_tracker(outputs.device)
-            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
-
-        stash: list = []
-
-        def apply_scale(val):
-            if isinstance(val, torch.Tensor):
-                if len(stash) == 0:
-                    if self._scale is None:
-                        self._lazy_init_scale_growth_tracker(val.device)
-                    stash.append(_torch_grad_scaler._MultiDeviceReplicator(self._scale))
-                return val * stash[0].get(val.device)
-            if isinstance(val, abc.Iterable):
-                iterable = map(apply_scale, val)
-                if isinstance(val, (list, tuple)):
-                    return type(val)(iterable)
-                return iterable
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
-
-        return apply_scale(outputs)
 
     def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool, *, _check_only: bool = False
@@ -173,11 +177,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                             f"object with param_groups and step()), got "
                             f"{type(optimizer).__name__}; pass the optimizer, not the model")
 
-    def _get_inv_scale(self) -> torch.Tensor:
-        if self._inv_scale is None:
-            self._inv_scale = self._core.inv_scale()
-        return self._inv_scale
-
     def unscale_(self, optimizer) -> None:
         """Divides ("unscales") the optimizer's gradients (fp32, fp16 or bf16) by the scale
         factor, in place, checking them for inf/NaN (one pass). Optional: ``step()`` does it if
@@ -193,8 +192,10 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         elif optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        if self._inv_scale is None:  # one per iteration
+            self._inv_scale = self._core.inv_scale()
         optimizer_state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, self._get_inv_scale(), found_inf, False)
+            optimizer, self._inv_scale, found_inf, False)
         optimizer_state["stage"] = OptState.UNSCALED
 
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
@@ -202,11 +203,10 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         dummy_inv_scale = torch.ones((), dtype=torch.float32, device=_scale.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=_scale.device)
-        if type(self)._unscale_grads_ is GradScaler._unscale_grads_:
-            per_device = self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True,
-                                              _check_only=True)  # a read-only pass
-        else:  # a subclass's override keeps torch's 4-argument contract (ShardedGradScaler-style)
-            per_device = self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True)
+        # A read-only pass; a subclass's override keeps torch's 4-argument contract (as FSDP's).
+        own = type(self)._unscale_grads_ is GradScaler._unscale_grads_
+        per_device = self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True,
+                                          **({"_check_only": True} if own else {}))
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
         return per_device
 
@@ -215,14 +215,10 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         of the still-scaled gradients is the inf/NaN check too, and the step clips with it."""
         self._check_scale_growth_tracker("_check_inf_by_norm")
         norm = optimizer._global_grad_norm()
-        per_device = {}
-        if norm is not None:
-            per_device[norm.device] = (~torch.isfinite(norm)).to(torch.float32).reshape(())
+        per_device = {} if norm is None else {
+            norm.device: (~torch.isfinite(norm)).to(torch.float32).reshape(())}
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
         return norm
-
-    def _found_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def _combined_found_inf(self, optimizer_state) -> torch.Tensor:
         """The optimizer's overflow flags summed on the scale's device (a new tensor)."""
@@ -233,9 +229,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         step (torch reads once per device, this reads once per optimizer)."""
         found = float(self._combined_found_inf(optimizer_state).item())
         self._host_found_inf[id(optimizer)] = found
-        retval = None
-        if not found:
-            retval = optimizer.step(*args, **kwargs)
+        retval = None if found else optimizer.step(*args, **kwargs)
         self._record_skip(found != 0)
         return retval
 
@@ -293,14 +287,12 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                         self._check_inf_per_device(optimizer)
                 # No gradients at all this iteration: found_inf is zero (torch: sum([])).
                 found_inf = self._combined_found_inf(optimizer_state)
-                if optimizer_state["stage"] is OptState.UNSCALED:
-                    # unscale_ already ran: the gradients carry no scale of ours, so the
-                    # optimizer gets only what the user set (torch does the same).
-                    optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
-                else:  # fresh tensors, as torch hands over: the optimizer may write to them
-                    user_scale = getattr(optimizer, "grad_scale", None)
-                    optimizer.grad_scale = (self._scale.clone() if user_scale is None
-                                            else self._scale * user_scale)
+                # After unscale_ the gradients carry no scale of ours: the optimizer gets only
+                # what the user set (as torch). Else fresh tensors, which the optimizer may write.
+                scale = getattr(optimizer, "grad_scale", None)
+                if optimizer_state["stage"] is not OptState.UNSCALED:
+                    scale = self._scale.clone() if scale is None else self._scale * scale
+                optimizer.grad_scale = scale
                 optimizer.found_inf = found_inf
                 if takes_scale_kwargs:
                     # peak's fused optimizers take them as keywords; torch's read the attributes.
@@ -366,8 +358,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                 backs_off = any(f != 0 for f in flags) and hyst_before <= 1
                 floor_hit = backs_off and scale_before * self._backoff_factor < self._min_scale
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-        self._inv_scale = None
-        self._host_found_inf = {}
+        self._inv_scale, self._host_found_inf = None, {}
         self._iteration += 1
         if floor_hit:
             msg = (f"GradScaler: gradients held inf/NaN while the loss scale was at its floor "
@@ -381,53 +372,12 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
 
     def _may_have_overflowed(self) -> bool:
         """False only if every optimizer's flags were already read on the host and were clean."""
-        for opt_id, state in self._per_optimizer_states.items():
-            if not state["found_inf_per_device"]:
-                continue
-            found = self._host_found_inf.get(opt_id)
-            if found is None or found != 0:
-                return True
-        return False
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        return self._scale
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (a host sync), or 1.0 if disabled."""
-        if self._enabled:
-            return self._init_scale if self._scale is None else float(self._scale.item())
-        return 1.0
-
-    def get_growth_factor(self) -> float:
-        return self._growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = new_factor
-
-    def get_backoff_factor(self) -> float:
-        return self._backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = new_factor
-
-    def get_growth_interval(self) -> int:
-        return self._growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = new_interval
-
-    def _get_growth_tracker(self) -> int:
-        if self._enabled:
-            return (self._init_growth_tracker if self._growth_tracker is None
-                    else int(self._growth_tracker.item()))
-        return 0
+        return any(state["found_inf_per_device"] and self._host_found_inf.get(opt_id, 1) != 0
+                   for opt_id, state in self._per_optimizer_states.items())
 
     def _get_hysteresis_tracker(self) -> int:
         return (self._init_hysteresis_tracker if self._hysteresis_tracker is None
                 else int(self._hysteresis_tracker.item()))
-
-    def is_enabled(self) -> bool:
-        return self._enabled
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
@@ -520,4 +470,25 @@ for _attr in ("scale", "growth_tracker", "hysteresis_tracker", "init_scale", "in
               "init_hysteresis_tracker", "growth_factor", "backoff_factor", "growth_interval",
               "hysteresis", "min_scale", "max_scale"):
     setattr(GradScaler, "_" + _attr, core_attribute(_attr))
+
+
+def _run_torch_code(name: str) -> None:
+    """GradScaler's ``name``: torch's code, run over peak's state (the core's values under torch's
+    private names, above), with the signature and docstring of torch's."""
+    theirs = getattr(torch.amp.GradScaler, name)
+
+    def method(self, *args, **kwargs):
+        return theirs(self, *args, **kwargs)
+    method.__name__, method.__qualname__ = name, f"GradScaler.{name}"
+    method.__module__, method.__doc__ = __name__, theirs.__doc__
+    method.__signature__ = inspect.signature(theirs)
+    setattr(GradScaler, name, method)
+
+
+for _attr in ("scale", "get_scale", "_get_scale_async", "_get_growth_tracker", "is_enabled",
+              "_check_scale_growth_tracker", "_found_inf_per_device", "get_growth_factor",
+              "set_growth_factor",
+              "get_backoff_factor", "set_backoff_factor", "get_growth_interval",
+              "set_growth_interval"):
+    _run_torch_code(_attr)
 del _attr

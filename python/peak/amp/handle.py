@@ -162,8 +162,7 @@ class LossScaler:
 
 def _check_optimizers(optimizers) -> list:
     if isinstance(optimizers, (list, tuple)):
-        optimizers = [inner_optimizer(o) for o in optimizers]
-        optimizers = list({id(o): o for o in optimizers}.values())  # each once, in order
+        optimizers = list({id(o): o for o in map(inner_optimizer, optimizers)}.values())  # once
     elif isinstance(inner_optimizer(optimizers), torch.optim.Optimizer):
         optimizers = [inner_optimizer(optimizers)]
     else:
@@ -251,23 +250,18 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
             scaler.update()
         return
 
-    prepared = []
-    if not delay_unscale:
-        prepared = [stash for stash in stashes
-                    if not stash.params_have_scaled_gradients and not stash.fused]
-        for stash in prepared:
+    prepared = [stash for stash in stashes  # fused ones; others unless gradients stay scaled
+                if stash.fused or not (delay_unscale or stash.params_have_scaled_gradients)]
+    for stash in prepared:
+        if stash.fused:
+            stash.fused_prepare_backward(scaler)
+        else:
             stash.prepare_backward()
-    fused = [stash for stash in stashes if stash.fused]
-    for stash in fused:
-        stash.fused_prepare_backward(scaler)
-
     try:
         yield scaler.scaled(loss)
     except BaseException:
         for stash in prepared:  # e.g. a failed backward: put the earlier gradients back
             stash.abort_backward()
-        for stash in fused:
-            stash.fused_abort_backward()
         raise
 
     if delay_unscale:
@@ -287,11 +281,7 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
                 stash.pending_skip = (loss_id, scaler)
 
 
-@contextlib.contextmanager
-def disable_casts():
-    """Run the body without O1 casts (exception safe)."""
-    with _caster.disabled():
-        yield
+disable_casts = _caster.disabled  # amp.disable_casts
 
 
 class AmpHandle:
@@ -303,17 +293,11 @@ class AmpHandle:
         self._legacy = legacy
         self._default_device = None
 
-    def is_active(self) -> bool:
-        return _caster.is_enabled()
-
-    def _disable_casts(self):
-        return disable_casts()
-
-    def _deactivate(self) -> None:
-        _caster.disable()
-
-    def _clear_cache(self) -> None:
-        _caster.clear_cache()
+    # Apex's handle methods: the O1 caster's functions.
+    is_active = staticmethod(_caster.is_enabled)
+    _disable_casts = staticmethod(disable_casts)
+    _deactivate = staticmethod(_caster.disable)
+    _clear_cache = staticmethod(_caster.clear_cache)
 
     @property
     def verbose(self) -> bool:
@@ -353,16 +337,14 @@ class NoOpHandle:
     def is_active(self) -> bool:
         return False
 
-    @contextlib.contextmanager
     def _disable_casts(self):
-        yield
+        return contextlib.nullcontext()
 
     def wrap_optimizer(self, optimizer, num_loss: int = 1):
         return optimizer
 
-    @contextlib.contextmanager
     def scale_loss(self, loss, optimizer, loss_id: int = 0):
-        yield loss
+        return contextlib.nullcontext(loss)
 
     def _clear_cache(self) -> None:
         pass

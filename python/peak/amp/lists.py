@@ -127,8 +127,7 @@ def entries() -> dict:
 
 
 def reset() -> None:
-    """Restore Apex's O1 lists (drops every edit, and the ``register_*_function``
-    registrations)."""
+    """Restore Apex's O1 lists, dropping every edit and ``register_*_function`` registration."""
     _caster.reset_lists()
 
 
@@ -155,24 +154,22 @@ def set_allow_banned(allow: bool) -> None:
 
 # ---- user functions (Apex's decorators and registrations)
 
-def _decorator(policy: str):
+def _decorator(policy: str, doc: str):
     cast = _caster.decorator(policy)
 
     def decorate(fn):
         _check_callable(fn, "fn")
         return cast(fn)
 
+    decorate.__doc__ = "Decorator: under O1, " + doc
     return decorate
 
 
-half_function = _decorator("lower")
-half_function.__doc__ = ("Decorator: under O1, cast the function's floating arguments to the low "
-                         "dtype (fp16/bf16) before calling it; otherwise call it unchanged.")
-float_function = _decorator("fp32")
-float_function.__doc__ = "Decorator: under O1, cast the function's floating arguments to float32."
-promote_function = _decorator("promote")
-promote_function.__doc__ = ("Decorator: under O1, if the floating arguments mix precisions, cast "
-                            "them all to float32.")
+half_function = _decorator("lower", "cast the function's floating arguments to the low dtype "
+                           "(fp16/bf16) before calling it; otherwise call it unchanged.")
+float_function = _decorator("fp32", "cast the function's floating arguments to float32.")
+promote_function = _decorator("promote", "if the floating arguments mix precisions, cast them "
+                              "all to float32.")
 
 
 def _register(module, name, policy: str) -> None:

@@ -54,11 +54,10 @@ class OverflowAttribution:
         self._last_skipped = skipped
         if isinstance(skipped, bool):
             self._skipped_steps_host += skipped
-        else:
-            if self._skipped_steps_device is None:
-                self._skipped_steps_device = torch.zeros((), dtype=torch.int64,
-                                                         device=skipped.device)
-            self._skipped_steps_device.add_(skipped != 0)
+            return
+        if self._skipped_steps_device is None:
+            self._skipped_steps_device = torch.zeros((), dtype=torch.int64, device=skipped.device)
+        self._skipped_steps_device.add_(skipped != 0)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -116,8 +115,8 @@ class OverflowAttribution:
         entry = self._param_names.get(id(param))
         if entry is not None and entry[0]() is param:
             return entry[1]
-        shape = tuple(param.shape)
-        return f"<{type(optimizer).__name__} param_groups[{gi}]['params'][{pi}], shape {shape}>"
+        return (f"<{type(optimizer).__name__} param_groups[{gi}]['params'][{pi}], shape "
+                f"{tuple(param.shape)}>")
 
     def _record_flags(self, optimizer, owners, flags: torch.Tensor) -> None:
         if self._report_records_iteration != self._iteration:
@@ -134,8 +133,8 @@ class OverflowAttribution:
             return
         names = []
         for optimizer, owners, flags in records:
-            hit = flags.tolist()
-            names.extend(self._param_name(optimizer, *owner) for owner, h in zip(owners, hit) if h)
+            names.extend(self._param_name(optimizer, *owner)
+                         for owner, hit in zip(owners, flags.tolist()) if hit)
         for name in dict.fromkeys(names):
             self._overflow_counts[name] = self._overflow_counts.get(name, 0) + 1
         if names:
@@ -153,9 +152,7 @@ class OverflowAttribution:
             raise RuntimeError("GradScaler.overflow_report: overflow attribution is off; call "
                                "scaler.register_model(model) once before training to turn it on")
         self._finish_report_records()
-        if self._last_report is None:
-            return OverflowReport(None, ())
-        return self._last_report
+        return OverflowReport(None, ()) if self._last_report is None else self._last_report
 
     def _floor_culprits(self) -> str:
         """The floor message's last sentence: which parameters keep overflowing."""
