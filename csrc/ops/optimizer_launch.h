@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../core/optimizer_ops.h"
@@ -200,6 +201,17 @@ void with_state_storage(at::ScalarType master, at::ScalarType exp_avg, at::Scala
 
 inline at::ScalarType list_dtype(at::TensorList l, at::ScalarType if_empty = at::kFloat) {
   return l.empty() ? if_empty : l[0].scalar_type();
+}
+
+// Adam's and LAMB's two moment lists: both 8-bit or neither, and their scale lists checked.
+inline std::pair<std::vector<const float*>, std::vector<const float*>> adam_moment_scales(
+    const OptimizerArgs& a, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+    at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales) {
+  TORCH_CHECK(is_q8_list(exp_avgs) == is_q8_list(exp_avg_sqs), a.name,
+              ": 8-bit moments are both or neither: exp_avgs are ", list_dtype(exp_avgs),
+              " and exp_avg_sqs are ", list_dtype(exp_avg_sqs), "; pass uint8 codes for both");
+  return {q8_scales(a, {"exp_avgs", exp_avgs}, {"exp_avg_scales", exp_avg_scales}),
+          q8_scales(a, {"exp_avg_sqs", exp_avg_sqs}, {"exp_avg_sq_scales", exp_avg_sq_scales})};
 }
 
 // The moment rounding option: a seed (stochastic rounding of bf16 moments) or none (nearest).

@@ -24,12 +24,10 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                            list_dtype(exp_avg_sqs) == at::kFloat),
               a.name, ": amsgrad=True keeps its moments in float32; pass float32 exp_avgs and "
               "exp_avg_sqs (or amsgrad=False for bfloat16 or 8-bit moments)");
-  TORCH_CHECK(is_q8_list(exp_avgs) == is_q8_list(exp_avg_sqs), a.name,
-              ": 8-bit moments are both or neither: exp_avgs are ", list_dtype(exp_avgs),
-              " and exp_avg_sqs are ", list_dtype(exp_avg_sqs), "; pass uint8 codes for both");
-  const auto s1 = q8_scales(a, {"exp_avgs", exp_avgs}, {"exp_avg_scales", exp_avg_scales});
-  const auto s2 =
-      q8_scales(a, {"exp_avg_sqs", exp_avg_sqs}, {"exp_avg_sq_scales", exp_avg_sq_scales});
+  const auto moment_scales =
+      adam_moment_scales(a, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales);
+  const std::vector<const float*>& s1 = moment_scales.first;
+  const std::vector<const float*>& s2 = moment_scales.second;
   TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), a.name,
               ": max_exp_avg_sqs must be empty unless amsgrad=True");
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, a.name,
@@ -151,12 +149,10 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0, a.name,
               ": betas must be in [0, 1), got (", beta1, ", ", beta2, ")");
   TORCH_CHECK(max_grad_norm >= 0.0, a.name, ": max_grad_norm must be >= 0 (0: no clipping)");
-  TORCH_CHECK(is_q8_list(exp_avgs) == is_q8_list(exp_avg_sqs), a.name,
-              ": 8-bit moments are both or neither: exp_avgs are ", list_dtype(exp_avgs),
-              " and exp_avg_sqs are ", list_dtype(exp_avg_sqs), "; pass uint8 codes for both");
-  const auto s1 = q8_scales(a, {"exp_avgs", exp_avgs}, {"exp_avg_scales", exp_avg_scales});
-  const auto s2 =
-      q8_scales(a, {"exp_avg_sqs", exp_avg_sqs}, {"exp_avg_sq_scales", exp_avg_sq_scales});
+  const auto moment_scales =
+      adam_moment_scales(a, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales);
+  const std::vector<const float*>& s1 = moment_scales.first;
+  const std::vector<const float*>& s2 = moment_scales.second;
   if (a.params.empty()) return;
   const c10::Device device = a.params[0].device();
   if (grad_norm) check_scalar_tensor(a.name, "grad_norm", *grad_norm, at::kFloat, device);
