@@ -161,30 +161,19 @@ bool first_device_type(PyObject* o, c10::DeviceType& out) {
 // evaluation, teacher or baseline model in the same process, with its own dtype. Inside it the
 // user asked for torch's rules, so the caster steps aside for ops on that region's device type
 // and lets torch's autocast keys do the casting; everywhere else O1 casts as before.
+bool any_autocast_enabled() {
+  return at::autocast::is_autocast_enabled(c10::DeviceType::CPU) ||
+         at::autocast::is_autocast_enabled(c10::DeviceType::CUDA) ||
+         at::autocast::is_autocast_enabled(c10::DeviceType::XPU);
+}
 bool in_autocast_region(PyObject* args, PyObject* kwargs) {
-  if (!at::autocast::is_autocast_enabled(c10::DeviceType::CPU) &&
-      !at::autocast::is_autocast_enabled(c10::DeviceType::CUDA) &&
-      !at::autocast::is_autocast_enabled(c10::DeviceType::XPU)) {
-    return false;  // the common case: one TLS read per device type
-  }
+  if (!any_autocast_enabled()) return false;  // the common case: one TLS read per device type
   c10::DeviceType type = c10::DeviceType::CPU;
   if (!first_device_type(args, type) && !(kwargs && first_device_type(kwargs, type))) {
     return false;
   }
   return at::autocast::is_autocast_enabled(type);
 }
-
-const char kBannedMessage[] =
-    "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It "
-    "requires that the output of the previous function be already a FloatTensor. \n\n"
-    "Most models have a Sigmoid right before BCELoss. In that case, you can use\n"
-    "    torch.nn.BCEWithLogitsLoss (torch.nn.functional.binary_cross_entropy_with_logits)\n"
-    "to combine Sigmoid+BCELoss into a single layer that is compatible with amp.\n"
-    "Another option is to add\n"
-    "    amp.register_float_function(torch, 'sigmoid')\n"
-    "before calling `amp.initialize()`.\n"
-    "If you _really_ know what you are doing, you can disable this warning by passing "
-    "allow_banned=True to `amp.init()` (or peak.amp.lists.set_allow_banned(True)).";
 
 PyObject* func_name(PyObject* func) {
   PyObject* n = PyObject_GetAttrString(func, "__qualname__");
@@ -393,6 +382,25 @@ PyObject* apply_region(Policy p, const Frame& f, bool own, PyObject* func, PyObj
   return write_back(result, copies);
 }
 
+// NOTE: [Nothing-to-cast fast path]
+// Most calls of a listed op need no cast (a promote op seeing one floating dtype, an fp32 op given
+// fp32): deciding that on the vectorcall's own arguments skips the general path's tuple and dict
+// (bench_caster.py rows (a), (b)). `out=`, or an open torch autocast region, go the long way.
+bool casts_nothing(Policy p, at::ScalarType low, PyObject* const* a, Py_ssize_t nargs,
+                   PyObject* kwnames) {
+  const int target = p == Policy::kFp32 ? kFloatBit
+                     : p == Policy::kLower ? (low == at::ScalarType::Half ? kHalfBit : kBf16Bit)
+                                           : 0;
+  if ((p != Policy::kPromote && target == 0) || any_autocast_enabled()) return false;
+  const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  int bits = 0;
+  for (Py_ssize_t i = 0; i < nkw; ++i) {
+    if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, i), "out") == 0) return false;
+  }
+  for (Py_ssize_t i = 0; i < nargs + nkw; ++i) collect_dtypes(a[i], bits);
+  return p == Policy::kPromote ? !mixed(bits) : (bits & ~target) == 0;
+}
+
 }  // namespace
 
 // (cast.h)
@@ -540,6 +548,11 @@ PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyO
   const Gate g = gate(tls_, handed);
   const Policy p = g.casting ? effective_policy(orig, g.handed) : Policy::kNone;
   if (!region && p == Policy::kNone) return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  if (!region && casts_nothing(p, g.low, a, nargs, kwnames)) {
+    const InOp in_op;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    return PyObject_Vectorcall(orig, a, nargs, kwnames);
+  }
   PyObject* args = PyTuple_New(nargs);
   if (!args) return nullptr;
   for (Py_ssize_t i = 0; i < nargs; ++i) {

@@ -142,4 +142,16 @@ std::vector<std::pair<PyObject*, Policy>> table_items() {
   return out;
 }
 
+const char kBannedMessage[] =
+    "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It "
+    "requires that the output of the previous function be already a FloatTensor. \n\n"
+    "Most models have a Sigmoid right before BCELoss. In that case, you can use\n"
+    "    torch.nn.BCEWithLogitsLoss (torch.nn.functional.binary_cross_entropy_with_logits)\n"
+    "to combine Sigmoid+BCELoss into a single layer that is compatible with amp.\n"
+    "Another option is to add\n"
+    "    amp.register_float_function(torch, 'sigmoid')\n"
+    "before calling `amp.initialize()`.\n"
+    "If you _really_ know what you are doing, you can disable this warning by passing "
+    "allow_banned=True to `amp.init()` (or peak.amp.lists.set_allow_banned(True)).";
+
 }  // namespace peak::caster

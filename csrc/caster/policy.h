@@ -32,6 +32,9 @@ struct DefaultEntry {
 // (Tensor twins of the torch names, in-place derivations). Names missing in this torch are skipped.
 std::vector<DefaultEntry> default_entries();
 
+// Apex's error for a banned function called with fp16/bf16 tensors (Policy::kBanned).
+extern const char kBannedMessage[];
+
 // The table (process-wide, guarded by the GIL: every access is from Python).
 Policy lookup(PyObject* func);
 void set_policy(PyObject* func, Policy p);  // p == kNone removes

@@ -160,6 +160,27 @@ def test_promote_mixed(o1):
     assert torch.add(d, a32).dtype == torch.float64  # f64 never cast; torch promotes
 
 
+def test_promote_through_keywords(o1):
+    """NOTE: [Nothing-to-cast fast path] decides on the argument array, keywords included: a low
+    tensor passed by keyword still mixes, `out=` keeps the caller's buffer, and a one-dtype call
+    with keywords gives torch's result."""
+    a32, a16 = r(3), r(3).to(o1)
+    mixed = torch.add(a32, other=a16, alpha=2.0)
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, a32 + 2.0 * a16.float(), rtol=0, atol=0)
+    assert torch.add(a16, a16, alpha=0.5).dtype == o1
+    out = torch.empty(3)
+    assert torch.add(a32, a16, out=out) is out
+    torch.testing.assert_close(out, a32 + a16.float(), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=o1):  # torch's own region: its rules, not the fast path
+        assert torch.add(a32, a16).dtype == torch.float32
+    m32, m16 = r(3, 3), r(3, 3).to(o1)  # fp32 and lower ops: cast only what is not yet right
+    assert F.softmax(m32, dim=0).dtype == torch.float32
+    assert F.softmax(input=m16, dim=0).dtype == torch.float32
+    assert torch.mm(m16, m16).dtype == o1
+    assert torch.mm(m16, mat2=m32).dtype == o1
+
+
 def test_sequence_promote_mixed(o1):
     a32, a16 = r(2, 3), r(2, 3).to(o1)
     assert torch.cat([a16, a32]).dtype == torch.float32
