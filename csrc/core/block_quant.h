@@ -94,7 +94,9 @@ struct Q8 {
     const uint32_t f = (float_bits(t) + round_add) & ~((1u << (23 - M)) - 1u);
     const int32_t k = static_cast<int32_t>(f >> 23) - static_cast<int32_t>(kExpBias);
     uint32_t q = k < 0 ? 0u : ((static_cast<uint32_t>(k) << M) | ((f >> (23 - M)) & ((1u << M) - 1u)));
-    if constexpr (!Signed) q = (q == 0u && a > 0.0f) ? 1u : q;  // see the NOTE
+    // A positive v never codes as 0 (see the NOTE). a > 0 is compared on the bits (a = sqrt(x)
+    // is >= 0 or NaN): a float compare among the integer ones kept the CPU loop scalar.
+    if constexpr (!Signed) q = (q == 0u && float_bits(a) - 1u < 0x7f800000u) ? 1u : q;
     if constexpr (Signed) q |= (x < 0.0f) ? 0x80u : 0u;
     return q;
   }
@@ -134,10 +136,20 @@ PEAK_HD uint32_t q8_random(uint32_t key, int64_t index) {
 }
 
 // How list L's codes round for an op: stochastically for exp_avg_sq when the op asks.
+// (`key`: the op's moment_rounding.key, read once outside the element loop: read inside it, the
+// CPU loop did not vectorise.)
+template <typename Op, typename L>
+PEAK_HD uint32_t q8_round_add(uint32_t key, int64_t index) {
+  if constexpr (Op::q8_stochastic && L::sqrt_coded) {
+    return L::stochastic(q8_random(key, index));
+  } else {
+    return L::kNearest;
+  }
+}
 template <typename Op, typename L>
 PEAK_HD uint32_t q8_round_add(const Op& op, int64_t index) {
-  if constexpr (Op::q8_stochastic && L::sqrt_coded) {
-    return L::stochastic(q8_random(op.moment_rounding.key, index));
+  if constexpr (Op::q8_stochastic) {
+    return q8_round_add<Op, L>(op.moment_rounding.key, index);
   } else {
     return L::kNearest;
   }

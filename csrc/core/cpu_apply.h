@@ -173,6 +173,12 @@ inline void narrow_inline(c10::BFloat16* dst, int64_t i, float x) {
   const uint32_t rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
   reinterpret_cast<uint16_t*>(dst)[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
 }
+// NOTE: [Exact stores] (elementwise_ops.h): x already holds a bf16 value.
+inline void narrow_exact(c10::BFloat16* dst, int64_t i, float x) {
+  const uint32_t bits = float_bits(x);
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  reinterpret_cast<uint16_t*>(dst)[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(bits >> 16);
+}
 inline void narrow_inline(Remainder16* dst, int64_t i, float x) {
   reinterpret_cast<uint16_t*>(dst)[i] = static_cast<uint16_t>(float_bits(x));
 }
@@ -186,9 +192,11 @@ inline float read_element(void* base, const float* p, int64_t off, int64_t i) {
     return p[i];
   }
 }
-template <typename T>
+template <typename T, bool Exact = false>
 inline void write_element(void* base, float* p, int64_t off, int64_t i, float x) {
-  if constexpr (kInlineType<T>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && Exact) {
+    narrow_exact(static_cast<T*>(base) + off, i, x);
+  } else if constexpr (kInlineType<T>) {
     narrow_inline(static_cast<T*>(base) + off, i, x);
   } else {
     p[i] = x;
@@ -245,7 +253,8 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
           float v[Depth] = {
               (((Op::read_mask >> D) & 1u) ? read_element<T>(base[D], p[D], off, i + l) : 0.0f)...};
           apply_op(op, v, lanes[l], off + i + l);
-          ((((Op::write_mask >> D) & 1u) ? write_element<T>(base[D], p[D], off, i + l, v[D])
+          ((((Op::write_mask >> D) & 1u) ? write_element<T, ((Op::exact_mask >> D) & 1u) != 0>(
+                                               base[D], p[D], off, i + l, v[D])
                                          : (void)0),
            ...);
         }
@@ -255,8 +264,12 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
     for (; i < n; ++i) {
       float v[Depth] = {
           (((Op::read_mask >> D) & 1u) ? read_element<T>(base[D], p[D], off, i) : 0.0f)...};
-      apply_op(op, v, lanes[0], off + i);
-      ((((Op::write_mask >> D) & 1u) ? write_element<T>(base[D], p[D], off, i, v[D]) : (void)0),
+      // (The functors hash the index's low 32 bits: passed as such, the loop keeps no vector
+      // of 64-bit indices.)
+      apply_op(op, v, lanes[0], static_cast<uint32_t>(off + i));
+      ((((Op::write_mask >> D) & 1u)
+            ? write_element<T, ((Op::exact_mask >> D) & 1u) != 0>(base[D], p[D], off, i, v[D])
+            : (void)0),
        ...);
     }
     ((((Op::write_mask >> D) & 1u) && kStagedType<T>
@@ -285,13 +298,15 @@ inline float q8_cpu_read(void* base, const float (*scratch)[kQBlock], int64_t i,
   }
 }
 
-template <typename L>
+template <typename L, bool Exact = false>
 inline void q8_cpu_write(void* base, float (*scratch)[kQBlock], int64_t i, int64_t j, int q,
                          float x) {
   if constexpr (is_q8<L>) {
     scratch[q][j] = x;
   } else if constexpr (std::is_same_v<L, float>) {
     static_cast<float*>(base)[i] = x;
+  } else if constexpr (std::is_same_v<L, c10::BFloat16> && Exact) {
+    narrow_exact(static_cast<L*>(base), i, x);
   } else if constexpr (kInlineType<L>) {
     narrow_inline(static_cast<L*>(base), i, x);
   } else {
@@ -336,11 +351,14 @@ inline void q8_cpu_encode(const Op& op, void* base, const float (*scratch)[kQBlo
     uint8_t* codes = static_cast<uint8_t*>(base) + off;
     const float inv = inv_units[q];
     const float* src = scratch[q];
+    uint32_t key = 0;
+    if constexpr (Op::q8_stochastic) key = op.moment_rounding.key;
     // (ivdep: the byte stores may alias anything as far as the compiler knows; without it the
     // loop stayed scalar.)
 #pragma GCC ivdep
     for (int64_t j = 0; j < n; ++j) {
-      codes[j] = static_cast<uint8_t>(L::encode(src[j], inv, q8_round_add<Op, L>(op, off + j)));
+      codes[j] = static_cast<uint8_t>(
+          L::encode(src[j], inv, q8_round_add<Op, L>(key, static_cast<uint32_t>(off + j))));
     }
   }
 }
@@ -374,9 +392,10 @@ inline void run_chunk_q8(const std::array<void*, sizeof...(T)>& base,
       float v[Depth] = {(((Op::read_mask >> D) & 1u)
                              ? q8_cpu_read<T>(base[D], scratch, i, j, q8_index<D, T...>())
                              : 0.0f)...};
-      apply_op(op, v, state, i);
+      apply_op(op, v, state, static_cast<uint32_t>(i));  // (as in run_chunk_plain)
       ((((Op::write_mask >> D) & 1u)
-            ? q8_cpu_write<T>(base[D], scratch, i, j, q8_index<D, T...>(), v[D])
+            ? q8_cpu_write<T, ((Op::exact_mask >> D) & 1u) != 0>(base[D], scratch, i, j,
+                                                                   q8_index<D, T...>(), v[D])
             : (void)0),
        ...);
     }

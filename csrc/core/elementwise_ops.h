@@ -54,6 +54,11 @@ struct OpDefaults {
   static constexpr bool q8_stochastic = false;
   // The master list holds 16-bit remainders (NOTE: [Remainder masters]).
   static constexpr bool remainder_master = false;
+  // NOTE: [Exact stores] Lists whose written values the op has already rounded to their bf16
+  // storage (a split master's weight, a stochastically rounded moment or weight): the launchers
+  // store them by truncation, which gives the bits the round-to-nearest store would (a NaN
+  // still stores as 0x7fc0) with fewer operations per element.
+  static constexpr unsigned exact_mask = 0;
   PEAK_HD void load_tensor_scalars(const float* const*) {}
   PEAK_HD bool skip() const { return false; }
 };

@@ -182,6 +182,9 @@ struct AdamOp : OpDefaults {
   static constexpr bool indexed = Rounded || Storage::rounds_moments;
   static constexpr bool remainder_master = HasMaster && Storage::remainder;
   static constexpr bool q8_stochastic = Storage::q8_stochastic;
+  static constexpr unsigned exact_mask = (remainder_master || Rounded ? 1u << kParam : 0u) |
+                                         (Storage::round_exp_avg ? 1u << kExpAvg : 0u) |
+                                         (Storage::round_exp_avg_sq ? 1u << kExpAvgSq : 0u);
   using State = NoState;
   template <typename T>
   using Lists = ConcatLists<ListTypes<T, T>, ListIf<HasMaster, typename Storage::Master>,
@@ -275,6 +278,8 @@ struct SgdOp : OpDefaults {
   static constexpr bool rounds_momentum = HasMomentum && Storage::round_exp_avg;
   static constexpr bool indexed = Rounded || rounds_momentum;  // stochastic rounding's bits
   static constexpr bool remainder_master = HasMaster && Storage::remainder;
+  static constexpr unsigned exact_mask = (remainder_master || Rounded ? 1u << kParam : 0u) |
+                                         (rounds_momentum ? 1u << kMomentum : 0u);
   using State = NoState;
   template <typename T>
   using Lists = ConcatLists<ListTypes<T, T>, ListIf<HasMaster, typename Storage::Master>,

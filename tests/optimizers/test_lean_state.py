@@ -196,6 +196,40 @@ def test_emulated_cuda_grid_equals_cpu_bitwise(family, lean, grid):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("family", ["adam", "sgd"])
+def test_non_finite_values_store_alike_on_every_launcher(family):
+    """NOTE: [Exact stores]: the CPU launcher stores already-rounded bf16 values (a remainder
+    master's weight, stochastically rounded moments) by truncation. A step that runs on NaN and
+    inf gradients (no found_inf raised) must still store what the round-to-nearest store and the
+    emulated CUDA grid store: NaN as 0x7fc0, inf as inf."""
+    peak_C = peak._C
+    base = _base()
+    runs = {}
+    peak_C.emulated.set_grid_shape(3, 4, 5)
+    try:
+        for ns in ("peak", "peak_emulated"):
+            params = [b.clone() for b in base]
+            masters = [torch.zeros(n, dtype=torch.int16) for n in SIZES]
+            state = _state(SIZES, BF16)
+            for step in range(3):
+                grads = _grads(step)
+                if step == 1:
+                    grads[2].view(torch.int16)[5] = -63  # 0xffc1: a NaN with a payload
+                    grads[1][0] = float("inf")
+                    grads[-1][66_000] = float("-inf")
+                _call(ns, family, params, grads, masters, state, torch.zeros(1), seed=7)
+            runs[ns] = (params, masters, state)
+    finally:
+        peak_C.emulated.set_grid_shape(0, 0, 0)
+    (p1, m1, s1), (p2, m2, s2) = runs["peak"], runs["peak_emulated"]
+    for a, b in zip(p1 + m1 + s1["m"] + s1["v"], p2 + m2 + s2["m"] + s2["v"]):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for t in (p1[2], s1["m"][2]):
+        assert t.view(torch.int16)[5].item() == 0x7FC0  # the canonical NaN, not a payload
+    assert not torch.isfinite(p1[1][0]) and not torch.isfinite(p1[-1][66_000])
+    assert int(torch.isfinite(p1[2].float()).sum()) == SIZES[2] - 1  # the rest stays finite
+
+
 @pytest.mark.parametrize("family", ["adam", "sgd", "lamb"])
 @pytest.mark.parametrize("ns", ["peak", "peak_emulated"])
 def test_skipped_step_leaves_lean_state_bit_for_bit(family, ns):
