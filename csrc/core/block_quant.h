@@ -75,10 +75,10 @@ struct Q8 {
 
   PEAK_HD static float decode(uint32_t code, float unit) {
     const uint32_t q = code & kMagMask;
-    const uint32_t bits = (((q >> M) + kExpBias) << 23) | ((q & ((1u << M) - 1u)) << (23 - M));
+    const uint32_t bits = (q << (23 - M)) + (kExpBias << 23);
     float mag = (q == 0u ? 0.0f : bits_float(bits)) * unit;
     if constexpr (Sqrt) mag = mag * mag;
-    if constexpr (Signed) return (code & 0x80u) ? -mag : mag;
+    if constexpr (Signed) return bits_float(float_bits(mag) ^ ((code & 0x80u) << 24));
     return mag;
   }
 
@@ -91,9 +91,10 @@ struct Q8 {
     float a = Sqrt ? sqrtf(x) : fabsf(x);
     float t = a * inv_unit;
     t = t < kTop ? t : kTop;  // (rounding may overshoot the top by an ulp; NaN codes as the top)
-    const uint32_t f = (float_bits(t) + round_add) & ~((1u << (23 - M)) - 1u);
-    const int32_t k = static_cast<int32_t>(f >> 23) - static_cast<int32_t>(kExpBias);
-    uint32_t q = k < 0 ? 0u : ((static_cast<uint32_t>(k) << M) | ((f >> (23 - M)) & ((1u << M) - 1u)));
+    // The code is the rounded value's exponent (rebiased to binade 0) and top M mantissa bits,
+    // i.e. its bits shifted down less the bias; below binade 0 it is 0.
+    const uint32_t f = float_bits(t) + round_add;
+    uint32_t q = f < (kExpBias << 23) ? 0u : (f >> (23 - M)) - (kExpBias << M);
     // A positive v never codes as 0 (see the NOTE). a > 0 is compared on the bits (a = sqrt(x)
     // is >= 0 or NaN): a float compare among the integer ones kept the CPU loop scalar.
     if constexpr (!Signed) q = (q == 0u && float_bits(a) - 1u < 0x7f800000u) ? 1u : q;
