@@ -3,10 +3,6 @@ references: torch.optim.Adagrad/AdamW, float64 NovoGrad / LAMB / LARC written fr
 documented math; masters, overflow skips, checkpoints, groups, schedulers, amp O2, GradScaler."""
 import copy
 import math
-import pathlib
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,7 +12,9 @@ from peak.optimizers import (LARC, FusedAdagrad, FusedAdam, FusedAdamW, FusedLAM
                              FusedMixedPrecisionLamb,
                              FusedNovoGrad, FusedSGD)
 
-from peak_testing import opcheck_op, DEVICES, TOLERANCES, dtype_id
+from peak_testing import (opcheck_op, DEVICES, TOLERANCES, dtype_id,
+                          assert_resumes_bit_for_bit_in_a_new_process,
+                          step_on_cpu_and_emulated_grid)
 from test_fused_optimizers import grads_for, lamb_reference, make_params, run, snapshot
 
 LOW = [torch.float16, torch.bfloat16]
@@ -503,54 +501,14 @@ def test_mp_lamb_add_param_group_and_scheduler():
 RESUME_CASES = [(f, d) for f in ("adagrad", "novograd", "novograd_inf", "mp_lamb", "adamw")
                 for d in ("float32", "bfloat16", "float16")]
 
-RESUME_SCRIPT = textwrap.dedent("""
-    import sys, torch
-    sys.path[:0] = [{tests!r}, {tests!r} + "/.."]
-    from test_apex_family_optimizers import RESUME_CASES, make_resumable
-    from test_fused_optimizers import run
-    torch.set_num_threads(1)
-    mode, path = sys.argv[1], sys.argv[2]
-    saved = torch.load(path) if mode == "load" else {{}}
-    out = {{}}
-    for case in RESUME_CASES:
-        params, opt = make_resumable(*case)
-        if mode == "save":
-            run(opt, params, 6)
-            out[case] = {{"params": [p.detach() for p in params], "opt": opt.state_dict()}}
-        else:
-            with torch.no_grad():
-                for p, v in zip(params, saved[case]["params"]):
-                    p.copy_(v)
-            opt.load_state_dict(saved[case]["opt"])
-            run(opt, params, 5, seed=2)
-            out[case] = [p.detach() for p in params]
-    torch.save(out, path if mode == "save" else path + ".out")
-""")
-
-
 def make_resumable(family, dtype):
     params = make_params(getattr(torch, dtype), "cpu")
     return params, MAKERS[family](params)
 
 
 def test_checkpoint_resumes_bit_for_bit_in_a_new_process(tmp_path):
-    script = tmp_path / "resume.py"
-    script.write_text(RESUME_SCRIPT.format(tests=str(pathlib.Path(__file__).parent)))
-    ck = str(tmp_path / "ck.pt")
-    for mode in ("save", "load"):
-        subprocess.run([sys.executable, str(script), mode, ck], check=True)
-    resumed = torch.load(ck + ".out")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for case in RESUME_CASES:
-            params, opt = make_resumable(*case)
-            run(opt, params, 6)
-            run(opt, params, 5, seed=2)
-            for p, r in zip(params, resumed[case]):
-                assert torch.equal(p.detach(), r), case
-    finally:
-        torch.set_num_threads(threads)
+    assert_resumes_bit_for_bit_in_a_new_process(tmp_path, __file__, RESUME_CASES, make_resumable,
+                                                run)
 
 
 def test_adagrad_loads_a_torch_adagrad_checkpoint():
@@ -631,28 +589,12 @@ def _call(ns, family, params, grads, masters, state, lr, found_inf, chunk):
 def test_emulated_cuda_grid_equals_cpu_bitwise(family, dtype, with_master, grid):
     """The CUDA launcher's plan and per-block code, run on the CPU, give the CPU kernels' bits
     (NovoGrad's per-tensor norms are ATen's foreach norm on every backend, so they agree)."""
-    peak_C = __import__("peak")._C
-    peak_C.emulated.set_grid_shape(*grid)
-    g = torch.Generator().manual_seed(3)
-    sizes = [((i * 53) % 200) + 1 for i in range(40)]
-    base = [torch.randn(n, generator=g).to(dtype) for n in sizes]
-    runs = {}
-    try:
-        for ns in ("peak", "peak_emulated"):
-            params = [b.clone() for b in base]
-            masters = [b.float().clone() for b in base] if with_master else []
-            state = {"m": [torch.full((n,), 0.1) for n in sizes],
-                     "v": [torch.full((), 0.5) for _ in sizes],
-                     "steps": [torch.tensor(float(i % 3)) for i in range(len(sizes))]}
-            lr = torch.tensor([1e-2])
-            for step in range(4):
-                gg = torch.Generator().manual_seed(100 + step)
-                grads = [torch.randn(n, generator=gg).to(dtype) * 4 for n in sizes]
-                found = torch.tensor([1.0 if step == 2 else 0.0])
-                _call(ns, family, params, grads, masters, state, lr, found, 64)
-            runs[ns] = (params, masters, state)
-    finally:
-        peak_C.emulated.set_grid_shape(0, 0, 0)
+    runs = step_on_cpu_and_emulated_grid(
+        grid, dtype, with_master,
+        lambda sizes: {"m": [torch.full((n,), 0.1) for n in sizes],
+                       "v": [torch.full((), 0.5) for _ in sizes],
+                       "steps": [torch.tensor(float(i % 3)) for i in range(len(sizes))]},
+        lambda ns, *args: _call(ns, family, *args, 64))
     (p1, m1, s1), (p2, m2, s2) = runs["peak"], runs["peak_emulated"]
     for a, b in zip(p1 + m1 + s1["m"] + s1["v"] + s1["steps"],
                     p2 + m2 + s2["m"] + s2["v"] + s2["steps"]):

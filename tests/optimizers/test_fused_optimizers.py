@@ -1,16 +1,15 @@
 """peak.optimizers against torch.optim (SGD/Adam/AdamW) and a float64 LAMB reference."""
 import copy
 import math
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD, export_fp32_state_dict
 
-from peak_testing import opcheck_op, DEVICES, TOLERANCES, dtype_id
+from peak_testing import (opcheck_op, DEVICES, TOLERANCES, dtype_id,
+                          assert_resumes_bit_for_bit_in_a_new_process,
+                          step_on_cpu_and_emulated_grid)
 
 LOW = [torch.float16, torch.bfloat16]
 SHAPES = [(7, 13), (130,), (3, 5, 2), (1,), (65536 + 3,)]  # straddles a chunk boundary
@@ -302,30 +301,6 @@ def test_export_fp32_state_dict_uses_the_masters():
 
 RESUME_CASES = [(f, d) for f in ("adam", "sgd", "lamb") for d in ("float32", "bfloat16", "float16")]
 
-RESUME_SCRIPT = textwrap.dedent("""
-    import sys, torch
-    sys.path[:0] = [{tests!r}, {tests!r} + "/.."]
-    from test_fused_optimizers import RESUME_CASES, make_resumable, run
-    torch.set_num_threads(1)
-    mode, path = sys.argv[1], sys.argv[2]
-    saved = torch.load(path) if mode == "load" else {{}}
-    out = {{}}
-    for case in RESUME_CASES:
-        params, opt = make_resumable(*case)
-        if mode == "save":
-            run(opt, params, 6)
-            out[case] = {{"params": [p.detach() for p in params], "opt": opt.state_dict()}}
-        else:
-            with torch.no_grad():
-                for p, v in zip(params, saved[case]["params"]):
-                    p.copy_(v)
-            opt.load_state_dict(saved[case]["opt"])
-            run(opt, params, 5, seed=2)
-            out[case] = [p.detach() for p in params]
-    torch.save(out, path if mode == "save" else path + ".out")
-""")
-
-
 def make_resumable(family, dtype):
     cls = {"adam": FusedAdam, "sgd": FusedSGD, "lamb": FusedLAMB}[family]
     kw = {"sgd": dict(lr=0.05, momentum=0.9)}.get(family, dict(lr=1e-2, weight_decay=0.01))
@@ -336,24 +311,8 @@ def make_resumable(family, dtype):
 def test_checkpoint_resumes_bit_for_bit_in_a_new_process(tmp_path):
     """6 steps, save, load in a NEW process, 5 more steps == 11 uninterrupted steps, bitwise,
     for every family and dtype (masters and fp32 state come back exactly)."""
-    import pathlib
-    script = tmp_path / "resume.py"
-    script.write_text(RESUME_SCRIPT.format(tests=str(pathlib.Path(__file__).parent)))
-    ck = str(tmp_path / "ck.pt")
-    for mode in ("save", "load"):
-        subprocess.run([sys.executable, str(script), mode, ck], check=True)
-    resumed = torch.load(ck + ".out")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same reduction order as the worker processes
-    try:
-        for case in RESUME_CASES:
-            params, opt = make_resumable(*case)
-            run(opt, params, 6)
-            run(opt, params, 5, seed=2)
-            for p, r in zip(params, resumed[case]):
-                assert torch.equal(p.detach(), r), case
-    finally:
-        torch.set_num_threads(threads)
+    assert_resumes_bit_for_bit_in_a_new_process(tmp_path, __file__, RESUME_CASES, make_resumable,
+                                                run)
 
 
 @pytest.mark.cuda
@@ -481,28 +440,12 @@ def test_emulated_cuda_grid_equals_cpu_bitwise(family, dtype, with_master, grid)
     """The CUDA launcher's plan, its metadata (with per-tensor step pointers) and its per-block
     code, run on the CPU, give the CPU kernels' bits -- over several launches, with a skipped
     step and tensors whose step counts differ."""
-    peak_C = __import__("peak")._C
-    peak_C.emulated.set_grid_shape(*grid)
-    g = torch.Generator().manual_seed(3)
-    sizes = [((i * 53) % 200) + 1 for i in range(40)]
-    base = [torch.randn(n, generator=g).to(dtype) for n in sizes]
-    runs = {}
-    try:
-        for ns in ("peak", "peak_emulated"):
-            params = [b.clone() for b in base]
-            masters = [b.float().clone() for b in base] if with_master else []
-            state = {"m": [torch.zeros(n) for n in sizes], "v": [torch.zeros(n) for n in sizes],
-                     "vmax": [torch.zeros(n) for n in sizes],
-                     "steps": [torch.tensor(float(i % 3)) for i in range(len(sizes))]}
-            lr = torch.tensor([1e-2])
-            for step in range(4):
-                gg = torch.Generator().manual_seed(100 + step)
-                grads = [torch.randn(n, generator=gg).to(dtype) * 4 for n in sizes]
-                found = torch.tensor([1.0 if step == 2 else 0.0])
-                _fused_call(ns, family, params, grads, masters, state, lr, found, 64)
-            runs[ns] = (params, masters, state)
-    finally:
-        peak_C.emulated.set_grid_shape(0, 0, 0)
+    runs = step_on_cpu_and_emulated_grid(
+        grid, dtype, with_master,
+        lambda sizes: {"m": [torch.zeros(n) for n in sizes], "v": [torch.zeros(n) for n in sizes],
+                       "vmax": [torch.zeros(n) for n in sizes],
+                       "steps": [torch.tensor(float(i % 3)) for i in range(len(sizes))]},
+        lambda ns, *args: _fused_call(ns, family, *args, 64))
     (p1, m1, s1), (p2, m2, s2) = runs["peak"], runs["peak_emulated"]
     for a, b in zip(p1 + m1 + s1["m"] + s1["v"] + s1["steps"], p2 + m2 + s2["m"] + s2["v"] + s2["steps"]):
         if family == "lamb":

@@ -13,7 +13,8 @@ import peak
 from peak import amp
 from peak.optimizers import (FusedAdam, FusedLAMB, FusedSGD, export_fp32_state_dict,
                              join_remainder, memory_report, split_master)
-from peak_testing import opcheck_op
+from peak_testing import (opcheck_op, assert_grad_scaler_skips_bit_for_bit,
+                          assert_state_dict_resumes_bit_for_bit, train_steps)
 
 BF16 = torch.bfloat16
 SIZES = [((i * 53) % 200) + 1 for i in range(40)] + [70_000]  # one tensor over a chunk
@@ -353,28 +354,7 @@ def _model(dtype=BF16, seed=0):
                                torch.nn.Linear(64, 8)).to(dtype)
 
 
-def _train(model, opt, steps, seed=1, start=0):
-    losses = []
-    for t in range(start, start + steps):
-        g = torch.Generator().manual_seed(seed * 1000 + t)
-        x = torch.randn(16, 32, generator=g).to(next(model.parameters()).dtype)
-        y = torch.randn(16, 8, generator=g)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 LEAN_ADAM = dict(store_param_remainders=True, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
-
-
-def _bits(model, opt):
-    out = [p.detach().clone() for p in model.parameters()]
-    for st in opt.state.values():
-        out += [v.clone() for k, v in sorted(st.items())]
-    return out
 
 
 @pytest.mark.parametrize("make", [
@@ -384,22 +364,7 @@ def _bits(model, opt):
     lambda p: FusedLAMB(p, lr=1e-2, exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)],
     ids=["adamw", "sgd", "lamb"])
 def test_lean_checkpoint_resumes_bit_for_bit(make):
-    model = _model()
-    opt = make(model.parameters())
-    _train(model, opt, 5)
-    sd = copy.deepcopy(opt.state_dict())
-    msd = copy.deepcopy(model.state_dict())
-    _train(model, opt, 5, start=5)
-    expected = _bits(model, opt)
-    model2 = _model(seed=9)
-    model2.load_state_dict(msd)
-    opt2 = make(model2.parameters())
-    opt2.load_state_dict(sd)
-    _train(model2, opt2, 5, start=5)
-    got = _bits(model2, opt2)
-    assert len(got) == len(expected)
-    for a, b in zip(expected, got):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert_state_dict_resumes_bit_for_bit(_model, make)
 
 
 def test_fp32_checkpoint_loads_into_lean_and_back():
@@ -408,7 +373,7 @@ def test_fp32_checkpoint_loads_into_lean_and_back():
     widened exactly. export_fp32_state_dict gives the exact masters from remainders."""
     model = _model()
     full = FusedAdam(model.parameters(), lr=1e-2)
-    _train(model, full, 4)
+    train_steps(model, full, 4)
     sd = copy.deepcopy(full.state_dict())
     masters = [full.state[p]["master_param"].clone() for p in model.parameters()]
     lean = FusedAdam(model.parameters(), lr=1e-2, **LEAN_ADAM)
@@ -435,7 +400,7 @@ def test_fp32_checkpoint_loads_into_lean_and_back():
 def test_torch_adamw_checkpoint_loads_into_lean():
     ref = _model(torch.float32)
     topt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    _train(ref, topt, 3)
+    train_steps(ref, topt, 3)
     model = copy.deepcopy(ref).to(BF16)
     lean = FusedAdam(model.parameters(), lr=1e-2, adam_w_mode=True, **LEAN_ADAM)
     lean.load_state_dict(topt.state_dict())
@@ -443,7 +408,7 @@ def test_torch_adamw_checkpoint_loads_into_lean():
         st = lean.state[p]
         assert torch.equal(st["exp_avg_sq"], topt.state[q]["exp_avg_sq"].to(BF16))
         assert torch.equal(st["master_param_remainder"], torch.zeros_like(p, dtype=torch.int16))
-    _train(model, lean, 2, start=3)  # and steps on
+    train_steps(model, lean, 2, start=3)  # and steps on
 
 
 def test_fp16_model_with_remainders_names_the_alternatives():
@@ -451,7 +416,7 @@ def test_fp16_model_with_remainders_names_the_alternatives():
     opt = FusedAdam(model.parameters(), lr=1e-2, store_param_remainders=True)
     with pytest.raises(TypeError, match="float16 parameter.*bfloat16 model.*"
                                         "store_param_remainders=False.*master_weights=False"):
-        _train(model, opt, 1)
+        train_steps(model, opt, 1)
     p = torch.zeros(4, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="int16 master_params.*For float16 params keep float32"):
         torch.ops.peak.fused_adam_([p], [p.clone()], [torch.zeros(4, dtype=torch.int16)],
@@ -504,7 +469,7 @@ def test_bad_lean_arguments():
 def test_memory_report_bytes_per_param():
     model = _model()
     opt = FusedAdam(model.parameters(), lr=1e-2, **LEAN_ADAM)
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     rep = memory_report(model, opt)
     assert rep.per_param["weights"] == 2 and rep.per_param["grads"] == 2
     assert rep.per_param["masters"] == 2 and rep.per_param["moments"] == 4
@@ -512,11 +477,11 @@ def test_memory_report_bytes_per_param():
     assert "masters" in str(rep)
     full_model = _model()
     full = FusedAdam(full_model.parameters(), lr=1e-2)
-    _train(full_model, full, 1)
+    train_steps(full_model, full, 1)
     assert 16 <= memory_report(full_model, full).total_per_param <= 16.01
     ref = _model(torch.float32)
     topt = torch.optim.AdamW(ref.parameters())
-    _train(ref, topt, 1)
+    train_steps(ref, topt, 1)
     assert 16 <= memory_report(ref, topt).total_per_param <= 16.01
 
 
@@ -582,21 +547,5 @@ def test_amp_o2_takes_lean_state_with_no_other_change():
 def test_grad_scaler_with_lean_optimizer_skips_bit_for_bit():
     model = _model()
     opt = FusedAdam(model.parameters(), lr=1e-2, **LEAN_ADAM)
-    scaler = amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    x, y = torch.randn(16, 32).to(BF16), torch.randn(16, 8)
-    losses = []
-    for i in range(8):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        scaler.scale(loss).backward()
-        if i == 5:
-            next(model.parameters()).grad[0, 0] = float("inf")
-            before = _bits(model, opt)
-        scaler.step(opt)
-        scaler.update()
-        if i == 5:
-            for a, b in zip(before, _bits(model, opt)):
-                assert torch.equal(a, b)
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
+    assert_grad_scaler_skips_bit_for_bit(model, opt, 8, (0, 0), float("inf"))
     assert opt.state[next(model.parameters())]["master_param_remainder"].dtype == torch.int16

@@ -14,7 +14,8 @@ from peak.optimizers import (FusedAdam, FusedAdamW, FusedLAMB, FusedSGD,
                              export_fp32_optimizer_state_dict, export_fp32_state_dict,
                              memory_report)
 from peak.optimizers._quant import dequantize, quantize
-from peak_testing import opcheck_op
+from peak_testing import (opcheck_op, assert_grad_scaler_skips_bit_for_bit,
+                          assert_state_dict_resumes_bit_for_bit, train_steps)
 
 BF16, U8 = torch.bfloat16, torch.uint8
 BLOCK = 256
@@ -334,29 +335,8 @@ def _model(dtype=BF16, seed=0):
                                torch.nn.Linear(300, 8)).to(dtype)
 
 
-def _train(model, opt, steps, seed=1, start=0, scaler=None):
-    losses = []
-    for t in range(start, start + steps):
-        g = torch.Generator().manual_seed(seed * 1000 + t)
-        x = torch.randn(16, 32, generator=g).to(next(model.parameters()).dtype)
-        y = torch.randn(16, 8, generator=g)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 Q8 = dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8)
 LEAN_Q8 = dict(store_param_remainders=True, **Q8)
-
-
-def _bits(model, opt):
-    out = [p.detach().clone() for p in model.parameters()]
-    for st in opt.state.values():
-        out += [v.clone() for k, v in sorted(st.items())]
-    return out
 
 
 MAKERS = {
@@ -370,25 +350,10 @@ MAKERS = {
 
 @pytest.mark.parametrize("make", list(MAKERS.values()), ids=list(MAKERS))
 def test_8bit_checkpoint_resumes_bit_for_bit(make):
-    model = _model()
-    opt = make(model.parameters())
-    _train(model, opt, 5)
+    opt = assert_state_dict_resumes_bit_for_bit(_model, make)
     st = next(iter(opt.state.values()))
     key = "momentum_buffer" if "momentum_buffer" in st else "exp_avg"
     assert st[key].dtype == U8 and st[key + "_scale"].dtype == torch.float32
-    sd = copy.deepcopy(opt.state_dict())
-    msd = copy.deepcopy(model.state_dict())
-    _train(model, opt, 5, start=5)
-    expected = _bits(model, opt)
-    model2 = _model(seed=9)
-    model2.load_state_dict(msd)
-    opt2 = make(model2.parameters())
-    opt2.load_state_dict(sd)
-    _train(model2, opt2, 5, start=5)
-    got = _bits(model2, opt2)
-    assert len(got) == len(expected)
-    for a, b in zip(expected, got):
-        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_fp32_checkpoint_loads_into_8bit_and_back():
@@ -397,7 +362,7 @@ def test_fp32_checkpoint_loads_into_8bit_and_back():
     masters, which a torch AdamW and a peak fp32 optimizer load."""
     model = _model()
     full = FusedAdam(model.parameters(), lr=1e-2, adam_w_mode=True)
-    _train(model, full, 3)
+    train_steps(model, full, 3)
     sd = copy.deepcopy(full.state_dict())
     lean = FusedAdam(model.parameters(), lr=1e-2, adam_w_mode=True, **LEAN_Q8)
     lean.load_state_dict(sd)
@@ -408,7 +373,7 @@ def test_fp32_checkpoint_loads_into_8bit_and_back():
             assert torch.equal(st[key], codes) and torch.equal(st[key + "_scale"], scales)
         assert torch.equal(peak.optimizers.join_remainder(p.detach(), st["master_param_remainder"]),
                            saved["master_param"])
-    _train(model, lean, 2, start=3)
+    train_steps(model, lean, 2, start=3)
     exported = export_fp32_optimizer_state_dict(lean)
     back = FusedAdam(model.parameters(), lr=1e-2, adam_w_mode=True)
     back.load_state_dict(copy.deepcopy(exported))
@@ -432,7 +397,7 @@ def test_fp32_checkpoint_loads_into_8bit_and_back():
 def test_memory_report_8bit_under_8_2_bytes_per_param():
     model = _model()
     opt = FusedAdam(model.parameters(), lr=1e-2, **LEAN_Q8)
-    _train(model, opt, 1)
+    train_steps(model, opt, 1)
     rep = memory_report(model, opt)
     n = sum(p.numel() for p in model.parameters())
     assert rep.per_param["weights"] == 2 and rep.per_param["grads"] == 2
@@ -469,23 +434,7 @@ def test_amp_o2_takes_8bit_moments_with_no_other_change():
 def test_grad_scaler_with_8bit_optimizer_skips_bit_for_bit():
     model = _model()
     opt = FusedAdam(model.parameters(), lr=1e-2, **LEAN_Q8)
-    scaler = amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    x, y = torch.randn(16, 32).to(BF16), torch.randn(16, 8)
-    losses = []
-    for i in range(10):
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        scaler.scale(loss).backward()
-        if i == 5:
-            next(model.parameters()).grad[3, 7] = float("nan")
-            before = _bits(model, opt)
-        scaler.step(opt)
-        scaler.update()
-        if i == 5:
-            for a, b in zip(before, _bits(model, opt)):
-                assert torch.equal(a, b)
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
+    assert_grad_scaler_skips_bit_for_bit(model, opt, 10, (3, 7), float("nan"))
 
 
 def test_bad_8bit_arguments_name_the_argument_and_the_fix():
