@@ -198,3 +198,14 @@ def step_on_cpu_and_emulated_grid(grid, dtype, with_master, state, call):
     finally:
         peak._C.emulated.set_grid_shape(0, 0, 0)
     return runs
+
+
+def amp_steps(model, opt, data):
+    """One amp step (zero_grad, mse loss, scale_loss, backward, step) per (x, y) in `data`."""
+    from peak import amp
+    for x, y in data:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()

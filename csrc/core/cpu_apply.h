@@ -121,14 +121,17 @@ inline void store_tile(const float* src, Remainder16* dst, int64_t n) {
   }
 }
 
+// The bf16 bits to store for the fp32 pattern `bits` whose high half is `high`: c10's NaN.
+inline uint16_t bf16_or_nan(uint32_t bits, uint32_t high) {
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(high);
+}
 inline void store_tile(const float* src, c10::BFloat16* dst, int64_t n) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   for (int64_t i = 0; i < n; ++i) {
     uint32_t bits;
     std::memcpy(&bits, src + i, 4);
-    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    const uint32_t rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
-    out[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+    out[i] = bf16_or_nan(bits, (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16);
   }
 }
 
@@ -169,15 +172,13 @@ inline float widen_inline(const Remainder16* src, int64_t i) {
 }
 inline void narrow_inline(c10::BFloat16* dst, int64_t i, float x) {
   const uint32_t bits = float_bits(x);
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
   const uint32_t rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
-  reinterpret_cast<uint16_t*>(dst)[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+  reinterpret_cast<uint16_t*>(dst)[i] = bf16_or_nan(bits, rounded);
 }
 // NOTE: [Exact stores] (elementwise_ops.h): x already holds a bf16 value.
 inline void narrow_exact(c10::BFloat16* dst, int64_t i, float x) {
   const uint32_t bits = float_bits(x);
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  reinterpret_cast<uint16_t*>(dst)[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(bits >> 16);
+  reinterpret_cast<uint16_t*>(dst)[i] = bf16_or_nan(bits, bits >> 16);
 }
 inline void narrow_inline(Remainder16* dst, int64_t i, float x) {
   reinterpret_cast<uint16_t*>(dst)[i] = static_cast<uint16_t>(float_bits(x));

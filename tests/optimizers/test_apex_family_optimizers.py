@@ -14,7 +14,7 @@ from peak.optimizers import (LARC, FusedAdagrad, FusedAdam, FusedAdamW, FusedLAM
 
 from peak_testing import (opcheck_op, DEVICES, TOLERANCES, dtype_id,
                           assert_resumes_bit_for_bit_in_a_new_process,
-                          step_on_cpu_and_emulated_grid)
+                          step_on_cpu_and_emulated_grid, amp_steps)
 from test_fused_optimizers import grads_for, lamb_reference, make_params, run, snapshot
 
 LOW = [torch.float16, torch.bfloat16]
@@ -709,12 +709,7 @@ def test_amp_initialize_accepts_larc(opt_level):
     model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0,
                                 low_precision_dtype=torch.bfloat16)
     assert isinstance(opt, LARC)
-    for x, y in data:
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x).float(), y)
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
+    amp_steps(model, opt, data)
     ref = _net()
     ref_opt = LARC(torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3))
     for x, y in data:

@@ -15,7 +15,7 @@ from peak.optimizers import (FusedAdam, FusedAdamW, FusedLAMB, FusedSGD,
                              memory_report)
 from peak.optimizers._quant import dequantize, quantize
 from peak_testing import (opcheck_op, assert_grad_scaler_skips_bit_for_bit,
-                          assert_state_dict_resumes_bit_for_bit, train_steps)
+                          amp_steps, assert_state_dict_resumes_bit_for_bit, train_steps)
 
 BF16, U8 = torch.bfloat16, torch.uint8
 BLOCK = 256
@@ -417,12 +417,7 @@ def test_amp_o2_takes_8bit_moments_with_no_other_change():
         opt = FusedAdam(model.parameters(), lr=1e-3, adam_w_mode=True, **kw)
         model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=BF16,
                                     verbosity=0)
-        for x, y in data:
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
+        amp_steps(model, opt, data)
         results[name] = export_fp32_state_dict(model, opt)
         if name == "q8":
             st = opt.state[next(iter(opt.state))]
