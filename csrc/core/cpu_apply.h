@@ -430,10 +430,7 @@ void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64
   const int64_t total_chunks = offsets.back();
   if (total_chunks == 0) return;
   // chunk -> tensor, so that a task can start anywhere in the global chunk order.
-  std::vector<int32_t> chunk_tensor(total_chunks);
-  for (size_t t = 0; t + 1 < offsets.size(); ++t) {
-    for (int64_t c = offsets[t]; c < offsets[t + 1]; ++c) chunk_tensor[c] = static_cast<int32_t>(t);
-  }
+  const std::vector<int32_t> chunk_tensor = chunk_owners(offsets);
   int64_t total_elements = 0;
   for (int64_t n : lists.numels) total_elements += n;
   // NOTE: [CPU task size] Tasks of at least 512K elements: these passes are memory-bound, so a

@@ -16,6 +16,14 @@ std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& numels, int64_t c
   return offsets;
 }
 
+std::vector<int32_t> chunk_owners(const std::vector<int64_t>& offsets) {
+  std::vector<int32_t> owner(offsets.empty() ? 0 : offsets.back());
+  for (size_t t = 0; t + 1 < offsets.size(); ++t) {
+    for (int64_t c = offsets[t]; c < offsets[t + 1]; ++c) owner[c] = static_cast<int32_t>(t);
+  }
+  return owner;
+}
+
 std::vector<Launch> plan_launches(const std::vector<int64_t>& numels, int64_t chunk_size,
                                   LaunchLimits limits) {
   if (chunk_size <= 0) throw std::invalid_argument("chunk_size must be positive");

@@ -46,6 +46,11 @@ int64_t num_chunks(int64_t numel, int64_t chunk_size);
 // chunk_offsets[t] .. chunk_offsets[t+1] are tensor t's global chunk indices (size n+1).
 std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& numels, int64_t chunk_size);
 
+// chunk -> index of the tensor that owns it, from chunk_offsets. Built here, in code compiled at
+// the baseline level, and not in the CPU launcher: a std::vector constructor instantiated in a
+// level's object is a link-once copy with that level's instructions (NOTE: [CPU levels]).
+std::vector<int32_t> chunk_owners(const std::vector<int64_t>& offsets);
+
 std::vector<Launch> plan_launches(const std::vector<int64_t>& numels, int64_t chunk_size,
                                   LaunchLimits limits);
 
