@@ -13,6 +13,9 @@ Contenders, all in one run, on the same parameter shapes:
 - unfused:  Apex's O2 pipeline written with torch ops: unscale the low-precision grads into fp32
             master grads (torch._amp_foreach_non_finite_check_and_unscale_ after a copy),
             torch.optim.AdamW(foreach=True) on the fp32 masters, copy masters back to the model.
+- amp O2:   the whole O2 step a user runs: amp.scale_loss's exit (no backward) and the FusedAdam
+            step after amp.initialize(opt_level="O2"), fp32 masters (bf16: a static loss scale
+            of 1; fp16: dynamic, grads unscaled in the step and stored back).
 - torch fused: torch.optim.AdamW(fused=True) on an fp32 model (no masters: the fp32 baseline).
 - peak no-master (bf16 only): FusedAdam(master_weights=False, stochastic_rounding=True) stepping
             the bf16 weights directly (no fp32 master: 6 fewer bytes per parameter; the
@@ -33,7 +36,7 @@ import time
 import torch
 
 import peak
-from peak import ops
+from peak import amp, ops
 from peak.optimizers import FusedAdam
 
 
@@ -54,13 +57,21 @@ def sync(device):
 
 def timed_interleaved(contenders, device, repeats):
     """Median seconds per call of each contender, the repeats interleaved (round r times every
-    contender once), so that a burst of load from another process hits all of them alike."""
-    for fn in contenders.values():  # warm-up
-        fn()
-        fn()
+    contender once), so that a burst of load from another process hits all of them alike. A
+    contender is a function, or a (setup, function) pair whose setup runs untimed before each
+    call."""
+    contenders = {name: fn if isinstance(fn, tuple) else (None, fn)
+                  for name, fn in contenders.items()}
+    for setup, fn in contenders.values():  # warm-up (twice)
+        for _ in range(2):
+            if setup is not None:
+                setup()
+            fn()
     times = {name: [] for name in contenders}
     for _ in range(repeats):
-        for name, fn in contenders.items():
+        for name, (setup, fn) in contenders.items():
+            if setup is not None:
+                setup()
             sync(device)
             t0 = time.perf_counter()
             fn()
@@ -130,6 +141,31 @@ def run(args, threads):
                        store_unscaled_grads=False)
     add_peak("  same, grads left scaled", lambda: opt_ns.step(grad_scale=scale, found_inf=found),
              2 * low.itemsize + 4 * 6)
+    # The whole amp O2 step as a user runs it (issue 16's "today's fp32-master O2 step"): the
+    # scale_loss exit (bf16: a static scale of 1, nothing to check or unscale; fp16: the dynamic
+    # scaler's inf/NaN check and its one host read) and FusedAdam.step (fp16: grads unscaled
+    # inside the step and stored back). The gradients the backward would have written are put
+    # back before each call, untimed (the fp16 step stores them unscaled).
+    amp_model = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in fp32])
+    amp_model, amp_opt = amp.initialize(
+        amp_model, FusedAdam(amp_model.parameters(), lr=1e-4, weight_decay=0.01, adam_w_mode=True),
+        opt_level="O2", low_precision_dtype=low, verbosity=0)
+    amp_scale = amp._amp_state.loss_scalers[0].loss_scale()
+    amp_grads = [(gr * amp_scale).to(low) for gr in grads32]
+    for p, gr in zip(amp_model.parameters(), amp_grads):
+        p.grad = gr.clone()
+    amp_loss = torch.zeros((), device=dev, requires_grad=True)
+
+    def amp_step():
+        with amp.scale_loss(amp_loss, amp_opt):
+            pass  # no backward: the gradients put back by the setup stand for its output
+        amp_opt.step()
+    contenders[AMP_ROW] = (lambda: torch._foreach_copy_(
+        [p.grad for p in amp_model.parameters()], amp_grads), amp_step)
+    # scale_loss exit: fp16 reads the grads (check); the step: grad r (+w for fp16), param w,
+    # master/m/v r+w.
+    nbytes[AMP_ROW] = (3 if low == torch.float16 else 1) * low.itemsize + low.itemsize + 4 * 6
+
     if low == torch.bfloat16:  # lean state (issue 16): grads left scaled
         lean_opts = {}
         for name, (kw, b) in LEAN.items():
@@ -219,6 +255,7 @@ def run(args, threads):
 
 
 TORCH = "(b) torch AdamW fused fp32"
+AMP_ROW = "amp O2 step (scale_loss + step)"
 
 
 def main():

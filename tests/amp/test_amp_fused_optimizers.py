@@ -66,6 +66,43 @@ def test_no_unscale_or_copy_pass(monkeypatch):
     assert calls == [], "the fused path unscales and writes the model inside the optimizer step"
 
 
+@pytest.mark.parametrize("dtype,loss_scale", [(torch.bfloat16, None), (torch.float16, 128.0)],
+                         ids=["bf16_static_1", "f16_static_128"])
+def test_a_static_scale_makes_no_check_pass(monkeypatch, dtype, loss_scale):
+    # A static scaler never reads the overflow flag (Apex): scale_loss's exit checks nothing. With
+    # a scale of 1 the step gets no grad_scale either (unscaling by 1 and storing the gradient
+    # back would change no bit); with 128 it unscales and stores back as usual.
+    checks, steps = [], []
+    real_check, real_step = ops.multi_tensor_check_finite_, ops.fused_adam_
+    monkeypatch.setattr(ops, "multi_tensor_check_finite_",
+                        lambda *a, **k: checks.append(1) or real_check(*a, **k))
+    monkeypatch.setattr(ops, "fused_adam_", lambda *a, **k: steps.append(k) or real_step(*a, **k))
+    kw = {} if loss_scale is None else {"loss_scale": loss_scale}
+    data = batches(3)
+    model, opt = amp_run(lambda p: FusedAdam(p, lr=1e-2, adam_w_mode=True), dtype, data, **kw)
+    assert checks == []
+    assert len(steps) == 3
+    for k in steps:
+        if loss_scale is None:
+            assert k["grad_scale"] is None and not k["store_unscaled_grads"]
+        else:
+            assert float(k["grad_scale"]) == loss_scale and k["store_unscaled_grads"]
+    # The weights are those of the step handed the scale by hand (the test above, same data).
+    ref = net()
+    masters = [p.detach().clone() for p in ref.parameters()]
+    ref = ref.to(dtype)
+    ref_opt = FusedAdam(ref.parameters(), lr=1e-2, adam_w_mode=True)
+    for p, m in zip(ref.parameters(), masters):
+        ref_opt.state[p]["master_param"] = m
+    scale = 1.0 if loss_scale is None else loss_scale
+    for x, y in data:
+        ref_opt.zero_grad()
+        (torch.nn.functional.mse_loss(ref(x.to(dtype)).float(), y) * scale).backward()
+        ref_opt.step(grad_scale=torch.tensor([scale]))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+
+
 def test_overflow_skips_bit_for_bit_and_backs_off():
     model = net()
     opt = FusedAdam(model.parameters(), lr=1e-2)

@@ -54,6 +54,8 @@ class AmpOptimizerState:
         self.fused = master_weights and isinstance(optimizer, FusedOptimizer) and not wrapped
         self.fused_params: list[torch.Tensor] = []
         self.fused_grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
+        # ...is a static 1 (known on the host): step() then neither unscales nor stores them back.
+        self.fused_scale_is_one = False
         # Their global norm, when the optimizer clips (taken by the inf/NaN check's pass).
         self.fused_grad_norm: torch.Tensor | None = None
         # Gradients set aside while a pass runs after an overflow: (params, grads, their scale).
@@ -154,10 +156,12 @@ class AmpOptimizerState:
                                   out=flag)
                     self.fused_grad_norm = norm
             else:  # after an overflow: the new gradients alone, then the earlier ones added back
-                scaler.check([p.grad for p in self.fused_params if p.grad is not None])
+                if scaler.dynamic:  # a static scaler never reads the flag (as Apex): no pass
+                    scaler.check([p.grad for p in self.fused_params if p.grad is not None])
                 if self.fused_set_aside is not None:
                     self._add_back_set_aside(scaler)
         self.fused_grad_scale = scaler.scale.clone()  # taken before the scale is updated
+        self.fused_scale_is_one = scaler.is_static_one()
 
     def _add_back_set_aside(self, scaler) -> None:
         params, olds, old_scale = self.fused_set_aside
@@ -339,7 +343,8 @@ def _step(self, closure=None):
     if stash.masters and not stash.warned_no_master_grads:
         _warn_if_backward_bypassed_amp(stash)
     if stash.fused:
-        grad_scale, stash.fused_grad_scale = stash.fused_grad_scale, None
+        unit = stash.fused_scale_is_one and not stash.fused_master_grads
+        grad_scale, stash.fused_grad_scale = (None if unit else stash.fused_grad_scale), None
         grad_norm, stash.fused_grad_norm = stash.fused_grad_norm, None
         result = stash.orig_step(*args, grad_scale=grad_scale, grad_norm=grad_norm)
         stash.fused_master_grads = False  # the step used and dropped them
@@ -375,11 +380,10 @@ def _zero_grad(self, set_to_none: bool = True):
     stash = self._amp_stash
     stash.orig_zero_grad(set_to_none)
     for p in stash.model_low_params:
-        if p.grad is not None:
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
+        if p.grad is not None and set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.detach_().zero_()
     stash.grad_stash = stash.fused_grad_scale = stash.fused_grad_norm = stash.fused_set_aside = None
     stash.params_have_scaled_gradients = False
     if stash.fused:
@@ -409,8 +413,7 @@ def _add_param_group(self, param_group):
     group["params"] = stash.register_params(params)
     try:
         stash.orig_add_param_group(group)
-    except BaseException:
-        # leave nothing half-registered
+    except BaseException:  # leave nothing half-registered
         for p in stash.model_low_params[n_masters:]:
             master_of.pop(p, None)
         del stash.model_low_params[n_masters:], stash.masters[n_masters:]

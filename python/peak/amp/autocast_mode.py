@@ -1,8 +1,7 @@
 """``peak.amp.autocast``, ``custom_fwd`` and ``custom_bwd``: torch.amp's autocast API (``autocast``
 is a ``torch.autocast`` subclass that enters it), plus per-region edits of the op lists
 (``fp32_ops``/``lower_ops``: a list-edit frame on the O1 caster, ``_caster.push_edits``). See
-docs/torch_dialect.md and docs/caster.md.
-"""
+docs/torch_dialect.md and docs/caster.md."""
 from __future__ import annotations
 
 import contextlib

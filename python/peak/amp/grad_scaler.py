@@ -1,7 +1,6 @@
 """``peak.amp.GradScaler``: torch.amp.GradScaler's API (constructor, methods, errors, state
 machine, ``state_dict`` keys, pickling, fused-optimizer hand-off) as a front door over peak's
-scaling core (``peak.scaling``), plus what torch's lacks: see docs/torch_dialect.md.
-"""
+scaling core (``peak.scaling``), plus what torch's lacks: see docs/torch_dialect.md."""
 from __future__ import annotations
 
 import inspect

@@ -349,5 +349,4 @@ class NoOpHandle:
     def _clear_cache(self) -> None:
         pass
 
-    def _deactivate(self) -> None:
-        pass
+    _deactivate = _clear_cache
