@@ -4,16 +4,22 @@
 // is the floor the issue-16 targets are judged against (benchmarks/README.md, "What an exact
 // step can reach on this core"): if this loop cannot reach a target, no launcher can.
 //
-//   gcc -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off -march=x86-64-v4 \
-//       -mtune=generic -mprefer-vector-width=512 -o /tmp/adam_loop_floor \
-//       benchmarks/adam_loop_floor.c -lm && /tmp/adam_loop_floor
+//   gcc -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off -march=x86-64-v4
+//       -mtune=generic -mprefer-vector-width=512 -o /tmp/adam_loop_floor
+//       benchmarks/adam_loop_floor.c -lm && /tmp/adam_loop_floor      (one command line)
 //
 // Three layouts, each in cache (65,536 elements) and from memory (16M), best of 20 rounds:
 //   fp32 (torch's):    param, grad, exp_avg, exp_avg_sq fp32          28 B per element
 //   fp32 masters:      bf16 grad in, bf16 weight out, fp32 master/m/v  28 B (+2 B read for ownership)
 //   remainder + bf16:  bf16 grad, bf16 weight + 16-bit remainder, bf16 moments rounded to
 //                      nearest even                                    18 B
+// and, in torch's layout and in cache, three ways to take 1 / (sqrt(v) * c + eps): the exact
+// sqrt and division; a Newton reciprocal from an integer first guess (four steps: fp32-accurate,
+// and the same bits on every backend, FMAs being exact-rounded everywhere); AVX-512's vrcp14ps
+// and one Newton step (its bits are not specified across CPU vendors, nor available on the
+// grid or CUDA).
 // Not peak's code (the kernels live in csrc/core): a measurement of the arithmetic's floor.
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -47,6 +53,47 @@ __attribute__((noinline)) static void step_fp32(int n, float* w, const float* g,
     m[i] = mm;
     v[i] = vv;
   }
+}
+
+// Denominator variants (torch's layout): 0 exact, 1 Newton reciprocal, 2 vrcp14ps + Newton.
+__attribute__((noinline)) static void step_fp32_newton(int n, float* w, const float* g, float* m,
+                                                       float* v, Hyper h) {
+#pragma GCC ivdep
+  for (int i = 0; i < n; i++) {
+    const float gr = g[i] * h.grad_factor;
+    const float mm = fmaf(h.one_minus_beta1, gr - m[i], m[i]);
+    const float vv = fmaf(h.one_minus_beta2, gr * gr, h.beta2 * v[i]);
+    const float d = sqrtf(vv) * h.inv_bc2_sqrt + h.eps;
+    float r = bits_float(0x7EF311C3u - float_bits(d));
+    for (int k = 0; k < 4; k++) r = r * fmaf(-d, r, 2.0f);
+    w[i] = w[i] * h.decay - h.step_size * (mm * r);
+    m[i] = mm;
+    v[i] = vv;
+  }
+}
+
+__attribute__((noinline)) static void step_fp32_rcp14(int n, float* w, const float* g, float* m,
+                                                      float* v, Hyper h) {
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 G = _mm512_mul_ps(_mm512_loadu_ps(g + i), _mm512_set1_ps(h.grad_factor));
+    const __m512 M = _mm512_loadu_ps(m + i), V = _mm512_loadu_ps(v + i);
+    const __m512 mm = _mm512_fmadd_ps(_mm512_set1_ps(h.one_minus_beta1), _mm512_sub_ps(G, M), M);
+    const __m512 vv = _mm512_fmadd_ps(_mm512_set1_ps(h.one_minus_beta2), _mm512_mul_ps(G, G),
+                                      _mm512_mul_ps(_mm512_set1_ps(h.beta2), V));
+    const __m512 d = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vv), _mm512_set1_ps(h.inv_bc2_sqrt)),
+                                   _mm512_set1_ps(h.eps));
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+    const __m512 W = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_set1_ps(h.decay));
+    _mm512_storeu_ps(w + i, _mm512_sub_ps(W, _mm512_mul_ps(_mm512_set1_ps(h.step_size),
+                                                           _mm512_mul_ps(mm, r))));
+    _mm512_storeu_ps(m + i, mm);
+    _mm512_storeu_ps(v + i, vv);
+  }
+#endif
+  step_fp32(n - i, w + i, g + i, m + i, v + i, h);
 }
 
 __attribute__((noinline)) static void step_masters(int n, uint16_t* p, const uint16_t* g, float* master,
@@ -104,7 +151,9 @@ static double time_layout(int layout, int n) {
     for (int c = 0; c < calls; c++) {
       if (layout == 0) step_fp32(n, w, g32, m, v, h);
       else if (layout == 1) step_masters(n, p, g, w, m, v, h);
-      else step_lean(n, p, rem, g, m16, v16, h);
+      else if (layout == 2) step_lean(n, p, rem, g, m16, v16, h);
+      else if (layout == 3) step_fp32_newton(n, w, g32, m, v, h);
+      else step_fp32_rcp14(n, w, g32, m, v, h);
     }
     const double t = (now() - t0) / calls / n * 1e9;
     if (t < best) best = t;
@@ -119,6 +168,12 @@ int main(void) {
   for (int layout = 0; layout < 3; layout++) {
     const double cached = time_layout(layout, 65536), memory = time_layout(layout, 16000000);
     printf("%-28s %16.3f %16.3f\n", names[layout], cached, memory);
+  }
+  printf("\ntorch's layout, 1 / (sqrt(v) * c + eps) taken as        in cache ns/el\n");
+  const char* variants[] = {"exact sqrt and division", "Newton reciprocal (deterministic)",
+                            "vrcp14ps + one Newton step"};
+  for (int k = 0; k < 3; k++) {
+    printf("%-52s %12.3f\n", variants[k], time_layout(k == 0 ? 0 : k + 2, 65536));
   }
   return 0;
 }
