@@ -146,17 +146,20 @@ def test_grad_scaler_after_unscale_lets_the_optimizer_measure():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
-def test_amp_o2_fused_path_clips_with_the_check_pass_norm(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,loss_scale", [(LOW[0], 128.0), (LOW[1], 128.0), (LOW[1], None)],
+                         ids=["fp16", "bf16", "bf16_static_1"])
+def test_amp_o2_fused_path_clips_with_the_check_pass_norm(monkeypatch, dtype, loss_scale):
     """amp O2 with a clipping FusedAdam: scale_loss's exit takes the norm (no separate check
     pass), the step clips with it; equal bit-for-bit to the optimizer alone on fp32 masters fed
-    the unscaled gradients."""
+    the unscaled gradients. bf16's default static scale of 1 hands the step no grad_scale."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ref_model = copy.deepcopy(model)
     opt = FusedAdam(model.parameters(), lr=1e-2, max_grad_norm=0.5)
+    kw = {} if loss_scale is None else {"loss_scale": loss_scale}
     model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=dtype,
-                                loss_scale=128.0, verbosity=0)
+                                verbosity=0, **kw)
+    scale = 1.0 if loss_scale is None else loss_scale
     ref_params = list(ref_model.parameters())
     ref_opt = FusedAdam(ref_params, lr=1e-2, max_grad_norm=0.5)
     checks = _count(monkeypatch, ops, "multi_tensor_check_finite_")
@@ -165,7 +168,7 @@ def test_amp_o2_fused_path_clips_with_the_check_pass_norm(monkeypatch, dtype):
         loss = model(x.to(dtype)).float().pow(2).mean()
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
-        grads = [p.grad.float() / 128.0 for p in model.parameters()]
+        grads = [p.grad.float() / scale for p in model.parameters()]
         opt.step()
         for q, g in zip(ref_params, grads):
             q.grad = g
