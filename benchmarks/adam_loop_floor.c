@@ -42,13 +42,19 @@ static double now(void) {
 
 typedef struct { float grad_factor, decay, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size; } Hyper;
 
+// What every layout computes: the new moments and the denominator sqrt(v) * c + eps.
+static inline float adam_moments(Hyper h, float gr, float m0, float v0, float* mm, float* vv) {
+  *mm = fmaf(h.one_minus_beta1, gr - m0, m0);
+  *vv = fmaf(h.one_minus_beta2, gr * gr, h.beta2 * v0);
+  return sqrtf(*vv) * h.inv_bc2_sqrt + h.eps;
+}
+
 __attribute__((noinline)) static void step_fp32(int n, float* w, const float* g, float* m, float* v, Hyper h) {
 #pragma GCC ivdep
   for (int i = 0; i < n; i++) {
     const float gr = g[i] * h.grad_factor;
-    const float mm = fmaf(h.one_minus_beta1, gr - m[i], m[i]);
-    const float vv = fmaf(h.one_minus_beta2, gr * gr, h.beta2 * v[i]);
-    const float d = sqrtf(vv) * h.inv_bc2_sqrt + h.eps;
+    float mm, vv;
+    const float d = adam_moments(h, gr, m[i], v[i], &mm, &vv);
     w[i] = w[i] * h.decay - h.step_size * (mm / d);
     m[i] = mm;
     v[i] = vv;
@@ -61,9 +67,8 @@ __attribute__((noinline)) static void step_fp32_newton(int n, float* w, const fl
 #pragma GCC ivdep
   for (int i = 0; i < n; i++) {
     const float gr = g[i] * h.grad_factor;
-    const float mm = fmaf(h.one_minus_beta1, gr - m[i], m[i]);
-    const float vv = fmaf(h.one_minus_beta2, gr * gr, h.beta2 * v[i]);
-    const float d = sqrtf(vv) * h.inv_bc2_sqrt + h.eps;
+    float mm, vv;
+    const float d = adam_moments(h, gr, m[i], v[i], &mm, &vv);
     float r = bits_float(0x7EF311C3u - float_bits(d));
     for (int k = 0; k < 4; k++) r = r * fmaf(-d, r, 2.0f);
     w[i] = w[i] * h.decay - h.step_size * (mm * r);
@@ -101,9 +106,8 @@ __attribute__((noinline)) static void step_masters(int n, uint16_t* p, const uin
 #pragma GCC ivdep
   for (int i = 0; i < n; i++) {
     const float gr = bits_float((uint32_t)g[i] << 16) * h.grad_factor;
-    const float mm = fmaf(h.one_minus_beta1, gr - m[i], m[i]);
-    const float vv = fmaf(h.one_minus_beta2, gr * gr, h.beta2 * v[i]);
-    const float d = sqrtf(vv) * h.inv_bc2_sqrt + h.eps;
+    float mm, vv;
+    const float d = adam_moments(h, gr, m[i], v[i], &mm, &vv);
     const float w = master[i] * h.decay - h.step_size * (mm / d);
     master[i] = w;
     m[i] = mm;
@@ -120,9 +124,8 @@ __attribute__((noinline)) static void step_lean(int n, uint16_t* p, uint16_t* re
     const float w0 = bits_float(((((uint32_t)p[i]) - (low >> 15)) << 16) | low);
     const float gr = bits_float((uint32_t)g[i] << 16) * h.grad_factor;
     const float m0 = bits_float((uint32_t)m[i] << 16), v0 = bits_float((uint32_t)v[i] << 16);
-    const float mm = fmaf(h.one_minus_beta1, gr - m0, m0);
-    const float vv = fmaf(h.one_minus_beta2, gr * gr, h.beta2 * v0);
-    const float d = sqrtf(vv) * h.inv_bc2_sqrt + h.eps;
+    float mm, vv;
+    const float d = adam_moments(h, gr, m0, v0, &mm, &vv);
     const float w = w0 * h.decay - h.step_size * (mm / d);
     m[i] = round_bf16(mm);
     v[i] = round_bf16(vv);

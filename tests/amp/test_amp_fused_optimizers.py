@@ -34,17 +34,13 @@ def amp_run(make_opt, dtype, data, **init_kw):
     return model, opt
 
 
-@pytest.mark.parametrize("dtype,scale", [(torch.float16, 2.0 ** 16), (torch.bfloat16, 1.0)],
-                         ids=["f16_dynamic", "bf16_static"])
-def test_o2_fused_equals_the_optimizer_used_by_hand(dtype, scale):
-    data = batches()
-    model, opt = amp_run(lambda p: FusedAdam(p, lr=1e-2, adam_w_mode=True, weight_decay=0.1),
-                         dtype, data)
-    # By hand: the same fp32 weights as masters, a low-precision model, loss * S, grad_scale=S.
+def by_hand(dtype, data, scale, **adam_kw):
+    """FusedAdam used without amp: the same fp32 weights as masters, a low-precision model,
+    loss * S, grad_scale=S."""
     ref = net()
     masters = [p.detach().clone() for p in ref.parameters()]
     ref = ref.to(dtype)
-    ref_opt = FusedAdam(ref.parameters(), lr=1e-2, adam_w_mode=True, weight_decay=0.1)
+    ref_opt = FusedAdam(ref.parameters(), lr=1e-2, adam_w_mode=True, **adam_kw)
     for p, m in zip(ref.parameters(), masters):
         ref_opt.state[p]["master_param"] = m
     for x, y in data:
@@ -52,6 +48,16 @@ def test_o2_fused_equals_the_optimizer_used_by_hand(dtype, scale):
         loss = torch.nn.functional.mse_loss(ref(x.to(dtype)).float(), y)
         (loss.float() * scale).backward()
         ref_opt.step(grad_scale=torch.tensor([scale]))
+    return ref, ref_opt
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float16, 2.0 ** 16), (torch.bfloat16, 1.0)],
+                         ids=["f16_dynamic", "bf16_static"])
+def test_o2_fused_equals_the_optimizer_used_by_hand(dtype, scale):
+    data = batches()
+    model, opt = amp_run(lambda p: FusedAdam(p, lr=1e-2, adam_w_mode=True, weight_decay=0.1),
+                         dtype, data)
+    ref, ref_opt = by_hand(dtype, data, scale, weight_decay=0.1)
     for (p, q) in zip(model.parameters(), ref.parameters()):
         assert p.dtype == dtype
         assert torch.equal(p, q)
@@ -87,18 +93,8 @@ def test_a_static_scale_makes_no_check_pass(monkeypatch, dtype, loss_scale):
             assert k["grad_scale"] is None and not k["store_unscaled_grads"]
         else:
             assert float(k["grad_scale"]) == loss_scale and k["store_unscaled_grads"]
-    # The weights are those of the step handed the scale by hand (the test above, same data).
-    ref = net()
-    masters = [p.detach().clone() for p in ref.parameters()]
-    ref = ref.to(dtype)
-    ref_opt = FusedAdam(ref.parameters(), lr=1e-2, adam_w_mode=True)
-    for p, m in zip(ref.parameters(), masters):
-        ref_opt.state[p]["master_param"] = m
-    scale = 1.0 if loss_scale is None else loss_scale
-    for x, y in data:
-        ref_opt.zero_grad()
-        (torch.nn.functional.mse_loss(ref(x.to(dtype)).float(), y) * scale).backward()
-        ref_opt.step(grad_scale=torch.tensor([scale]))
+    # The weights are those of the step handed the scale by hand.
+    ref, _ = by_hand(dtype, data, 1.0 if loss_scale is None else loss_scale)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
 
