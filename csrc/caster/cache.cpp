@@ -2,7 +2,12 @@
 #include "cast.h"
 
 #include <torch/csrc/autograd/function_hook.h>
+// torch::autograd::Node: node.h from torch 2.13 on, function.h before (which still includes it).
+#if __has_include(<torch/csrc/autograd/node.h>)
 #include <torch/csrc/autograd/node.h>
+#else
+#include <torch/csrc/autograd/function.h>
+#endif
 
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>

@@ -50,6 +50,19 @@ void set_own_state(Published s) {
 }
 
 
+// Removes this thread's published state. torch 2.13 added ThreadLocalPythonObjects::erase; on
+// older releases the slot is set to None instead, which handed_state() reads as "nothing
+// handed" (a template, so that the branch without erase is never compiled against a torch
+// that has it, and the reverse).
+template <typename Objects>
+void unpublish(const std::string& key) {
+  if constexpr (requires { Objects::erase(key); }) {
+    Objects::erase(key);
+  } else {
+    Objects::set(key, std::make_shared<c10::SafePyObject>(Py_NewRef(Py_None), getPyInterpreter()));
+  }
+}
+
 void publish() {
   using at::impl::ThreadLocalPythonObjects;
   const bool on = thread_on() || any_region(tls.frames);
@@ -59,7 +72,7 @@ void publish() {
   }
   if (!on) {
     if (tls.published && ThreadLocalPythonObjects::contains(published_key())) {
-      ThreadLocalPythonObjects::erase(published_key());
+      unpublish<ThreadLocalPythonObjects>(published_key());
     }
     tls.published = false;
     return;
@@ -79,6 +92,7 @@ const Published* handed_state() {
   using at::impl::ThreadLocalPythonObjects;
   if (!ThreadLocalPythonObjects::contains(published_key())) return nullptr;
   PyObject* capsule = ThreadLocalPythonObjects::get(published_key())->ptr(getPyInterpreter());
+  if (!PyCapsule_IsValid(capsule, kPublishedName)) return nullptr;  // None: see unpublish
   return static_cast<const Published*>(PyCapsule_GetPointer(capsule, kPublishedName));
 }
 
@@ -122,7 +136,7 @@ void push_state(PyObject* snapshot) {
   // An "off" snapshot must also hide what torch handed this thread (saved above, put back by
   // pop_state): publish() only removes what this thread published itself.
   if (!tls.published && ThreadLocalPythonObjects::contains(published_key())) {
-    ThreadLocalPythonObjects::erase(published_key());
+    unpublish<ThreadLocalPythonObjects>(published_key());
   }
 }
 
@@ -137,7 +151,7 @@ void pop_state() {
     if (prev.slot) {
       ThreadLocalPythonObjects::set(published_key(), std::move(prev.slot));
     } else if (ThreadLocalPythonObjects::contains(published_key())) {
-      ThreadLocalPythonObjects::erase(published_key());
+      unpublish<ThreadLocalPythonObjects>(published_key());
     }
     tls.published = false;
   }

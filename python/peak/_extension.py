@@ -3,8 +3,9 @@ import re
 
 import torch
 
-# The torch releases peak is built and tested against (inclusive, major.minor).
-SUPPORTED_TORCH = ((2, 13), (2, 14))
+# The torch releases peak builds against and is tested with (inclusive, major.minor; what was run
+# on which release: docs/build.md, "Supported torch releases").
+SUPPORTED_TORCH = ((2, 10), (2, 15))
 REBUILD = "pip install --no-build-isolation -e .  (or: make build)"
 
 
@@ -18,7 +19,7 @@ def check_torch_version(version: str = torch.__version__) -> None:
     if not lo <= _major_minor(version) <= hi:
         raise ImportError(
             f"peak supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, but torch {version} is "
-            f"installed. Install a supported torch (e.g. pip install torch==2.13.0), then "
+            f"installed. Install a supported torch (e.g. pip install torch=={hi[0]}.{hi[1]}.0), then "
             f"rebuild peak: {REBUILD}")
 
 

@@ -29,13 +29,14 @@ def test_python_m_peak_info_prints_the_facts():
     assert "with_cuda" in out and "cuda_archs" in out
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.15.0", "3.0.0", "1.13.1+cu117"])
+@pytest.mark.parametrize("version", ["2.9.1", "2.16.0", "3.0.0", "1.13.1+cu117"])
 def test_unsupported_torch_is_refused(version):
-    with pytest.raises(ImportError, match="peak supports torch 2.13 to 2.14, but torch " + re.escape(version)):
+    with pytest.raises(ImportError, match="peak supports torch 2.10 to 2.15, but torch " + re.escape(version)):
         _extension.check_torch_version(version)
 
 
-@pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.14.1+cu130"])
+@pytest.mark.parametrize("version", ["2.10.0", "2.11.0+cu130", "2.12.1", "2.13.0", "2.13.0+cpu",
+                                     "2.14.1+cu130", "2.15.0"])
 def test_supported_torch_is_accepted(version):
     _extension.check_torch_version(version)
 

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from peak import amp
 from peak.amp import _caster
-from peak.amp.autocast_mode import TORCH_AUTOCAST_LISTS, TORCH_AUTOCAST_LIST_CHANGES
+from peak.amp.autocast_mode import (TORCH_AUTOCAST_LISTS, TORCH_AUTOCAST_LIST_CHANGES,
+                                    autocast_list_changes)
 
 F = torch.nn.functional
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -103,11 +104,33 @@ def test_documented_lists_match_the_dispatcher(device, key):
     listed = [op for ops in TORCH_AUTOCAST_LISTS[device].values() for op in ops]
     assert len(listed) == len(set(listed)), "an op is in two lists"
     expected = set(listed)
-    version = tuple(int(v) for v in torch.__version__.split(".")[:2])
-    if version != (2, 13):  # the lists document 2.13; other releases by their recorded changes
-        changes = TORCH_AUTOCAST_LIST_CHANGES[version][device]
-        expected = (expected | set(changes["added"])) - set(changes["removed"])
-    assert expected == registered
+    # The lists document 2.13; other recorded releases differ by their changes, and a release
+    # with no record has its own lists as they are.
+    changes = autocast_list_changes(device=device) or {"added": (), "removed": ()}
+    expected = (expected | set(changes["added"])) - set(changes["removed"])
+    assert expected == registered, (
+        f"torch {torch.__version__}'s {key} ops differ from the lists: missing "
+        f"{sorted(registered - expected)}, extra {sorted(expected - registered)}; record the "
+        f"release in TORCH_AUTOCAST_LIST_CHANGES")
+
+
+@pytest.mark.parametrize("version, known", [("2.13.0", True), ("2.14.1+cu130", True),
+                                            ("2.10.0", True), ("2.11.0", True),
+                                            ("2.12.1", True), ("2.15.0", True),
+                                            ("2.99.0", False), ("3.0.0a0", False)])
+def test_list_changes_of_any_release(version, known):
+    """Every release gets an answer (no KeyError): its record, or None."""
+    for device in ("cpu", "cuda"):
+        changes = autocast_list_changes(version, device)
+        if not known:
+            assert changes is None
+            continue
+        assert set(changes) == {"added", "removed"}
+        if version.startswith("2.13"):
+            assert changes == {"added": (), "removed": ()}
+        else:
+            assert changes == TORCH_AUTOCAST_LIST_CHANGES[
+                tuple(int(v) for v in version.split(".")[:2])][device]
 
 
 def test_docs_tables_list_every_op():
