@@ -262,3 +262,33 @@ def test_gpu_benchmark_code_runs_at_toy_sizes_on_the_cpu(tmp_path):
         assert "| O2 vs torch | amp O2 + FusedAdam |" in text
         assert "| O1 vs torch | amp O1 + AdamW(fused=True) |" in text
         assert "| compiled (no target) | torch.compile | skipped |" in text
+
+
+def _collection_error_run(module, reason):
+    junit = JUNIT.replace('<testcase classname="tests.ops.test_multi_tensor_ops" name="test_x[cuda]"',
+                          f'<testcase classname="" name="{module}" time="0"><error message='
+                          f'"collection failure">trace</error></testcase>\n'
+                          '<testcase classname="tests.ops.test_multi_tensor_ops" name="test_x[cuda]"')
+    # Only the passing and the skipped test besides the collection error.
+    junit = junit.split("<testcase classname=\"tests.optimizers")[0] + \
+        "<testcase classname=\"\"" + junit.split("<testcase classname=\"\"", 1)[1]
+    path = module.replace(".", "/") + ".py"
+    log = (f"_____ ERROR collecting {path} _____\nImportError while importing test module\n"
+           f"Traceback:\nE   {reason}\n==== short test summary info ====\nERROR {path}\n")
+    return {"rc": 1, "junit": junit, "log": log}
+
+
+@pytest.mark.parametrize("reason, fails", [
+    ("ImportError: No module named 'myst_parser': the docs build needs sphinx", False),
+    ("ImportError: No module named 'peak._C'", True),
+    ("SyntaxError: invalid syntax", True)])
+def test_collection_errors_fail_the_check_unless_a_package_is_missing(monkeypatch, tmp_path,
+                                                                      reason, fails):
+    _stub_steps(monkeypatch, tmp_path, _collection_error_run("tests.docs.test_docs_build", reason))
+    out = tmp_path / "out"
+    rc = gc.main(["--out", str(out), "--dry-run"])
+    report = (out / "report.md").read_text()
+    assert "1 passed, 0 failed, 0 errors, 1 skipped" in report
+    assert f"| `tests/docs/test_docs_build.py` | {reason} | " in report
+    assert ("| tests | ok |" in report) is not fails
+    assert rc == (1 if fails else 0)
