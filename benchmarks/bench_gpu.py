@@ -327,13 +327,15 @@ def bench_training(args, clock, report, deadline):
         batch, seq = 8, 1024
     # Dropout stays at the config's defaults (a training step); attention through SDPA.
     torch.manual_seed(0)
-    base = GPT2LMHeadModel(config).to(dev)
+    with torch.device(dev):  # initialised on the device: seconds less per copy on a GPU
+        base = GPT2LMHeadModel(config)
     base.train()
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=dev)
     nparams = sum(p.numel() for p in base.parameters())
 
     def fresh():
-        m = GPT2LMHeadModel(config).to(dev)
+        with torch.device(dev):
+            m = GPT2LMHeadModel(config)
         m.load_state_dict(base.state_dict())
         m.train()
         return m

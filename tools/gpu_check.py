@@ -249,6 +249,8 @@ def build(args, facts, report: Report, log: Path, timeout: float):
     else:
         defs["PEAK_CUDA"] = "ON"
         defs["PEAK_CUDA_ARCHS"] = cuda_archs(args, facts)
+        # (also CMake's own variable, so that its compiler check compiles for the same arch)
+        defs["CMAKE_CUDA_ARCHITECTURES"] = defs["PEAK_CUDA_ARCHS"]
         if facts.get("nvcc"):
             defs["CMAKE_CUDA_COMPILER"] = facts["nvcc"]
     configure = [cmake, "-S", REPO, "-B", bdir]
