@@ -96,6 +96,24 @@ class Result:
         return "ok" if self.rc == 0 else f"FAILED (exit {self.rc})"
 
 
+_RUNNING = []  # the step's process while one runs (stopped with gpu_check itself)
+
+
+def on_signal(report: "Report"):
+    """A handler for TERM/INT/HUP (an outer timeout stopping `make gpu-check`): stops the
+    running step's process group and says so in the report before exiting."""
+    def handler(signum, frame):
+        for proc in list(_RUNNING):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        report.add(f"\n**gpu_check was stopped by signal {signum} (an outer time limit?)**: the "
+                   "sections above are what it finished.\n")
+        os._exit(128 + signum)
+    return handler
+
+
 def run_logged(cmd, log: Path, timeout: float, env=None, cwd=REPO) -> Result:
     """Runs ``cmd`` with its output appended to ``log``; past ``timeout`` its process group
     (the command and whatever it started) is stopped: TERM, then KILL."""
@@ -110,6 +128,7 @@ def run_logged(cmd, log: Path, timeout: float, env=None, cwd=REPO) -> Result:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=cwd, env=env,
                                 start_new_session=True)
+        _RUNNING.append(proc)
         try:
             rc = proc.wait(timeout=timeout)
             timed_out = False
@@ -127,6 +146,8 @@ def run_logged(cmd, log: Path, timeout: float, env=None, cwd=REPO) -> Result:
                     continue
             rc = proc.returncode
             out.write(f"\n[gpu_check: stopped after {timeout:.0f} s]\n".encode())
+        finally:
+            _RUNNING.remove(proc)
     cap_file(log)
     return Result(rc, time.monotonic() - t0, timed_out)
 
@@ -618,6 +639,8 @@ def main(argv=None) -> int:
     for name in ("build.log", "smoke.log", "pytest.log", "bench.log"):
         (out / name).write_text("")
     report = Report(out / "report.md")
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal(report))
     report.add(f"# peak gpu-check{' (DRY RUN)' if args.dry_run else ''}\n\n"
                f"`{' '.join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))}`; "
                f"budget {args.budget_s:.0f} s. Beside this file: build.log, smoke.log, pytest.log, "

@@ -292,3 +292,43 @@ def test_collection_errors_fail_the_check_unless_a_package_is_missing(monkeypatc
     assert f"| `tests/docs/test_docs_build.py` | {reason} | " in report
     assert ("| tests | ok |" in report) is not fails
     assert rc == (1 if fails else 0)
+
+
+def test_stopped_from_outside_it_says_so_and_stops_its_step(tmp_path):
+    """An outer time limit (make killed by the machine's own timeout) sends TERM: the report
+    says what was finished, and the step's processes do not outlive gpu_check."""
+    out = tmp_path / "out"
+    marker = tmp_path / "step.pid"
+    driver = textwrap.dedent(f"""
+        import sys, importlib.util
+        spec = importlib.util.spec_from_file_location("gpu_check", {str(REPO / "tools" / "gpu_check.py")!r})
+        gc = importlib.util.module_from_spec(spec); spec.loader.exec_module(gc)
+        gc.describe_machine = lambda args, report: report.add("## Machine\\n")
+        def build(args, facts, report, log, timeout):
+            res = gc.run_logged([sys.executable, "-c",
+                                 "import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); "
+                                 "time.sleep(60)"], log, timeout)
+            return res, None
+        gc.build = build
+        sys.exit(gc.main(["--out", {str(out)!r}, "--dry-run"]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver])
+    for _ in range(300):
+        if marker.exists() and marker.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the stubbed build step never started")
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15
+    report = (out / "report.md").read_text()
+    assert "## Machine" in report and "stopped by signal 15" in report
+    step = int(marker.read_text())
+    for _ in range(50):
+        if not Path(f"/proc/{step}").exists() or \
+                Path(f"/proc/{step}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's process {step} outlived gpu_check")
