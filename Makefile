@@ -147,3 +147,18 @@ ci: test soak docs test-cuda-build test-sanitize
 
 clean:
 	rm -rf build
+
+# One command on a GPU machine (no venv, no network): builds peak for the local GPU's
+# architecture and the native CPU level into build/gpu-check with the interpreter given (default
+# python3, whatever torch it has), then the smoke test, every CUDA test and the GPU benchmarks,
+# each under its own timeout; one report (report.md + logs) in OUT. DRY_RUN=1: the same on the
+# CPU (CPU-only build, toy benchmark sizes), to check the script without a GPU. docs/build.md.
+#   make gpu-check [OUT=dir] [DRY_RUN=1] [PYTHON=python3] [GPU_CHECK_ARGS="--budget-s 600"]
+GPU_CHECK_OUT  ?= build/gpu-check-report
+GPU_CHECK_ARGS ?=
+# PYTHON's default above names the venv's base interpreter; a GPU machine has its own python3.
+gpu-check: GPU_CHECK_PY = $(if $(filter command line environment,$(origin PYTHON)),$(PYTHON),python3)
+gpu-check:
+	$(GPU_CHECK_PY) tools/gpu_check.py --out "$(or $(OUT),$(GPU_CHECK_OUT))" \
+	  $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
+.PHONY: gpu-check
