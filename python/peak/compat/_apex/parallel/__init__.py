@@ -1,5 +1,7 @@
 """``apex.parallel`` under peak's Apex alias: ``apex.parallel.LARC`` only. Apex's
 DistributedDataParallel and SyncBatchNorm have torch counterparts (see docs/distributed.md)."""
+import dis
+import sys
 
 _TORCH_COUNTERPARTS = {
     "DistributedDataParallel": "torch.nn.parallel.DistributedDataParallel",
@@ -7,11 +9,22 @@ _TORCH_COUNTERPARTS = {
     "SyncBatchNorm": "torch.nn.SyncBatchNorm",
     "convert_syncbn_model": "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
 }
+_IMPORT_FROM = dis.opmap["IMPORT_FROM"]
+
+
+def _asked_by_an_import_statement() -> bool:
+    """Whether the caller runs ``from apex.parallel import name``. Python turns an
+    AttributeError raised there into its own ImportError, which names this module's internal
+    path instead of the torch class to use; an ImportError of ours is kept as it is."""
+    frame = sys._getframe(2)
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM
 
 
 def __getattr__(name):
     if name in _TORCH_COUNTERPARTS:
-        raise AttributeError(
-            f"apex.parallel.{name} is not provided by peak's Apex alias: use "
-            f"{_TORCH_COUNTERPARTS[name]} (see docs/distributed.md)")
+        message = (f"apex.parallel.{name} is not provided by peak's Apex alias: use "
+                   f"{_TORCH_COUNTERPARTS[name]} (see docs/distributed.md)")
+        # An attribute access keeps AttributeError, so that hasattr() answers False.
+        raise (ImportError if _asked_by_an_import_statement() else AttributeError)(message)
     raise AttributeError(f"module 'apex.parallel' has no attribute {name!r}")
