@@ -414,6 +414,12 @@ def test_adagrad_add_param_group_and_scheduler_follow_torch():
         if step == 5:
             opt.add_param_group({"params": net[1].parameters(), "lr": 0.2})
             torch_opt.add_param_group({"params": ref[1].parameters(), "lr": 0.2})
+            for p in ref[1].parameters():
+                # torch before 2.12 made the sums in __init__ only (an added group's step then
+                # raised KeyError); from 2.12 on it makes them from the defaults, as here.
+                torch_opt.state.setdefault(p, {
+                    "step": torch.tensor(0.0),
+                    "sum": torch.full_like(p, torch_opt.defaults["initial_accumulator_value"])})
         x = torch.randn(5, 6)
         for model, o in ((net, opt), (ref, torch_opt)):
             o.zero_grad()

@@ -37,6 +37,8 @@ _MATRIX_SQRTH = {  # 2.14 and 2.15
 }
 # (`_cudnn_rnn` has an AutocastCUDA kernel in torch's CUDA builds only; the 2.13 lists were read
 # off its CPU build.)
+# The 2.13 policy of the CUDA ops that a recorded release lacks (to put them back).
+_CUDA_POLICY_2_13 = {"rms_norm": "fp32"}
 TORCH_AUTOCAST_LIST_CHANGES = {
     (2, 10): _NAMED_DIMS_NO_RMS_NORM,
     (2, 11): _NAMED_DIMS_NO_RMS_NORM,
@@ -82,6 +84,14 @@ def _torch_lists() -> dict:
     cuda = {policy: tuple(ops) for policy, ops in _C.caster.torch_autocast_lists().items()}
     cuda["lower_precision_fp"] += ("cudnn_convolution", "cudnn_convolution_transpose")
     cuda["banned"] = ("binary_cross_entropy",)
+    # The header is the installed release's: undo its recorded changes as for the CPU lists.
+    changes = autocast_list_changes(device="cuda") or {}
+    added = set(changes.get("added", ()))
+    cuda = {policy: tuple(op for op in ops if op not in added) for policy, ops in cuda.items()}
+    for op in changes.get("removed", ()):
+        policy = _CUDA_POLICY_2_13[op]
+        if op not in cuda[policy]:
+            cuda[policy] += (op,)
     changes = autocast_list_changes(device="cpu") or {}
     registered = {name[len("aten::"):] for name in torch._C._dispatch_get_all_op_names()
                   if name.startswith("aten::")
@@ -189,6 +199,15 @@ class autocast(torch.amp.autocast_mode.autocast):
         if edited:
             _caster.pop_edits()
         return super().__exit__(exc_type, exc_val, exc_tb)
+
+    def __call__(self, func):
+        # torch checks this itself from 2.12 on; before, a non-callable became a broken wrapper.
+        if not callable(func) and not torch.jit.is_scripting():
+            raise TypeError(
+                f"autocast()(func) requires a callable, but got {type(func).__name__}. Did you "
+                f"mean to use autocast as a context manager? For example:\n"
+                f"    with peak.amp.autocast(device_type=...):\n        output = model(input)")
+        return super().__call__(func)
 
 
 def _check_device_type(device_type) -> None:
