@@ -2,6 +2,7 @@
 optimizer tests' shared steps (a short training run, the state's bits, checkpoint resume in a new
 process, a GradScaler-skipped step)."""
 
+import contextlib
 import pathlib
 import subprocess
 import sys
@@ -209,3 +210,50 @@ def amp_steps(model, opt, data):
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
         opt.step()
+
+
+class HostReads:
+    """Counts Python-level host reads of tensors (``.item()``, ``.tolist()``, ``bool()``,
+    ``float()``, ``int()``): on CUDA each is a device->host sync."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+    def __init__(self):
+        self.count = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        originals = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def wrap(fn):
+            def counted(t, *a, **k):
+                self.count += 1
+                return fn(t, *a, **k)
+            return counted
+
+        for n, fn in originals.items():
+            setattr(torch.Tensor, n, wrap(fn))
+        try:
+            yield self
+        finally:
+            for n, fn in originals.items():
+                setattr(torch.Tensor, n, fn)
+
+
+@contextlib.contextmanager
+def no_host_sync(device):
+    """On CUDA, any device->host sync inside raises (``torch.cuda.set_sync_debug_mode("error")``);
+    on the CPU, where nothing syncs, no Python-level host read of a tensor may happen inside
+    (HostReads), which is what would sync on CUDA."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    else:
+        reads = HostReads()
+        with reads.counting():
+            yield
+        assert reads.count == 0, f"{reads.count} host reads"

@@ -51,38 +51,8 @@ inline void load_tile(const c10::BFloat16* src, float* dst, int64_t n) {
   }
 }
 
-// NOTE: [fp16 NaN bits] The F16C/AVX-512 conversions keep a NaN's payload (quietened: the
-// quiet bit set) both ways; c10's portable conversions, which c10 itself uses without F16C, store
-// every NaN as 0x7e00. So that every CPU level (and the tail of a tile, converted one element at
-// a time) gives the same bits, the scalar conversions below treat NaNs as F16C does. Otherwise
-// they are c10's portable algorithm (from the FP16 library: exact, round to nearest even), written
-// here without branches so that the baseline level's loops vectorise with SSE2 (c10's scalar
-// casts did not, and were ~9x slower than F16C).
-inline float half_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  // Exponent rebiased by 0xE0 (so that inf/NaN land on 0xFF), then scaled by 2^-112.
-  const float normalized = bits_float((two_w >> 4) + (0xE0u << 23)) * bits_float(15u << 23);
-  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t magnitude = two_w < (1u << 27) ? float_bits(denormalized) : float_bits(normalized);
-  const uint32_t quiet_nan = 0x7fc00000u | ((two_w >> 4) & 0x007fe000u);
-  return bits_float(sign | (two_w > 0xf8000000u ? quiet_nan : magnitude));
-}
-
-inline uint16_t float_to_half(float f) {
-  const float scaled = (std::fabs(f) * bits_float(239u << 23)) * bits_float(17u << 23);
-  const uint32_t w = float_bits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t exp_bits = shl1_w & 0xff000000u;
-  const uint32_t bias = exp_bits < 0x71000000u ? 0x71000000u : exp_bits;
-  const uint32_t bits = float_bits(bits_float((bias >> 1) + 0x07800000u) + scaled);
-  const uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
-  const uint32_t quiet_nan = 0x7e00u | ((w >> 13) & 0x03ffu);
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? quiet_nan : nonsign));
-}
-
+// half_to_float / float_to_half (host_device.h) convert one element as F16C does, NaNs included
+// (NOTE: [fp16 NaN bits]).
 inline void load_tile(const c10::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -121,11 +91,7 @@ inline void store_tile(const float* src, Remainder16* dst, int64_t n) {
   }
 }
 
-// The bf16 bits to store for the fp32 pattern `bits` whose high half is `high`: c10's NaN.
-inline uint16_t bf16_or_nan(uint32_t bits, uint32_t high) {
-  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
-  return nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(high);
-}
+// (bf16_or_nan: host_device.h, shared with the grid's stores.)
 inline void store_tile(const float* src, c10::BFloat16* dst, int64_t n) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);
   for (int64_t i = 0; i < n; ++i) {

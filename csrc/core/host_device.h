@@ -9,8 +9,13 @@
 
 #if defined(__CUDACC__)
 #define PEAK_HD __host__ __device__ __forceinline__
+#define PEAK_HD_ALWAYS_INLINE __host__ __device__ __forceinline__
 #else
 #define PEAK_HD inline
+// Always inlined on the host: the CPU kernels are compiled once per CPU level (NOTE: [CPU levels]
+// in csrc/ops/cpu_dispatch.cpp), and an out-of-line copy of a shared function would be one
+// link-once symbol for every level.
+#define PEAK_HD_ALWAYS_INLINE inline __attribute__((always_inline))
 #endif
 
 namespace peak {
@@ -52,6 +57,70 @@ PEAK_HD float bits_float(uint32_t u) {
   std::memcpy(&x, &u, sizeof x);
   return x;
 #endif
+}
+
+// NOTE: [fp16 NaN bits] The F16C/AVX-512 conversions keep a NaN's payload (quietened: the
+// quiet bit set) both ways; c10's portable conversions, which c10 itself uses without F16C, store
+// every NaN as 0x7e00, and CUDA's __float2half stores 0x7fff. So that every CPU level, the tail of
+// a CPU tile (converted one element at a time), the emulated grid and the CUDA kernels give the
+// same bits, these scalar conversions treat NaNs as F16C does. Otherwise they are c10's portable
+// algorithm (from the FP16 library: exact, round to nearest even), written without branches so
+// that the baseline level's loops vectorise with SSE2 (c10's scalar casts did not, and were ~9x
+// slower than F16C). Every multiplication is by a power of two and no two operations may be
+// contracted (NOTE: [No FP contraction]), so host and device round alike.
+PEAK_HD_ALWAYS_INLINE float half_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  // Exponent rebiased by 0xE0 (so that inf/NaN land on 0xFF), then scaled by 2^-112.
+  const float normalized = bits_float((two_w >> 4) + (0xE0u << 23)) * bits_float(15u << 23);
+  const float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t magnitude = two_w < (1u << 27) ? float_bits(denormalized) : float_bits(normalized);
+  const uint32_t quiet_nan = 0x7fc00000u | ((two_w >> 4) & 0x007fe000u);
+  return bits_float(sign | (two_w > 0xf8000000u ? quiet_nan : magnitude));
+}
+
+PEAK_HD_ALWAYS_INLINE uint16_t float_to_half(float f) {
+  const uint32_t w = float_bits(f);
+  const float magnitude = bits_float(w & 0x7fffffffu);
+  const float scaled = (magnitude * bits_float(239u << 23)) * bits_float(17u << 23);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t exp_bits = shl1_w & 0xff000000u;
+  const uint32_t bias = exp_bits < 0x71000000u ? 0x71000000u : exp_bits;
+  const uint32_t bits = float_bits(bits_float((bias >> 1) + 0x07800000u) + scaled);
+  const uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+  const uint32_t quiet_nan = 0x7e00u | ((w >> 13) & 0x03ffu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? quiet_nan : nonsign));
+}
+
+// The bf16 bits to store for the fp32 pattern `bits` whose high half is `high`: every NaN as
+// 0x7fc0, as c10's host conversion stores it (its device conversion, __float2bfloat16, stores
+// 0x7fff: the grid does not use it).
+PEAK_HD_ALWAYS_INLINE uint16_t bf16_or_nan(uint32_t bits, uint32_t high) {
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  return nan ? uint16_t{0x7fc0} : static_cast<uint16_t>(high);
+}
+
+// fp32 -> bf16, round to nearest even (c10's rounding), NaN as above.
+PEAK_HD_ALWAYS_INLINE uint16_t float_to_bf16(float x) {
+  const uint32_t bits = float_bits(x);
+  return bf16_or_nan(bits, (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16);
+}
+
+// The grid's loads and stores of fp16/bf16 (grid_block.h) go through the conversions above, so
+// the CUDA kernels store the bits the CPU launcher stores, NaNs included.
+PEAK_HD float to_opmath(c10::Half x) { return half_to_float(x.x); }
+PEAK_HD float to_opmath(c10::BFloat16 x) { return bits_float(static_cast<uint32_t>(x.x) << 16); }
+
+template <>
+PEAK_HD c10::Half from_opmath<c10::Half>(float x) {
+  return c10::Half(float_to_half(x), c10::Half::from_bits());
+}
+
+template <>
+PEAK_HD c10::BFloat16 from_opmath<c10::BFloat16>(float x) {
+  return c10::BFloat16(float_to_bf16(x), c10::BFloat16::from_bits());
 }
 
 // NOTE: [Remainder masters]

@@ -13,6 +13,7 @@
 namespace peak {
 
 struct HostExecBase {
+  static constexpr c10::DeviceType device_type = c10::DeviceType::CPU;
   struct Guard {
     explicit Guard(const c10::Device&) {}
   };

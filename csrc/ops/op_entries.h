@@ -79,6 +79,12 @@ void update_scale_entry(const at::Tensor& scale, const at::Tensor& growth_tracke
                         double max_scale) {
   check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_infs, growth_factor,
                           backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  // The dispatcher picks the backend from every argument, flags included; the update runs on the
+  // scale's memory, so the scale must be on the chosen backend's device type.
+  TORCH_CHECK(scale.device().type() == Exec::device_type, "update_scale_: scale is on ",
+              scale.device(), " but a found_infs flag is on a ", Exec::device_type,
+              " device; keep the scale and its trackers on the device type of the flags (or pass "
+              "the flags on the scale's device)");
   const typename Exec::Guard guard(scale.device());
   const at::Tensor found_inf = merged_found_inf(found_infs, scale);
   Exec::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int>(),

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cub/device/device_reduce.cuh>
 #include <cub/device/device_segmented_reduce.cuh>
 
@@ -25,8 +26,32 @@ __global__ void update_scale_kernel(float* scale, int* growth_tracker, int* hyst
   update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, params);
 }
 
+// Up to this many segment offsets travel in one kernel's arguments (4 KB at most).
+constexpr int kOffsetsPerLaunch = 480;
+
+struct OffsetsArg {
+  int64_t values[kOffsetsPerLaunch];
+};
+
+// Writes offsets that came by value, in the kernel's arguments: a CUDA graph captures the
+// arguments with the launch, so a replay reads no host memory (a copy from a pinned host buffer
+// would read it after the buffer was freed and reused).
+__global__ void store_offsets_kernel(const __grid_constant__ OffsetsArg arg, int64_t* dst, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = arg.values[i];
+}
+
 struct CudaExec {
-  using Guard = c10::cuda::CUDAGuard;
+  static constexpr c10::DeviceType device_type = c10::DeviceType::CUDA;
+  // The device guard is set only for a CUDA device. An op dispatched here with a CPU argument
+  // among CUDA ones (found_inf, lr) then reaches the op's validation, whose message names the
+  // argument and the fix, instead of failing in c10's guard first; a valid call's guard device is
+  // always a CUDA device.
+  struct Guard {
+    explicit Guard(const c10::Device& device) {
+      if (device.is_cuda()) guard.set_device(device);
+    }
+    c10::cuda::OptionalCUDAGuard guard;
+  };
   template <typename Op, typename... T>
   void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size, const Op& op,
              const BlockSink& sink) {
@@ -35,16 +60,22 @@ struct CudaExec {
 
   // Per-tensor sums of the chunk partials with CUB's segmented reduce, the total with CUB's
   // reduce over those sums (the same order of summation as finish_norms_on_host), then sqrt.
-  // The segment offsets reach the device through pinned memory and an async copy: no sync.
+  // The segment offsets reach the device in kernel arguments (store_offsets_kernel): no sync,
+  // and nothing a CUDA-graph replay would read from freed host memory.
   void finish_norms(const at::Tensor& partials, const std::vector<int64_t>& offsets,
                     at::Tensor& total, at::Tensor* per_tensor) {
     const int64_t n = static_cast<int64_t>(offsets.size()) - 1;
-    const auto device = partials.device();
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    at::Tensor host_offsets =
-        at::empty({n + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    std::copy(offsets.begin(), offsets.end(), host_offsets.data_ptr<int64_t>());
-    at::Tensor dev_offsets = host_offsets.to(device, /*non_blocking=*/true);
+    at::Tensor dev_offsets = at::empty({n + 1}, partials.options().dtype(at::kLong));
+    for (size_t first = 0; first < offsets.size(); first += kOffsetsPerLaunch) {
+      const int count =
+          static_cast<int>(std::min<size_t>(kOffsetsPerLaunch, offsets.size() - first));
+      OffsetsArg arg;
+      std::copy(offsets.begin() + first, offsets.begin() + first + count, arg.values);
+      store_offsets_kernel<<<1, 256, 0, stream>>>(arg, dev_offsets.data_ptr<int64_t>() + first,
+                                                  count);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     at::Tensor sums = at::empty({n}, partials.options());
     const int64_t* begin = dev_offsets.data_ptr<int64_t>();
 

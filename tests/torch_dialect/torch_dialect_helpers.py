@@ -1,36 +1,9 @@
 """Helpers for tests/torch_dialect (a module name of its own; see tests/peak_testing.py)."""
-import contextlib
 import copy
 
 import torch
 
-
-class HostReads:
-    """Counts Python-level host reads of tensors (``.item()``, ``.tolist()``, ``bool()``,
-    ``float()``, ``int()``): on CUDA each is a device->host sync."""
-
-    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__")
-
-    def __init__(self):
-        self.count = 0
-
-    @contextlib.contextmanager
-    def counting(self):
-        originals = {n: getattr(torch.Tensor, n) for n in self.NAMES}
-
-        def wrap(fn):
-            def counted(t, *a, **k):
-                self.count += 1
-                return fn(t, *a, **k)
-            return counted
-
-        for n, fn in originals.items():
-            setattr(torch.Tensor, n, wrap(fn))
-        try:
-            yield self
-        finally:
-            for n, fn in originals.items():
-                setattr(torch.Tensor, n, fn)
+from peak_testing import HostReads  # noqa: F401 (re-exported: the tests import it here)
 
 
 def make_model(seed=0, width=8, dtype=torch.float32):

@@ -354,10 +354,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 else:
                     buckets[(p.device, p.dtype, master is not None)].append(p)
             for (device, _dtype, kind), params in buckets.items():
-                lr = group["lr"]
-                lr_t = (lr.to(device=device, dtype=torch.float32).reshape(1)
-                        if isinstance(lr, Tensor)
-                        else torch.full((1,), float(lr), dtype=torch.float32, device=device))
+                lr_t = self._lr_tensor(group, device)
                 gs = self._on(grad_scale, device)
                 fi = self._on(found_inf, device)
                 states = [self.state[p] for p in params]
@@ -373,6 +370,28 @@ class FusedOptimizer(torch.optim.Optimizer):
                         if g is not p.grad:  # a re-laid-out copy was stepped
                             p.grad.copy_(g)
         return loss
+
+    @staticmethod
+    def _lr_tensor(group: dict, device: torch.device) -> Tensor:
+        """The learning rate the kernels read: a one-element float32 tensor on ``device``.
+
+        NOTE: [Learning rate under CUDA-graph capture] A float lr becomes a new tensor each step
+        (torch.full), so a captured step keeps the value it had at capture, as torch's optimizers
+        do. A float32 tensor lr on the parameters' device is read from its own memory (reshape
+        is a view): changing it in place between replays (``group["lr"].fill_(x)``, as torch's LR
+        schedulers do to a tensor lr) changes the replayed step. A CPU tensor cannot be read by
+        a replay (a host copy in a graph is refused or frozen): refused here, with the fix."""
+        lr = group["lr"]
+        if not isinstance(lr, Tensor):
+            return torch.full((1,), float(lr), dtype=torch.float32, device=device)
+        if (lr.device != device and device.type == "cuda"
+                and torch.cuda.is_current_stream_capturing()):
+            raise ValueError(
+                f"the learning rate is a tensor on {lr.device} but the parameters are on {device}: "
+                "a step captured in a CUDA graph cannot read it at replay. Keep lr on the "
+                f"parameters' device (param_groups[i]['lr'] = torch.tensor(lr, device='{device}')) "
+                "and change it in place between replays")
+        return lr.to(device=device, dtype=torch.float32).reshape(1)
 
     def _step_masters(self, group, params, states, lr, grad_scale, found_inf) -> None:
         """Step parameters whose fp32 masters were given fp32 gradients (``amp.master_params``,
