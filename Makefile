@@ -86,8 +86,8 @@ docs: build
 # torch changes (CUDA_BUILD_TESTS: the build facts, the ops and their registration, the CUDA
 # tests' collection and skips), not the whole suite again.
 CUDA_BUILD_TESTS := tests/build/test_build.py tests/build/test_structure.py tests/ops \
-                    tests/optimizers/test_fused_optimizers.py tests/cuda tests/torch_dialect \
-                    tests/caster/test_caster_ops.py
+                    tests/optimizers/test_fused_optimizers.py tests/optimizers/test_cuda_optimizers.py \
+                    tests/amp/test_amp_cuda.py tests/torch_dialect tests/caster/test_caster_ops.py
 $(CUDA_VENV)/.ready: Makefile
 	$(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/pip install $(PIP_QUIET) $(TORCH_CUDA) $(BUILD_DEPS) $(RUNTIME_DEPS) pytest hypothesis expecttest
@@ -98,7 +98,7 @@ cuda-build: $(CUDA_VENV)/.ready
 	PEAK_CUDA=ON $(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . -C build-dir=build/cuda $(TWINS)
 
 test-cuda-build: cuda-build
-	$(CUDA_VENV)/bin/python -m pytest $(TEST_SELECT) $(wildcard $(CUDA_BUILD_TESTS)) $(PYTEST_ARGS)
+	$(CUDA_VENV)/bin/python -m pytest $(TEST_SELECT) $(CUDA_BUILD_TESTS) $(PYTEST_ARGS)
 
 # The long fault-injection runs (2,000 steps per configuration); `make test` runs their short forms.
 soak: build
