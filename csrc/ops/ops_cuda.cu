@@ -1,4 +1,5 @@
 // CUDA kernels of the peak ops: the shared op bodies (multi_tensor_ops.h) over the CUDA launcher.
+// This file: the multi-tensor ops and LAMB; the other optimizers: cuda_exec.cuh.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -7,9 +8,8 @@
 #include <cub/device/device_reduce.cuh>
 #include <cub/device/device_segmented_reduce.cuh>
 
-#include "../core/cuda_apply.cuh"
 #include "../core/loss_scale_update.h"
-#include "op_entries.h"
+#include "cuda_exec.cuh"
 
 namespace peak {
 namespace {
@@ -25,13 +25,7 @@ __global__ void update_scale_kernel(float* scale, int* growth_tracker, int* hyst
   update_loss_scale(scale, growth_tracker, hysteresis_tracker, found_inf, params);
 }
 
-struct CudaExec {
-  using Guard = c10::cuda::CUDAGuard;
-  template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size, const Op& op,
-             const BlockSink& sink) {
-    cuda::apply<Op, T...>(lists, chunk_size, op, sink);
-  }
+struct CudaExec : cuda::LaunchExec {
 
   // Per-tensor sums of the chunk partials with CUB's segmented reduce, the total with CUB's
   // reduce over those sums (the same order of summation as finish_norms_on_host), then sqrt.
@@ -86,6 +80,7 @@ struct CudaExec {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(peak, CUDA, m) { register_kernels<CudaExec>(m); }
+// The other optimizers are in files of their own (cuda_exec.cuh).
+TORCH_LIBRARY_IMPL(peak, CUDA, m) { register_kernels<CudaExec, kMultiTensorOps | kLambOps>(m); }
 
 }  // namespace peak
