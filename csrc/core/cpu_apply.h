@@ -27,7 +27,7 @@
 #include "grid_block.h"
 #include "launch_plan.h"
 
-// This launcher is compiled once per CPU level (csrc/ops/cpu_kernels.cpp; see NOTE: [CPU levels]
+// This launcher is compiled once per CPU level (csrc/ops/cpu_kernels*.cpp; see NOTE: [CPU levels]
 // in csrc/ops/cpu_dispatch.cpp), each time with that level's instruction-set flags. Everything
 // here lives in an inline namespace named after the level so that the copies are distinct
 // functions: with one name, the linker would keep one copy (the first) for every level.

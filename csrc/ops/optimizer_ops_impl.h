@@ -45,7 +45,9 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
     with_bool(amsgrad, [&](auto ams) {
      // Combinations the checks exclude are not instantiated: amsgrad keeps fp32 state, a
      // remainder needs master_params, 8-bit moments are both or neither.
-     if constexpr ((kLean && std::remove_cvref_t<decltype(ams)>::value) ||
+     constexpr bool kFp32Moments = std::is_same_v<typename Storage::ExpAvg, float> &&
+                                   std::is_same_v<typename Storage::ExpAvgSq, float>;
+     if constexpr (((kLean || !kFp32Moments) && std::remove_cvref_t<decltype(ams)>::value) ||
                    (Storage::q8_exp_avg != Storage::q8_exp_avg_sq) ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
        return;
@@ -103,9 +105,13 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
                       moment_rounding_seed.has_value(), [&](auto storage) {
     using Storage = decltype(storage);
     with_bool(momentum != 0.0, [&](auto has_momentum) {
-     if constexpr (((Storage::round_exp_avg || Storage::quantized) &&
-                    !std::remove_cvref_t<decltype(has_momentum)>::value) ||
+     // SGD has no exp_avg_sq (kFloat above), and without momentum no buffer whose storage
+     // could differ (an empty list's dtype is kFloat): those storages are not instantiated.
+     constexpr bool kMomentum = std::remove_cvref_t<decltype(has_momentum)>::value;
+     if constexpr (((Storage::round_exp_avg || Storage::quantized) && !kMomentum) ||
                    Storage::q8_exp_avg_sq ||
+                   !std::is_same_v<typename Storage::ExpAvgSq, float> ||
+                   (!kMomentum && !std::is_same_v<typename Storage::ExpAvg, float>) ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
        return;  // excluded by the checks: not instantiated
      } else {
