@@ -250,21 +250,6 @@ inline void write_element(void* base, float* p, int64_t off, int64_t i, float x)
   }
 }
 
-// NOTE: [Unscaled gradients after the step] (optimizer_ops.h): the gradient list (list 0) of a
-// tile stored back unscaled, in a loop of its own after the tile's element loop: the functor
-// left the raw gradient where it was read (memory, or the fp16 tile), so the stored value is
-// the one the element loop would have computed, and a step without store_grad runs its element
-// loop unchanged.
-template <typename G, typename Op>
-inline void store_unscaled_grads(const Op& op, void* base, float* p, int64_t off, int64_t n,
-                                 bool staged) {
-#pragma GCC ivdep
-  for (int64_t i = 0; i < n; ++i) {
-    write_element<G>(base, p, off, i, op.unscaled_grad(read_element<G>(base, p, off, i)));
-  }
-  if (staged) store_staged<G>(p, base, off, n);
-}
-
 // NOTE: [CPU lanes]
 // A float sum (the l2norm) is a reduction the compiler may not reorder, so it would not
 // vectorise: for such states the element loop runs in groups of kLanes with one accumulator
@@ -278,7 +263,11 @@ constexpr int lanes_for() {
   return std::is_same_v<State, SumSquaresState> ? kLanes : 1;
 }
 
-template <typename Op, typename... T, size_t... D>
+// StoreGrad: NOTE: [Unscaled gradients after the step] (optimizer_ops.h): the gradient list
+// (list 0) is stored back unscaled in the element loop, from the raw gradient the functor left
+// in v[0]. run_chunk picks the loop per chunk from the op's run-time store_grad, so a step
+// without it runs a loop that stores nothing more.
+template <typename Op, bool StoreGrad, typename... T, size_t... D>
 inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
                       const std::array<const float*, Op::tensor_scalars>& tensor_scalars,
                       int64_t begin, int64_t end, Op op, typename Op::State& state,
@@ -320,6 +309,9 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
                                                base[D], p[D], off, i + l, v[D])
                                          : (void)0),
            ...);
+          if constexpr (StoreGrad) {
+            write_element<GradType<T...>>(base[0], p[0], off, i + l, op.unscaled_grad(v[0]));
+          }
         }
       }
     }
@@ -334,14 +326,15 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
             ? write_element<T, ((Op::exact_mask >> D) & 1u) != 0>(base[D], p[D], off, i, v[D])
             : (void)0),
        ...);
+      if constexpr (StoreGrad) {
+        write_element<GradType<T...>>(base[0], p[0], off, i, op.unscaled_grad(v[0]));
+      }
     }
     ((((Op::write_mask >> D) & 1u) && staged[D] ? store_staged<T>(tile[D], base[D], off, n)
                                                  : (void)0),
      ...);
-    if constexpr (Op::stores_grad) {
-      if (op.store_grad) {
-        store_unscaled_grads<GradType<T...>>(op, base[0], p[0], off, n, staged[0]);
-      }
+    if constexpr (StoreGrad) {
+      if (staged[0]) store_staged<GradType<T...>>(tile[0], base[0], off, n);
     }
   }
   for (int l = 0; l < L; ++l) state.merge(lanes[l]);
@@ -466,7 +459,7 @@ inline void run_chunk_q8(const std::array<void*, sizeof...(T)>& base,
             : (void)0),
        ...);
     }
-    if constexpr (Op::stores_grad) {  // (as store_unscaled_grads; never an 8-bit list)
+    if constexpr (Op::stores_grad) {  // (per block, after phase 1; never an 8-bit list)
       if (op.store_grad) {
         using G = GradType<T...>;
         for (int64_t j = 0; j < n; ++j) {
@@ -491,8 +484,17 @@ inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
                       uint32_t half_lists, std::index_sequence<D...> lists) {
   if constexpr (q8_count<T...> > 0) {
     run_chunk_q8<Op, T...>(base, tensor_scalars, begin, end, op, state, lists);
+  } else if constexpr (Op::stores_grad) {
+    if (op.store_grad) {
+      run_chunk_plain<Op, true, T...>(base, tensor_scalars, begin, end, op, state, half_lists,
+                                      lists);
+    } else {
+      run_chunk_plain<Op, false, T...>(base, tensor_scalars, begin, end, op, state, half_lists,
+                                       lists);
+    }
   } else {
-    run_chunk_plain<Op, T...>(base, tensor_scalars, begin, end, op, state, half_lists, lists);
+    run_chunk_plain<Op, false, T...>(base, tensor_scalars, begin, end, op, state, half_lists,
+                                     lists);
   }
 }
 

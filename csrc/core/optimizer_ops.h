@@ -68,10 +68,10 @@ struct OptimizerScalars {
 // write unscaled_grad(grad) = grad * (1 / grad_scale) back in the same pass: one more store of
 // the gradient's bytes, no extra read from memory. It is the unscaled gradient, not the clipped
 // one (torch's clip_grad_norm_ would have clipped it in place; peak's in-step clipping is an
-// optimization of the step only). A run-time flag, not a template constant: the launchers test
-// it once per CPU tile (a separate store loop over the tile, which is in cache) or as a uniform
-// branch per GPU thread, so the element loop of a step without it is unchanged and stores
-// nothing, and the functor is not instantiated twice. The functor leaves v[kGrad] as it was
+// optimization of the step only). A run-time flag, not a template constant: the CPU launcher
+// tests it once per chunk (choosing between an element loop that stores the gradient and one
+// that does not), the grid launchers as a branch uniform over the grid, so a step without it
+// stores nothing more, and the functor is not instantiated twice. The functor leaves v[kGrad] as it was
 // read, so the stored value is computed from the raw gradient, after the rounding's bits.
 
 // NOTE: [Lean optimizer state]
