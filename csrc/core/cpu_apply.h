@@ -27,7 +27,7 @@
 #include "grid_block.h"
 #include "launch_plan.h"
 
-// This launcher is compiled once per CPU level (csrc/ops/cpu_kernels.cpp; see NOTE: [CPU levels]
+// This launcher is compiled once per CPU level (csrc/ops/cpu_kernels*.cpp; see NOTE: [CPU levels]
 // in csrc/ops/cpu_dispatch.cpp), each time with that level's instruction-set flags. Everything
 // here lives in an inline namespace named after the level so that the copies are distinct
 // functions: with one name, the linker would keep one copy (the first) for every level.
@@ -129,6 +129,52 @@ template <typename T>
 constexpr bool kInlineType = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, Remainder16>;
 template <typename T>
 constexpr bool kStagedType = !std::is_same_v<T, float> && !kInlineType<T>;
+template <typename... T>
+using GradType = typename ListType<0, T...>::type;  // list 0: an optimizer's gradients
+
+// NOTE: [CPU tiled lists]
+// fp32 and fp16 lists take the same element loop: it reads and writes float arrays, the list's
+// own memory for fp32 and a tile converted by load_tile/store_tile for fp16. So which of the two
+// a list holds is a run-time bit (`half_lists`, bit d for list d), tested once per tile, and one
+// instantiation of the launcher serves every fp32/fp16 combination of an op's lists
+// (CpuExec::apply folds both types into TiledList; bf16 and remainder lists keep their inline
+// conversions, NOTE: [CPU inline conversions], and steps with 8-bit moments their types). The
+// element loop is the one either type compiled to before, and the bits are the same.
+struct TiledList {};
+template <typename T>
+using CpuListType =
+    std::conditional_t<std::is_same_v<T, float> || std::is_same_v<T, c10::Half>, TiledList, T>;
+template <typename... T, size_t... D>
+constexpr uint32_t half_list_bits(std::index_sequence<D...>) {
+  return ((std::is_same_v<T, c10::Half> ? 1u << D : 0u) | ... | 0u);
+}
+template <typename T>
+constexpr bool kTiledType = std::is_same_v<T, TiledList>;
+// Whether list d (of type T) goes through a tile in this launch.
+template <typename T>
+inline bool staged_list(uint32_t half_lists, size_t d) {
+  if constexpr (kTiledType<T>) {
+    return ((half_lists >> d) & 1u) != 0;
+  } else {
+    return kStagedType<T>;
+  }
+}
+template <typename T>
+inline void load_staged(const void* base, int64_t off, float* tile, int64_t n) {
+  if constexpr (kTiledType<T>) {
+    load_tile(static_cast<const c10::Half*>(base) + off, tile, n);
+  } else if constexpr (kStagedType<T>) {
+    load_tile(static_cast<const T*>(base) + off, tile, n);
+  }
+}
+template <typename T>
+inline void store_staged(const float* tile, void* base, int64_t off, int64_t n) {
+  if constexpr (kTiledType<T>) {
+    store_tile(tile, static_cast<c10::Half*>(base) + off, n);
+  } else if constexpr (kStagedType<T>) {
+    store_tile(tile, static_cast<T*>(base) + off, n);
+  }
+}
 
 inline float widen_inline(const c10::BFloat16* src, int64_t i) {
   return bits_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(src)[i]) << 16);
@@ -183,11 +229,15 @@ constexpr int lanes_for() {
   return std::is_same_v<State, SumSquaresState> ? kLanes : 1;
 }
 
-template <typename Op, typename... T, size_t... D>
+// StoreGrad: NOTE: [Unscaled gradients after the step] (optimizer_ops.h): the gradient list
+// (list 0) is stored back unscaled in the element loop, from the raw gradient the functor left
+// in v[0]. run_chunk picks the loop per chunk from the op's run-time store_grad, so a step
+// without it runs a loop that stores nothing more.
+template <typename Op, bool StoreGrad, typename... T, size_t... D>
 inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
                       const std::array<const float*, Op::tensor_scalars>& tensor_scalars,
                       int64_t begin, int64_t end, Op op, typename Op::State& state,
-                      std::index_sequence<D...>) {
+                      uint32_t half_lists, std::index_sequence<D...>) {
   constexpr int Depth = sizeof...(T);
   using State = typename Op::State;
   alignas(64) float tile[Depth][kTile];
@@ -197,15 +247,16 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
   constexpr int L = lanes_for<State>();
   State lanes[L];
   for (int l = 0; l < L; ++l) lanes[l] = State{};
+  // fp32 lists are used where they lie; fp16 lists are converted through a float tile, bf16 and
+  // remainder lists element by element (NOTE: [CPU inline conversions]).
+  const bool staged[Depth] = {staged_list<T>(half_lists, D)...};
   for (int64_t off = begin; off < end; off += kTile) {
     const int64_t n = end - off < kTile ? end - off : kTile;
-    // fp32 lists are used where they lie; fp16/bf16 lists are converted through a float tile.
-    float* p[Depth] = {(kStagedType<T>   ? tile[D]
+    float* p[Depth] = {(staged[D]        ? tile[D]
                         : kInlineType<T> ? nullptr
                                          : reinterpret_cast<float*>(base[D]) + off)...};
-    ((((Op::read_mask >> D) & 1u) && kStagedType<T>
-          ? load_tile(static_cast<const T*>(base[D]) + off, tile[D], n)
-          : (void)0),
+    ((((Op::read_mask >> D) & 1u) && staged[D] ? load_staged<T>(base[D], off, tile[D], n)
+                                                : (void)0),
      ...);
     int64_t i = 0;
     // NOTE: [In place] An output list may be an input list (exactly the same memory; partial
@@ -224,6 +275,9 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
                                                base[D], p[D], off, i + l, v[D])
                                          : (void)0),
            ...);
+          if constexpr (StoreGrad) {
+            write_element<GradType<T...>>(base[0], p[0], off, i + l, op.unscaled_grad(v[0]));
+          }
         }
       }
     }
@@ -238,11 +292,16 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
             ? write_element<T, ((Op::exact_mask >> D) & 1u) != 0>(base[D], p[D], off, i, v[D])
             : (void)0),
        ...);
+      if constexpr (StoreGrad) {
+        write_element<GradType<T...>>(base[0], p[0], off, i, op.unscaled_grad(v[0]));
+      }
     }
-    ((((Op::write_mask >> D) & 1u) && kStagedType<T>
-          ? store_tile(tile[D], static_cast<T*>(base[D]) + off, n)
-          : (void)0),
+    ((((Op::write_mask >> D) & 1u) && staged[D] ? store_staged<T>(tile[D], base[D], off, n)
+                                                 : (void)0),
      ...);
+    if constexpr (StoreGrad) {
+      if (staged[0]) store_staged<GradType<T...>>(tile[0], base[0], off, n);
+    }
   }
   for (int l = 0; l < L; ++l) state.merge(lanes[l]);
 }
@@ -366,6 +425,15 @@ inline void run_chunk_q8(const std::array<void*, sizeof...(T)>& base,
             : (void)0),
        ...);
     }
+    if constexpr (Op::stores_grad) {  // (per block, after phase 1; never an 8-bit list)
+      if (op.store_grad) {
+        using G = GradType<T...>;
+        for (int64_t j = 0; j < n; ++j) {
+          q8_cpu_write<G>(base[0], scratch, off + j, j, 0,
+                          op.unscaled_grad(q8_cpu_read<G>(base[0], scratch, off + j, j, 0)));
+        }
+      }
+    }
     for (int q = 0; q < NQ; ++q) absmax[q] = 0.0f;
     (q8_cpu_absmax<T>(scratch, n, absmax, q8_index<D, T...>()), ...);
     q8_units<T...>(absmax, units, inv_units, lists);
@@ -379,19 +447,29 @@ template <typename Op, typename... T, size_t... D>
 inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
                       const std::array<const float*, Op::tensor_scalars>& tensor_scalars,
                       int64_t begin, int64_t end, Op op, typename Op::State& state,
-                      std::index_sequence<D...> lists) {
+                      uint32_t half_lists, std::index_sequence<D...> lists) {
   if constexpr (q8_count<T...> > 0) {
     run_chunk_q8<Op, T...>(base, tensor_scalars, begin, end, op, state, lists);
+  } else if constexpr (Op::stores_grad) {
+    if (op.store_grad) {
+      run_chunk_plain<Op, true, T...>(base, tensor_scalars, begin, end, op, state, half_lists,
+                                      lists);
+    } else {
+      run_chunk_plain<Op, false, T...>(base, tensor_scalars, begin, end, op, state, half_lists,
+                                       lists);
+    }
   } else {
-    run_chunk_plain<Op, T...>(base, tensor_scalars, begin, end, op, state, lists);
+    run_chunk_plain<Op, false, T...>(base, tensor_scalars, begin, end, op, state, half_lists,
+                                     lists);
   }
 }
 
 // Runs `op` over every element of every tensor. Results per chunk go to `sink`, indexed by
-// global chunk (see NOTE: [Chunking]), exactly as the CUDA blocks leave them.
+// global chunk (see NOTE: [Chunking]), exactly as the CUDA blocks leave them. `half_lists`: the
+// TiledList lists that hold fp16 (NOTE: [CPU tiled lists]).
 template <typename Op, typename... T>
 void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
-           const Op& op, const BlockSink& sink) {
+           const Op& op, const BlockSink& sink, uint32_t half_lists) {
   const std::vector<int64_t> offsets = chunk_offsets(lists.numels, chunk_size);
   const int64_t total_chunks = offsets.back();
   if (total_chunks == 0) return;
@@ -418,7 +496,7 @@ void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64
       typename Op::State state{};
       std::array<const float*, Op::tensor_scalars> scalars{};
       if constexpr (Op::tensor_scalars > 0) scalars = lists.scalars[t];
-      run_chunk<Op, T...>(lists.ptrs[t], scalars, begin, end, op, state,
+      run_chunk<Op, T...>(lists.ptrs[t], scalars, begin, end, op, state, half_lists,
                           std::make_index_sequence<sizeof...(T)>{});
       if constexpr (std::is_same_v<typename Op::State, FiniteState>) {
         nonfinite |= state.nonfinite;

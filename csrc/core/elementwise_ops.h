@@ -59,6 +59,13 @@ struct OpDefaults {
   // store them by truncation, which gives the bits the round-to-nearest store would (a NaN
   // still stores as 0x7fc0) with fewer operations per element.
   static constexpr unsigned exact_mask = 0;
+  // NOTE: [Unscaled gradients after the step] (optimizer_ops.h): an op that can write its
+  // gradient list (list 0) back unscaled sets this and has a run-time `store_grad` and
+  // `unscaled_grad(g)`; the launchers store list 0 when store_grad is set, outside write_mask.
+  static constexpr bool stores_grad = false;
+  // bf16 weights stepped without masters and rounded stochastically (AdamOp, SgdOp): such an op
+  // is launched for bf16 params only.
+  static constexpr bool rounded_weights = false;
   PEAK_HD void load_tensor_scalars(const float* const*) {}
   PEAK_HD bool skip() const { return false; }
 };

@@ -121,6 +121,15 @@ PEAK_HD void store_element(void* const* base, int64_t i, const float* v,
 template <typename Op, typename... T>
 using MetadataFor = TensorListMetadata<sizeof...(T), Op::tensor_scalars>;
 
+// NOTE: [Unscaled gradients after the step] (optimizer_ops.h): list 0, the gradients, stored
+// back unscaled when the op's run-time store_grad is set (a branch uniform over the grid), from
+// the raw gradient the functor left in v[0].
+template <typename Op, typename... T>
+PEAK_HD void store_unscaled_grad(const Op& op, void* base, int64_t i, float g) {
+  using G = typename ListType<0, T...>::type;
+  static_cast<G*>(base)[i] = from_opmath<G>(op.unscaled_grad(g));
+}
+
 // NOTE: [8-bit moments] (block_quant.h): element access of a step with quantized lists, given
 // each quantized list's scale unit (decode) or inverse unit (encode) for the element's block.
 template <typename Op, typename... T, size_t... D>
@@ -219,6 +228,9 @@ PEAK_HD void grid_q8_thread(float* const* scales, void* const* base, int64_t sta
       load_element_q8<Op, T...>(base, start + i, v, units, lists);
       apply_op(op, v, state, start + i);
       store_element_q8<Op, T...>(op, base, start + i, v, inv_new, lists);
+      if constexpr (Op::stores_grad) {
+        if (op.store_grad) store_unscaled_grad<Op, T...>(op, base[0], start + i, v[0]);
+      }
     }
     for (int q = 0; q < NQ; ++q) scales[q][block] = absmax[q];
   }
@@ -300,6 +312,15 @@ PEAK_HD void store_vectors(void* const* base, int64_t i, const float (*v)[sizeof
       ...);
 }
 
+template <typename Op, typename... T>
+PEAK_HD void store_unscaled_grad_vector(const Op& op, void* base, int64_t i,
+                                        const float (*v)[sizeof...(T)]) {
+  using G = typename ListType<0, T...>::type;
+  VectorOf<G> x;
+  for (int k = 0; k < kVectorWidth; ++k) x.e[k] = from_opmath<G>(op.unscaled_grad(v[k][0]));
+  store_vector(static_cast<G*>(base) + i, x);
+}
+
 // The slice of its chunk a block works on: the lists' addresses, the first element, the count.
 template <typename Op, typename... T>
 PEAK_HD int64_t block_slice(const MetadataFor<Op, T...>& meta, int block, int64_t chunk_size,
@@ -364,6 +385,9 @@ PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int
         load_vectors<Op, T...>(base, i, v, lists);
         for (int k = 0; k < kVectorWidth; ++k) apply_op(op, v[k], state, i + k);
         store_vectors<Op, T...>(base, i, v, lists);
+        if constexpr (Op::stores_grad) {
+          if (op.store_grad) store_unscaled_grad_vector<Op, T...>(op, base[0], i, v);
+        }
       }
       first_single = groups * kVectorWidth;
     }
@@ -372,6 +396,9 @@ PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int
       load_element<Op, T...>(base, start + i, v, lists);
       apply_op(op, v, state, start + i);
       store_element<Op, T...>(base, start + i, v, lists);
+      if constexpr (Op::stores_grad) {
+        if (op.store_grad) store_unscaled_grad<Op, T...>(op, base[0], start + i, v[0]);
+      }
     }
   }
 }

@@ -64,12 +64,15 @@ struct OptimizerScalars {
 // NOTE: [Unscaled gradients after the step]
 // torch's fused optimizers leave p.grad unscaled after a step that was handed grad_scale (a
 // skipped step leaves it as it was), and code after the step (logging, gradient noise
-// statistics, a second optimizer over the same grads) reads it. `StoreGrad` ops write
-// grad * (1 / grad_scale) back in the same pass: one more store of the gradient's bytes, no
-// extra read. It is the unscaled gradient, not the clipped one (torch's clip_grad_norm_ would
-// have clipped it in place; peak's in-step clipping is an optimization of the step only). A
-// template constant, so the variant without it stores nothing.
-constexpr unsigned grad_list_if(bool store_grad) { return store_grad ? 1u : 0u; }
+// statistics, a second optimizer over the same grads) reads it. With `store_grad` the launchers
+// write unscaled_grad(grad) = grad * (1 / grad_scale) back in the same pass: one more store of
+// the gradient's bytes, no extra read from memory. It is the unscaled gradient, not the clipped
+// one (torch's clip_grad_norm_ would have clipped it in place; peak's in-step clipping is an
+// optimization of the step only). A run-time flag, not a template constant: the CPU launcher
+// tests it once per chunk (choosing between an element loop that stores the gradient and one
+// that does not), the grid launchers as a branch uniform over the grid, so a step without it
+// stores nothing more, and the functor is not instantiated twice. The functor leaves v[kGrad] as it was
+// read, so the stored value is computed from the raw gradient, after the rounding's bits.
 
 // NOTE: [Lean optimizer state]
 // The storage of an optimizer's own lists is a template argument of its functor, so one functor
@@ -163,10 +166,11 @@ using ConcatLists = decltype(std::tuple_cat(std::declval<Tuples>()...));
 // parameter, not a flag read per element: as a flag the vectorised loop computed the random
 // bits of every element and then threw them away (most of an fp32 step's time).
 // Storage: NOTE: [Lean optimizer state] (max_exp_avg_sq is stored as exp_avg_sq is).
-template <bool HasMaster, bool Amsgrad, bool Rounded = false, bool StoreGrad = false,
+template <bool HasMaster, bool Amsgrad, bool Rounded = false,
           typename Storage = FullPrecisionState>
 struct AdamOp : OpDefaults {
   static_assert(!(HasMaster && Rounded), "stochastic rounding is for weights without masters");
+  static constexpr bool rounded_weights = Rounded;
   static constexpr int kGrad = 0, kParam = 1;
   static constexpr int kWeight = HasMaster ? 2 : 1;  // the fp32 weight stepped (or remainder)
   static constexpr int kExpAvg = kWeight + 1, kExpAvgSq = kWeight + 2, kMaxExpAvgSq = kWeight + 3;
@@ -174,8 +178,10 @@ struct AdamOp : OpDefaults {
   // Without a remainder the model weight is only written; with one it holds the high half.
   static constexpr unsigned read_mask =
       all_lists(depth) & ~(HasMaster && !Storage::remainder ? (1u << kParam) : 0u);
-  static constexpr unsigned write_mask =
-      (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
+  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
+  static constexpr bool stores_grad = true;
+  bool store_grad = false;
+  PEAK_HD float unscaled_grad(float g) const { return g * s.inv_grad_scale; }
   // The step count, then the scales of quantized moments (NOTE: [8-bit moments]).
   static constexpr int tensor_scalars = 1 + Storage::q8_exp_avg + Storage::q8_exp_avg_sq;
   // Stochastic rounding's random bits (of the weights, or of bf16 moments).
@@ -256,23 +262,25 @@ struct AdamOp : OpDefaults {
     } else {
       v[kWeight] = w;  // (rounded once to its dtype on store)
     }
-    if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;  // after the rounding's bits
   }
 };
 
-// Rounded, StoreGrad, Storage: as AdamOp (Storage::ExpAvg is the momentum buffer's).
-template <bool HasMaster, bool HasMomentum, bool Rounded = false, bool StoreGrad = false,
+// Rounded, Storage: as AdamOp (Storage::ExpAvg is the momentum buffer's).
+template <bool HasMaster, bool HasMomentum, bool Rounded = false,
           typename Storage = FullPrecisionState>
 struct SgdOp : OpDefaults {
   static_assert(!(HasMaster && Rounded), "stochastic rounding is for weights without masters");
+  static constexpr bool rounded_weights = Rounded;
   static constexpr int kGrad = 0, kParam = 1;
   static constexpr int kWeight = HasMaster ? 2 : 1;
   static constexpr int kMomentum = kWeight + 1;
   static constexpr int depth = kWeight + 1 + (HasMomentum ? 1 : 0);
   static constexpr unsigned read_mask =
       all_lists(depth) & ~(HasMaster && !Storage::remainder ? (1u << kParam) : 0u);
-  static constexpr unsigned write_mask =
-      (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
+  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
+  static constexpr bool stores_grad = true;
+  bool store_grad = false;
+  PEAK_HD float unscaled_grad(float g) const { return g * s.inv_grad_scale; }
   // The step count (the first step seeds the momentum), then an 8-bit buffer's scales.
   static constexpr int tensor_scalars = 1 + (HasMomentum ? Storage::q8_exp_avg : 0);
   static constexpr bool rounds_momentum = HasMomentum && Storage::round_exp_avg;
@@ -325,20 +333,22 @@ struct SgdOp : OpDefaults {
     } else {
       v[kWeight] = w;
     }
-    if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;  // after the rounding's bits
   }
 };
 
 // LAMB, as Apex's FusedLAMB (stage 1: moments and the raw update; stage 2: the per-tensor trust
 // ratio from the norms of the weights and of the update, computed between the stages).
-// StoreGrad, Storage (its moments only: LAMB keeps fp32 masters): as AdamOp.
-template <bool StoreGrad = false, typename Storage = FullPrecisionState>
+// Storage (its moments only: LAMB keeps fp32 masters): as AdamOp.
+template <typename Storage = FullPrecisionState>
 struct LambStage1Op : OpDefaults {
   static_assert(!Storage::remainder, "LAMB's trust ratio reads fp32 weights");
   static constexpr int kGrad = 0, kWeight = 1, kExpAvg = 2, kExpAvgSq = 3, kUpdate = 4;
   static constexpr int depth = 5;
   static constexpr unsigned read_mask = 0b01111;
-  static constexpr unsigned write_mask = 0b11100 | grad_list_if(StoreGrad);
+  static constexpr unsigned write_mask = 0b11100;
+  static constexpr bool stores_grad = true;
+  bool store_grad = false;
+  PEAK_HD float unscaled_grad(float g) const { return g / grad_scale.value; }
   // The step count, then the scales of quantized moments (NOTE: [8-bit moments]).
   static constexpr int tensor_scalars = 1 + Storage::q8_exp_avg + Storage::q8_exp_avg_sq;
   static constexpr bool indexed = Storage::rounds_moments;
@@ -393,7 +403,6 @@ struct LambStage1Op : OpDefaults {
     v[kExpAvg] = Storage::round_exp_avg ? MomentRounding::low(m, random) : m;
     v[kExpAvgSq] = Storage::round_exp_avg_sq ? MomentRounding::high(vsq, random) : vsq;
     v[kUpdate] = update;
-    if constexpr (StoreGrad) v[kGrad] = v[kGrad] / grad_scale.value;
   }
 };
 
@@ -433,15 +442,17 @@ struct LambStage2Op : OpDefaults {
 
 // Adagrad, as torch.optim.Adagrad (lr_decay, weight decay added to the gradient) and Apex's
 // FusedAdagrad (adagrad_w_mode: decoupled weight decay, w -= lr * (g / std + wd * w)).
-template <bool HasMaster, bool StoreGrad = false>  // StoreGrad: as AdamOp
+template <bool HasMaster>
 struct AdagradOp : OpDefaults {
   static constexpr int kGrad = 0, kParam = 1;
   static constexpr int kWeight = HasMaster ? 2 : 1;
   static constexpr int kSum = kWeight + 1;
   static constexpr int depth = kSum + 1;
   static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
-  static constexpr unsigned write_mask =
-      (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
+  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
+  static constexpr bool stores_grad = true;
+  bool store_grad = false;
+  PEAK_HD float unscaled_grad(float g) const { return g * s.inv_grad_scale; }
   static constexpr int tensor_scalars = 1;  // the step count (lr_decay)
   using State = NoState;
 
@@ -472,7 +483,6 @@ struct AdagradOp : OpDefaults {
     v[kSum] = sum;
     v[kWeight] = w;
     v[kParam] = w;
-    if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;
   }
 };
 
@@ -480,15 +490,17 @@ struct AdagradOp : OpDefaults {
 // before the launch, on the device: see fused_novograd in ops/optimizer_ops_impl.h) and
 // per-element first moments. reg_inside_moment (Apex's moment_mode 0): the gradient is
 // normalised and decayed before the momentum; otherwise (mode 1, Apex's default) the update is.
-template <bool HasMaster, bool StoreGrad = false>  // StoreGrad: as AdamOp
+template <bool HasMaster>
 struct NovoGradOp : OpDefaults {
   static constexpr int kGrad = 0, kParam = 1;
   static constexpr int kWeight = HasMaster ? 2 : 1;
   static constexpr int kExpAvg = kWeight + 1;
   static constexpr int depth = kExpAvg + 1;
   static constexpr unsigned read_mask = all_lists(depth) & ~(HasMaster ? (1u << kParam) : 0u);
-  static constexpr unsigned write_mask =
-      (all_lists(depth) & ~(1u << kGrad)) | grad_list_if(StoreGrad);
+  static constexpr unsigned write_mask = all_lists(depth) & ~(1u << kGrad);
+  static constexpr bool stores_grad = true;
+  bool store_grad = false;
+  PEAK_HD float unscaled_grad(float g) const { return g * s.inv_grad_scale; }
   static constexpr int tensor_scalars = 2;  // the step count, the blended gradient norm
   using State = NoState;
 
@@ -530,7 +542,6 @@ struct NovoGradOp : OpDefaults {
     v[kExpAvg] = m;
     v[kWeight] = w;
     v[kParam] = w;
-    if constexpr (StoreGrad) v[kGrad] = v[kGrad] * s.inv_grad_scale;
   }
 };
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -35,7 +36,7 @@ c10::Device lists_device(at::TensorList first_list, const at::Tensor& fallback);
 
 // update_scale_'s arguments (shared by every backend's entry, op_entries.h).
 void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                             const c10::optional<at::Tensor>& hysteresis_tracker,
+                             const std::optional<at::Tensor>& hysteresis_tracker,
                              at::TensorList found_infs, double growth_factor,
                              double backoff_factor, int64_t growth_interval, int64_t hysteresis,
                              double min_scale, double max_scale);

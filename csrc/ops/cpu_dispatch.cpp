@@ -4,8 +4,9 @@
 // NOTE: [CPU levels]
 // A wheel must run on any x86-64, yet the kernels are memory-bound loops that gain from wide
 // vectors and F16C conversions. As ATen does (DispatchStub, CPU_CAPABILITY), the kernel
-// translation unit (cpu_kernels.cpp + cpu_apply.h + the functor headers) is compiled once per
-// level, each copy in a namespace of its own, and the copy to run is chosen when first needed:
+// translation units (cpu_kernels*.cpp, one per op family, + cpu_apply.h + the functor headers:
+// NOTE: [CPU kernel translation units] in cpu_exec.h) are compiled once per level, each copy in
+// a namespace of its own, and the copy to run is chosen when first needed:
 //   baseline  -march=x86-64 (SSE2)
 //   avx2      -march=x86-64-v3 (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE)
 //   avx512    -march=x86-64-v4 (+ AVX-512 F, BW, CD, DQ, VL), 512-bit vectors preferred

@@ -3,11 +3,11 @@
 // level's name (baseline, avx2, avx512; or a single level for PEAK_CPU_ISA=native|avx2|baseline).
 // The math is the functor headers' (csrc/core/*.h), the loops cpu_apply.h's: nothing here is
 // written per level. Each level exports its table of op entries; the level named by
-// PEAK_CPU_REGISTRAR also registers the dispatcher's forwarders (cpu_dispatch.h).
-#include "../core/cpu_apply.h"
+// PEAK_CPU_REGISTRAR also registers the dispatcher's forwarders (cpu_dispatch.h). This file
+// compiles the multi-tensor ops; the optimizers are compiled by family in files of their own
+// (NOTE: [CPU kernel translation units] in cpu_exec.h).
 #include "cpu_dispatch.h"
-#include "host_exec.h"
-#include "op_entries.h"
+#include "cpu_exec.h"
 
 #ifndef PEAK_CPU_REGISTRAR
 #define PEAK_CPU_REGISTRAR 0
@@ -16,16 +16,6 @@
 namespace peak {
 namespace cpu {
 inline namespace PEAK_CPU_CAPABILITY {
-
-// A named type per level (not an anonymous one), so that every instantiation over it carries
-// the level's name: see the symbol check in tests/ops/test_cpu_levels.py.
-struct CpuExec : HostExecBase {
-  template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
-             const Op& op, const BlockSink& sink) {
-    cpu::apply<Op, T...>(lists, chunk_size, op, sink);
-  }
-};
 
 // Called only once the CPU is known to run this level: even building the vector runs code
 // compiled with the level's flags.

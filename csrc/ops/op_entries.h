@@ -1,6 +1,6 @@
 // The dispatcher entry points of every op, written once over a backend (Exec: CpuExec in
-// cpu_kernels.cpp, CudaExec in ops_cuda.cu, EmulatedExec in csrc/testing/ for the test twins), and the one list
-// that registers them. An Exec provides: a Guard constructed from a device, apply<Op, T...>,
+// cpu_exec.h, CudaExec in ops_cuda.cu, EmulatedExec in csrc/testing/ for the test twins), and the
+// one list that registers them. An Exec provides: a Guard constructed from a device, apply<Op, T...>,
 // finish_norms, and update_scale (host call or one-thread kernel).
 #pragma once
 
@@ -73,7 +73,7 @@ inline at::Tensor merged_found_inf(at::TensorList found_infs, const at::Tensor& 
 
 template <typename Exec>
 void update_scale_entry(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                        const c10::optional<at::Tensor>& hysteresis_tracker,
+                        const std::optional<at::Tensor>& hysteresis_tracker,
                         at::TensorList found_infs, double growth_factor, double backoff_factor,
                         int64_t growth_interval, int64_t hysteresis, double min_scale,
                         double max_scale) {
@@ -94,20 +94,36 @@ void update_scale_entry(const at::Tensor& scale, const at::Tensor& growth_tracke
                       static_cast<int>(hysteresis), min_scale, max_scale});
 }
 
+// Op families, for backends that compile them in separate translation units (NOTE: [CPU kernel
+// translation units] in cpu_exec.h; the CUDA files ops_cuda*.cu).
+enum OpFamily : unsigned {
+  kMultiTensorOps = 1u,  // scale, axpby, l2norm, check_finite, update_scale
+  kAdamOps = 2u,
+  kSgdOps = 4u,
+  kLambOps = 8u,
+  kAdagradNovoGradOps = 16u,
+  kAllOps = 31u,
+};
+
 // `m` is a torch::Library, or one of the CPU dispatcher's recorders (cpu_dispatch.h), which take
 // the same impl(name, &entry) calls: this list is the only one to edit when an op is added.
-template <typename Exec, typename Library = torch::Library>
+// `Families`: the subset to register (only their entries are named, so only they are compiled).
+template <typename Exec, unsigned Families = kAllOps, typename Library = torch::Library>
 void register_kernels(Library& m) {
-  m.impl("multi_tensor_scale_", &multi_tensor_scale_entry<Exec>);
-  m.impl("multi_tensor_axpby_", &multi_tensor_axpby_entry<Exec>);
-  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_entry<Exec>);
-  m.impl("multi_tensor_check_finite_", &check_finite_entry<Exec>);
-  m.impl("update_scale_", &update_scale_entry<Exec>);
-  m.impl("fused_adam_", &fused_adam_entry<Exec>);
-  m.impl("fused_sgd_", &fused_sgd_entry<Exec>);
-  m.impl("fused_lamb_", &fused_lamb_entry<Exec>);
-  m.impl("fused_adagrad_", &fused_adagrad_entry<Exec>);
-  m.impl("fused_novograd_", &fused_novograd_entry<Exec>);
+  if constexpr ((Families & kMultiTensorOps) != 0) {
+    m.impl("multi_tensor_scale_", &multi_tensor_scale_entry<Exec>);
+    m.impl("multi_tensor_axpby_", &multi_tensor_axpby_entry<Exec>);
+    m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_entry<Exec>);
+    m.impl("multi_tensor_check_finite_", &check_finite_entry<Exec>);
+    m.impl("update_scale_", &update_scale_entry<Exec>);
+  }
+  if constexpr ((Families & kAdamOps) != 0) m.impl("fused_adam_", &fused_adam_entry<Exec>);
+  if constexpr ((Families & kSgdOps) != 0) m.impl("fused_sgd_", &fused_sgd_entry<Exec>);
+  if constexpr ((Families & kLambOps) != 0) m.impl("fused_lamb_", &fused_lamb_entry<Exec>);
+  if constexpr ((Families & kAdagradNovoGradOps) != 0) {
+    m.impl("fused_adagrad_", &fused_adagrad_entry<Exec>);
+    m.impl("fused_novograd_", &fused_novograd_entry<Exec>);
+  }
 }
 
 }  // namespace peak

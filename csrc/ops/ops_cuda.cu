@@ -1,4 +1,5 @@
 // CUDA kernels of the peak ops: the shared op bodies (multi_tensor_ops.h) over the CUDA launcher.
+// This file: the multi-tensor ops and LAMB; the other optimizers: cuda_exec.cuh.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -8,9 +9,8 @@
 #include <cub/device/device_reduce.cuh>
 #include <cub/device/device_segmented_reduce.cuh>
 
-#include "../core/cuda_apply.cuh"
 #include "../core/loss_scale_update.h"
-#include "op_entries.h"
+#include "cuda_exec.cuh"
 
 namespace peak {
 namespace {
@@ -40,23 +40,7 @@ __global__ void store_offsets_kernel(const __grid_constant__ OffsetsArg arg, int
   for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = arg.values[i];
 }
 
-struct CudaExec {
-  static constexpr c10::DeviceType device_type = c10::DeviceType::CUDA;
-  // The device guard is set only for a CUDA device. An op dispatched here with a CPU argument
-  // among CUDA ones (found_inf, lr) then reaches the op's validation, whose message names the
-  // argument and the fix, instead of failing in c10's guard first; a valid call's guard device is
-  // always a CUDA device.
-  struct Guard {
-    explicit Guard(const c10::Device& device) {
-      if (device.is_cuda()) guard.set_device(device);
-    }
-    c10::cuda::OptionalCUDAGuard guard;
-  };
-  template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size, const Op& op,
-             const BlockSink& sink) {
-    cuda::apply<Op, T...>(lists, chunk_size, op, sink);
-  }
+struct CudaExec : cuda::LaunchExec {
 
   // Per-tensor sums of the chunk partials with CUB's segmented reduce, the total with CUB's
   // reduce over those sums (the same order of summation as finish_norms_on_host), then sqrt.
@@ -117,6 +101,7 @@ struct CudaExec {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(peak, CUDA, m) { register_kernels<CudaExec>(m); }
+// The other optimizers are in files of their own (cuda_exec.cuh).
+TORCH_LIBRARY_IMPL(peak, CUDA, m) { register_kernels<CudaExec, kMultiTensorOps | kLambOps>(m); }
 
 }  // namespace peak

@@ -325,9 +325,12 @@ void launch_optimizer(Exec& exec, at::ScalarType dtype, const std::vector<at::Te
   with_storage_type(dtype, [&](auto t) {
     using T = decltype(t);
     if constexpr (OpListTypes<Op, T>::value) {
-      // Remainders complete bf16 weights only (checked): no other instantiation.
-      if constexpr (Op::remainder_master && !std::is_same_v<T, c10::BFloat16>) {
-        TORCH_CHECK(false, "peak: remainders need bfloat16 params");
+      // Remainders complete bf16 weights only, and stochastically rounded weights are bf16
+      // (both checked): no other instantiation.
+      if constexpr ((Op::remainder_master || Op::rounded_weights) &&
+                    !std::is_same_v<T, c10::BFloat16>) {
+        TORCH_CHECK(false, "peak: remainders and stochastically rounded weights need bfloat16 "
+                    "params");
       } else {
         using Types = typename OpListTypes<Op, T>::type;
         apply_list_types<Op>(exec, static_cast<const Types*>(nullptr), host, chunk_size, op,

@@ -45,14 +45,17 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
     with_bool(amsgrad, [&](auto ams) {
      // Combinations the checks exclude are not instantiated: amsgrad keeps fp32 state, a
      // remainder needs master_params, 8-bit moments are both or neither.
-     if constexpr ((kLean && std::remove_cvref_t<decltype(ams)>::value) ||
+     constexpr bool kFp32Moments = std::is_same_v<typename Storage::ExpAvg, float> &&
+                                   std::is_same_v<typename Storage::ExpAvgSq, float>;
+     if constexpr (((kLean || !kFp32Moments) && std::remove_cvref_t<decltype(ams)>::value) ||
                    (Storage::q8_exp_avg != Storage::q8_exp_avg_sq) ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
        return;
      } else {
-     with_bool(a.store_unscaled_grads, [&](auto store_grad) {
-      AdamOp<std::remove_cvref_t<decltype(has_master)>::value, std::remove_cvref_t<decltype(ams)>::value, std::remove_cvref_t<decltype(rounded)>::value,
-             std::remove_cvref_t<decltype(store_grad)>::value, Storage> op;
+      AdamOp<std::remove_cvref_t<decltype(has_master)>::value,
+             std::remove_cvref_t<decltype(ams)>::value,
+             std::remove_cvref_t<decltype(rounded)>::value, Storage> op;
+      op.store_grad = a.store_unscaled_grads;
       op.moment_rounding = moment_rounding;
       fill_optimizer_scalars(op.s, a);
       op.beta1 = beta1;
@@ -67,7 +70,6 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
       if constexpr (Storage::quantized) scalars.insert(scalars.end(), {s1, s2});
       launch_optimizer(exec, a.params[0].scalar_type(), lists, std::move(scalars), a.chunk_size,
                        op);
-     });
      }
     });
    });
@@ -103,15 +105,20 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
                       moment_rounding_seed.has_value(), [&](auto storage) {
     using Storage = decltype(storage);
     with_bool(momentum != 0.0, [&](auto has_momentum) {
-     if constexpr (((Storage::round_exp_avg || Storage::quantized) &&
-                    !std::remove_cvref_t<decltype(has_momentum)>::value) ||
+     // SGD has no exp_avg_sq (kFloat above), and without momentum no buffer whose storage
+     // could differ (an empty list's dtype is kFloat): those storages are not instantiated.
+     constexpr bool kMomentum = std::remove_cvref_t<decltype(has_momentum)>::value;
+     if constexpr (((Storage::round_exp_avg || Storage::quantized) && !kMomentum) ||
                    Storage::q8_exp_avg_sq ||
+                   !std::is_same_v<typename Storage::ExpAvgSq, float> ||
+                   (!kMomentum && !std::is_same_v<typename Storage::ExpAvg, float>) ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
        return;  // excluded by the checks: not instantiated
      } else {
-     with_bool(a.store_unscaled_grads, [&](auto store_grad) {
-      SgdOp<std::remove_cvref_t<decltype(has_master)>::value, std::remove_cvref_t<decltype(has_momentum)>::value,
-            std::remove_cvref_t<decltype(rounded)>::value, std::remove_cvref_t<decltype(store_grad)>::value, Storage> op;
+      SgdOp<std::remove_cvref_t<decltype(has_master)>::value,
+            std::remove_cvref_t<decltype(has_momentum)>::value,
+            std::remove_cvref_t<decltype(rounded)>::value, Storage> op;
+      op.store_grad = a.store_unscaled_grads;
       op.moment_rounding = moment_rounding;
       fill_optimizer_scalars(op.s, a);
       op.momentum = static_cast<float>(momentum);
@@ -124,7 +131,6 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
       if constexpr (Storage::quantized) scalars.push_back(s1);
       launch_optimizer(exec, a.params[0].scalar_type(), lists, std::move(scalars), a.chunk_size,
                        op);
-     });
      }
     });
    });
@@ -172,9 +178,9 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                  decltype(storage)::q8_exp_avg != decltype(storage)::q8_exp_avg_sq) {
      return;  // (not instantiated: LAMB keeps fp32 masters; 8-bit moments are both or neither)
    } else {
-   with_bool(a.store_unscaled_grads, [&](auto store_grad) {
-    using Op = LambStage1Op<std::remove_cvref_t<decltype(store_grad)>::value, decltype(storage)>;
+    using Op = LambStage1Op<decltype(storage)>;
     Op op;
+    op.store_grad = a.store_unscaled_grads;
     op.moment_rounding = moment_rounding;
     op.grad_scale.value = 1.0f;
     op.grad_scale.ptr = a.grad_scale ? a.grad_scale->data_ptr<float>() : nullptr;
@@ -204,7 +210,6 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                              op, BlockSink{});
       }
     });
-   });
    }
   });
   // Per-tensor norms of the weights and of the update (the trust ratio's inputs).
@@ -249,8 +254,8 @@ void fused_adagrad(Exec& exec, const OptimizerArgs& a, at::TensorList state_sums
   bump_steps(a.steps);
   const auto lists = optimizer_lists(a, {state_sums});
   with_bool(!a.masters.empty(), [&](auto has_master) {
-   with_bool(a.store_unscaled_grads, [&](auto store_grad) {
-    AdagradOp<decltype(has_master)::value, decltype(store_grad)::value> op;
+    AdagradOp<decltype(has_master)::value> op;
+    op.store_grad = a.store_unscaled_grads;
     fill_optimizer_scalars(op.s, a);
     op.eps = static_cast<float>(eps);
     op.weight_decay = static_cast<float>(weight_decay);
@@ -258,7 +263,6 @@ void fused_adagrad(Exec& exec, const OptimizerArgs& a, at::TensorList state_sums
     op.lr_decay = lr_decay;
     launch_optimizer(exec, a.params[0].scalar_type(), lists, {float_ptrs(a.steps)}, a.chunk_size,
                      op);
-   });
   });
   undo_skipped_steps(a.steps, a.found_inf);
 }
@@ -316,8 +320,8 @@ void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
 
   const auto lists = optimizer_lists(a, {exp_avgs});
   with_bool(!a.masters.empty(), [&](auto has_master) {
-   with_bool(a.store_unscaled_grads, [&](auto store_grad) {
-    NovoGradOp<decltype(has_master)::value, decltype(store_grad)::value> op;
+    NovoGradOp<decltype(has_master)::value> op;
+    op.store_grad = a.store_unscaled_grads;
     fill_optimizer_scalars(op.s, a);
     op.beta1 = beta1;
     op.beta2 = beta2;
@@ -328,7 +332,6 @@ void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
     op.bias_correction = bias_correction;
     launch_optimizer(exec, a.params[0].scalar_type(), lists,
                      {float_ptrs(a.steps), blended_ptrs}, a.chunk_size, op);
-   });
   });
   // A skipped step keeps the old norms (and its inf/NaN never reaches the state).
   const at::Tensor kept =

@@ -6,10 +6,8 @@
 // are bound in peak._C.emulated (emulated_bindings.cpp).
 #include <torch/library.h>
 
-#include "../core/emulated_grid.h"
-#include "../ops/host_exec.h"
-#include "../ops/op_entries.h"
 #include "../ops/schemas.h"
+#include "emulated_exec.h"
 #include "emulated_ops.h"
 
 namespace peak {
@@ -22,28 +20,12 @@ thread_local emulated::GridShape g_emulated_shape{0, 0, 0};
 // this thread since the last reset.
 thread_local int64_t g_vectorised_blocks = 0;
 
-struct EmulatedExec : HostExecBase {
-  emulated::GridShape shape = g_emulated_shape;
-  template <typename Op, typename... T>
-  void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
-             const Op& op, const BlockSink& sink) {
-    constexpr int kMax = MetadataFor<Op, T...>::kMaxTensors;
-    emulated::GridShape s = shape;
-    if (s.max_tensors == 0) s.max_tensors = kMax;
-    if (s.max_blocks == 0) s.max_blocks = kMaxBlocksPerLaunch;
-    if (s.threads_per_block == 0) s.threads_per_block = kThreadsPerBlock;
-    TORCH_CHECK(s.max_tensors >= 1 && s.max_tensors <= kMax,
-                "emulated grid: max_tensors must be in [1, ", kMax, "]");
-    TORCH_CHECK(s.max_blocks >= 1 && s.max_blocks <= kMaxBlocksPerLaunch,
-                "emulated grid: max_blocks must be in [1, ", kMaxBlocksPerLaunch, "]");
-    TORCH_CHECK(s.threads_per_block >= 1, "emulated grid: threads_per_block must be >= 1");
-    emulated::apply<Op, T...>(lists, chunk_size, op, sink, s, &g_vectorised_blocks);
-  }
-};
-
 }  // namespace
 
 namespace emulated_ops {
+
+emulated::GridShape current_grid_shape() { return g_emulated_shape; }
+int64_t* vectorised_blocks_counter() { return &g_vectorised_blocks; }
 
 int64_t take_vectorised_blocks() {
   const int64_t n = g_vectorised_blocks;
@@ -95,10 +77,7 @@ TORCH_LIBRARY(peak_emulated, m) {
   for (const char* schema : peak::kFusedOptimizerSchemas) m.def(schema);
 }
 
+// LAMB here; the other optimizers' twins in files of their own (emulated_exec.h).
 TORCH_LIBRARY_IMPL(peak_emulated, CPU, m) {
-  m.impl("fused_adam_", &peak::fused_adam_entry<peak::EmulatedExec>);
-  m.impl("fused_sgd_", &peak::fused_sgd_entry<peak::EmulatedExec>);
-  m.impl("fused_lamb_", &peak::fused_lamb_entry<peak::EmulatedExec>);
-  m.impl("fused_adagrad_", &peak::fused_adagrad_entry<peak::EmulatedExec>);
-  m.impl("fused_novograd_", &peak::fused_novograd_entry<peak::EmulatedExec>);
+  peak::register_kernels<peak::emulated_ops::EmulatedExec, peak::kLambOps>(m);
 }
