@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from typing import Any, Callable, Iterable
 
 import torch
@@ -14,50 +13,12 @@ import torch
 from torch.amp.autocast_mode import _cast  # torch's cast of custom_fwd's inputs, as torch's
 
 from .. import _C, _dtypes
+from ..torch_releases import (TORCH_AUTOCAST_LIST_CHANGES, autocast_list_changes,
+                              cuda_lists_as_of_2_13)
 from . import _caster
 
 __all__ = ["autocast", "custom_fwd", "custom_bwd", "TORCH_AUTOCAST_LISTS",
            "TORCH_AUTOCAST_LIST_CHANGES", "autocast_list_changes"]
-
-
-#: How other supported torch releases differ from the 2.13 lists (read off their dispatchers;
-#: tests/torch_dialect checks it): ops added to / removed from each device's autocast set. A
-#: release not recorded here (a newer one) gets its own dispatcher's lists as they are.
-# 2.10 to 2.12 still register the named-dimension overloads (2.13 dropped their kernels); CUDA's
-# rms_norm is autocast from 2.12 on.
-_NAMED_DIMS_CPU = {"added": ("index_copy.dimname", "prod.dim_Dimname"), "removed": ()}
-_NAMED_DIMS_CUDA = ("_cudnn_rnn", "cumprod.dimname", "cumsum.dimname", "log_softmax.Dimname",
-                    "norm.names_ScalarOpt_dim", "prod.dim_Dimname", "softmax.Dimname",
-                    "sum.dim_DimnameList")
-_NAMED_DIMS_NO_RMS_NORM = {"cpu": _NAMED_DIMS_CPU,
-                           "cuda": {"added": _NAMED_DIMS_CUDA, "removed": ("rms_norm",)}}
-_MATRIX_SQRTH = {  # 2.14 and 2.15
-    "cpu": {"added": ("linalg_matrix_sqrth",), "removed": ("cholesky", "qr")},
-    "cuda": {"added": ("_cudnn_rnn", "linalg_matrix_sqrth"), "removed": ()},
-}
-# (`_cudnn_rnn` has an AutocastCUDA kernel in torch's CUDA builds only; the 2.13 lists were read
-# off its CPU build.)
-# The 2.13 policy of the CUDA ops that a recorded release lacks (to put them back).
-_CUDA_POLICY_2_13 = {"rms_norm": "fp32"}
-TORCH_AUTOCAST_LIST_CHANGES = {
-    (2, 10): _NAMED_DIMS_NO_RMS_NORM,
-    (2, 11): _NAMED_DIMS_NO_RMS_NORM,
-    (2, 12): {"cpu": _NAMED_DIMS_CPU, "cuda": {"added": _NAMED_DIMS_CUDA, "removed": ()}},
-    (2, 14): _MATRIX_SQRTH,
-    (2, 15): _MATRIX_SQRTH,
-}
-
-
-def autocast_list_changes(version: str | None = None, device: str = "cpu") -> dict | None:
-    """The recorded changes of torch ``version`` (default: the installed one) against 2.13's
-    lists for ``device`` ("cpu" or "cuda"): ``{"added": ..., "removed": ...}``; empty for 2.13
-    itself, None for a release with no record."""
-    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
-    key = (int(m.group(1)), int(m.group(2))) if m else None
-    if key == (2, 13):
-        return {"added": (), "removed": ()}
-    entry = TORCH_AUTOCAST_LIST_CHANGES.get(key)
-    return None if entry is None else entry[device]
 
 
 #: The CPU lists' lower-precision and promote ops. torch keeps its CPU lists inside ATen's
@@ -84,14 +45,7 @@ def _torch_lists() -> dict:
     cuda = {policy: tuple(ops) for policy, ops in _C.caster.torch_autocast_lists().items()}
     cuda["lower_precision_fp"] += ("cudnn_convolution", "cudnn_convolution_transpose")
     cuda["banned"] = ("binary_cross_entropy",)
-    # The header is the installed release's: undo its recorded changes as for the CPU lists.
-    changes = autocast_list_changes(device="cuda") or {}
-    added = set(changes.get("added", ()))
-    cuda = {policy: tuple(op for op in ops if op not in added) for policy, ops in cuda.items()}
-    for op in changes.get("removed", ()):
-        policy = _CUDA_POLICY_2_13[op]
-        if op not in cuda[policy]:
-            cuda[policy] += (op,)
+    cuda = cuda_lists_as_of_2_13(cuda)  # the header is the installed release's
     changes = autocast_list_changes(device="cpu") or {}
     registered = {name[len("aten::"):] for name in torch._C._dispatch_get_all_op_names()
                   if name.startswith("aten::")
@@ -203,10 +157,8 @@ class autocast(torch.amp.autocast_mode.autocast):
     def __call__(self, func):
         # torch checks this itself from 2.12 on; before, a non-callable became a broken wrapper.
         if not callable(func) and not torch.jit.is_scripting():
-            raise TypeError(
-                f"autocast()(func) requires a callable, but got {type(func).__name__}. Did you "
-                f"mean to use autocast as a context manager? For example:\n"
-                f"    with peak.amp.autocast(device_type=...):\n        output = model(input)")
+            raise TypeError(f"autocast()(func) requires a callable, but got {type(func).__name__}"
+                            f"; as a context manager: with peak.amp.autocast(device_type=...): ...")
         return super().__call__(func)
 
 
