@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peak  # noqa: E402
 from peak import amp, ops  # noqa: E402
 from peak.optimizers import FusedAdam  # noqa: E402
-from bench_optimizers import LEAN  # noqa: E402  (the lean rows, built as the CPU bench builds them)
+from bench_optimizers import LEAN, amp_o2_step  # noqa: E402  (rows built as the CPU bench builds them)
 
 SECTIONS = ("unscale", "optimizer", "training")
 
@@ -240,23 +240,8 @@ def bench_optimizer(args, clock, report):
     # The amp O2 step as a user runs it (as bench_optimizers' AMP_ROW): scale_loss's exit (bf16:
     # a static scale of 1, nothing to check) and FusedAdam.step; the gradients a backward would
     # have written are put back before each call, untimed.
-    amp_model = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in fp32])
-    amp_model, amp_opt = amp.initialize(
-        amp_model, FusedAdam(amp_model.parameters(), lr=1e-4, weight_decay=0.01, adam_w_mode=True),
-        opt_level="O2", low_precision_dtype=low, verbosity=0)
-    amp_scale = amp._amp_state.loss_scalers[0].loss_scale()
-    amp_grads = [(gr * amp_scale).to(low) for gr in grads32]
-    for p, gr in zip(amp_model.parameters(), amp_grads):
-        p.grad = gr.clone()
-    amp_loss = torch.zeros((), device=dev, requires_grad=True)
-
-    def amp_step():
-        with amp.scale_loss(amp_loss, amp_opt):
-            pass
-        amp_opt.step()
     row = "amp O2 step, FusedAdam (bf16 weights, fp32 masters + moments)"
-    contenders[row] = (lambda: torch._foreach_copy_([p.grad for p in amp_model.parameters()],
-                                                    amp_grads), amp_step, 1)
+    contenders[row] = (*amp_o2_step(fp32, grads32, low, dev), 1)
     nbytes[row] = 2 + 2 + 4 * 6  # grad r, weight w, master/m/v r+w (bf16: static scale 1)
     targets[row] = [("vs torch", ">=", 1.0), ("of copy", ">=", 0.80)]
 
@@ -308,7 +293,7 @@ def bench_optimizer(args, clock, report):
                  "gradients left scaled, as in benchmarks/bench_optimizers.py). `vs torch`: "
                  "torch's time over the row's. Targets (issue 24): amp O2 ≥ 1.0x and ≥ 0.80 of "
                  "copy; remainders + bf16 moments ≥ 1.45x; remainders + 8-bit moments ≥ 1.8x.\n")
-    del amp_model, amp_opt, lean_opts, fused, model32, fp32, grads32, amp_grads
+    del lean_opts, fused, model32, fp32, grads32  # (the amp step went with the contenders)
     if dev == "cuda":
         torch.cuda.empty_cache()
 

@@ -102,6 +102,30 @@ LEAN = {  # name: (FusedAdam options, bytes per parameter moved)
 }
 
 
+def amp_o2_step(fp32, grads32, low, dev):
+    """The whole amp O2 step as a user runs it: scale_loss's exit (bf16: a static scale of 1,
+    nothing to check or unscale; fp16: the dynamic scaler's inf/NaN check and its one host read)
+    and FusedAdam.step (fp16: grads unscaled inside the step and stored back). Returns (setup,
+    step): setup puts back the gradients a backward would have written (untimed; the fp16 step
+    stores them unscaled), step is the timed call."""
+    amp_model = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in fp32])
+    amp_model, amp_opt = amp.initialize(
+        amp_model, FusedAdam(amp_model.parameters(), lr=1e-4, weight_decay=0.01, adam_w_mode=True),
+        opt_level="O2", low_precision_dtype=low, verbosity=0)
+    amp_scale = amp._amp_state.loss_scalers[0].loss_scale()
+    amp_grads = [(gr * amp_scale).to(low) for gr in grads32]
+    for p, gr in zip(amp_model.parameters(), amp_grads):
+        p.grad = gr.clone()
+    amp_loss = torch.zeros((), device=dev, requires_grad=True)
+
+    def amp_step():
+        with amp.scale_loss(amp_loss, amp_opt):
+            pass  # no backward: the gradients put back by the setup stand for its output
+        amp_opt.step()
+    return (lambda: torch._foreach_copy_([p.grad for p in amp_model.parameters()], amp_grads),
+            amp_step)
+
+
 def run(args, threads):
     torch.set_num_threads(threads)
     dev = args.device
@@ -141,27 +165,8 @@ def run(args, threads):
                        store_unscaled_grads=False)
     add_peak("  same, grads left scaled", lambda: opt_ns.step(grad_scale=scale, found_inf=found),
              2 * low.itemsize + 4 * 6)
-    # The whole amp O2 step as a user runs it (issue 16's "today's fp32-master O2 step"): the
-    # scale_loss exit (bf16: a static scale of 1, nothing to check or unscale; fp16: the dynamic
-    # scaler's inf/NaN check and its one host read) and FusedAdam.step (fp16: grads unscaled
-    # inside the step and stored back). The gradients the backward would have written are put
-    # back before each call, untimed (the fp16 step stores them unscaled).
-    amp_model = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in fp32])
-    amp_model, amp_opt = amp.initialize(
-        amp_model, FusedAdam(amp_model.parameters(), lr=1e-4, weight_decay=0.01, adam_w_mode=True),
-        opt_level="O2", low_precision_dtype=low, verbosity=0)
-    amp_scale = amp._amp_state.loss_scalers[0].loss_scale()
-    amp_grads = [(gr * amp_scale).to(low) for gr in grads32]
-    for p, gr in zip(amp_model.parameters(), amp_grads):
-        p.grad = gr.clone()
-    amp_loss = torch.zeros((), device=dev, requires_grad=True)
-
-    def amp_step():
-        with amp.scale_loss(amp_loss, amp_opt):
-            pass  # no backward: the gradients put back by the setup stand for its output
-        amp_opt.step()
-    contenders[AMP_ROW] = (lambda: torch._foreach_copy_(
-        [p.grad for p in amp_model.parameters()], amp_grads), amp_step)
+    # The whole amp O2 step as a user runs it (amp_o2_step).
+    contenders[AMP_ROW] = amp_o2_step(fp32, grads32, low, dev)
     # scale_loss exit: fp16 reads the grads (check); the step: grad r (+w for fp16), param w,
     # master/m/v r+w.
     nbytes[AMP_ROW] = (3 if low == torch.float16 else 1) * low.itemsize + low.itemsize + 4 * 6
