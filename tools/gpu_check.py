@@ -42,6 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("build", "smoke", "tests", "bench")
 MAX_FILE_BYTES = 15 * 2**20  # the device tool returns files under 16 MB
+MAX_CRASHES = 3  # test runs resumed after a crashed interpreter
 
 
 # ---- the report
@@ -534,25 +535,59 @@ def cuda_tests(args, env, report: Report, out: Path, timeout: float) -> Result:
         .startswith("(no output")
     if has_timeout:
         cmd[-1:-1] = [f"--timeout={args.per_test_timeout}"]
-    res = run_logged(cmd, log, timeout, env)
-    parsed = parse_junit(junit)
+    # A test that crashes the interpreter (a segfault in a kernel entry) would end the run and
+    # hide every test after it: the run resumes without the tests already done, at most
+    # MAX_CRASHES times, and the crash is reported as that test's failure.
+    t0, crashed, done, earlier = time.monotonic(), [], [], []
+    while True:
+        start = log.stat().st_size if log.exists() else 0
+        deselect = [f"--deselect={t}" for t in crashed + done]
+        res = run_logged(cmd[:-1] + deselect + cmd[-1:], log, timeout - (time.monotonic() - t0),
+                         env)
+        with open(log, "rb") as f:
+            f.seek(start)
+            segment = f.read().decode(errors="replace")
+        crash = re.search(r"^(\S+::\S+) Fatal Python error: (.*)$", segment, re.M)
+        if res.timed_out or not crash:
+            break
+        counts_here, failures_here, _ = parse_pytest_log(segment)
+        done += [m[1] for m in map(_VERBOSE.match, segment.splitlines()) if m]
+        crashed.append(crash[1])
+        earlier.append((counts_here, failures_here + [
+            (crash[1], "failed", f"crashed the interpreter: {crash[2].strip()} (pytest.log has "
+                                 "the stack; the run resumed after it)")]))
+        if len(crashed) > MAX_CRASHES:
+            break
+    res.seconds = time.monotonic() - t0
     text = log.read_text(errors="replace")
     last = None
-    if parsed is None:
-        counts, failures, last = parse_pytest_log(text)
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    failures = []
+    if crash:  # the last run crashed too: everything is in `earlier`
+        source = f"pytest.log (stopped after {len(crashed)} crashes)"
+    elif (parsed := parse_junit(junit)) is None:
+        counts, failures, last = parse_pytest_log(segment)
         source = "pytest.log (no junit.xml: pytest did not finish)"
     else:
         counts, failures = parsed
         source = "junit.xml"
+    for counts_here, failures_here in earlier:
+        for k in counts:
+            counts[k] += counts_here[k]
+        counts["failed"] += 1  # the crashed test
+        failures = failures_here + failures
+    if crashed and not crash:
+        source += f"; resumed after {len(crashed)} crash(es)"
     failures, modules = split_collection_errors(failures, text)
     if parsed is not None:  # junit counts a module's collection error as an error (the log not)
         counts["error"] -= len(modules)
     broken = [m for m in modules if not m[2]]
     # pytest's exit codes: 0 all passed, 1 some failed (or a module was not collected), 5 nothing
     # collected (no CUDA test selected: a failure of the check, not a pass).
-    ok = (not res.timed_out and res.rc in (0, 1) and not failures and not broken
+    ok = (not res.timed_out and not crashed and res.rc in (0, 1) and not failures and not broken
           and counts["failed"] == 0 and counts["error"] == 0)
-    status = ("ok" if ok else res.status() if res.rc != 5
+    status = ("ok" if ok else "FAILED (a test crashed the interpreter)" if crashed and not
+              res.timed_out else res.status() if res.rc != 5
               else "FAILED (exit 5: no CUDA test was selected)")
     lines = [f"## CUDA tests\n\n{status} in {res.seconds:.1f} s; from {source}: "
              f"{counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "

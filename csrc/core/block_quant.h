@@ -10,10 +10,9 @@
 //            and reduce the absmax of the new moments;
 //   phase 2  encode the new moments with the new scale, store codes, scale, weights.
 // The CPU launcher keeps phase 1's values in a 256-float scratch per moment (cpu_apply.h); the
-// grid (CUDA and its CPU emulation, grid_block.h) gives one thread each block and recomputes the
-// functor in phase 2 instead of keeping a scratch: no shared memory, no barrier, so the emulated
-// grid, which runs a block's threads one after another, runs exactly the CUDA code. The functor
-// is deterministic, so both phases (and both launchers) produce the same bits.
+// grid (CUDA and its CPU emulation) gives each block to a warp whose lanes keep their eight
+// elements in registers, the absmax a max over the lanes (NOTE: [8-bit moments on the grid] in
+// grid_block.h). Both run the functor once per element, so both launchers store the same bits.
 //
 // The maps are small floating-point formats relative to the block's absmax, computed with a few
 // integer operations on float bits (no table, no search: they vectorise on the CPU and are exact

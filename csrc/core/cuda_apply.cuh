@@ -16,8 +16,18 @@
 namespace peak {
 namespace cuda {
 
+// NOTE: [Two blocks per SM]
+// A memory-bound step needs bytes in flight: at 512 threads a block, two blocks an SM (64
+// registers a thread at most) is half the threads an SM holds; at 65 registers or more one block
+// fits, a quarter. The fused optimizer steps took 50 to 70 registers unbounded, so the bound
+// asks for two. The 8-bit steps keep a lane's eight elements of every list in registers between
+// their two phases (NOTE: [8-bit moments on the grid]) and take one block an SM rather than
+// spill them.
+template <typename... T>
+constexpr int kMinBlocksPerSM = q8_count<T...> > 0 ? 1 : 2;
+
 template <typename Op, typename... T>
-__global__ void __launch_bounds__(kThreadsPerBlock)
+__global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSM<T...>)
     multi_tensor_kernel(const __grid_constant__ MetadataFor<Op, T...> meta, int64_t chunk_size,
                         Op op, BlockSink sink) {
   using State = typename Op::State;
@@ -28,7 +38,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     // Every writer stores the same 1.0f, so the race is benign (as in ATen and Apex).
     if (state.nonfinite && sink.found_inf != nullptr) *sink.found_inf = 1.0f;
     if (state.nonfinite && sink.per_tensor_flags != nullptr) {
-      sink.per_tensor_flags[meta.tensor_index[meta.block_to_slot[blockIdx.x]]] = 1.0f;
+      sink.per_tensor_flags[meta.tensor_index[block_slot(meta, static_cast<int>(blockIdx.x))]] = 1.0f;
     }
   } else if constexpr (std::is_same_v<State, SumSquaresState>) {
     using Reduce = cub::BlockReduce<float, kThreadsPerBlock>;

@@ -20,22 +20,25 @@
 namespace peak {
 
 constexpr int kMaxDepth = 6;
-constexpr int kMaxBlocksPerLaunch = 320;
 constexpr int kThreadsPerBlock = 512;
+// Blocks per launch: a bound for the host's plan only (the metadata has no per-block table), so
+// that a launch covers all the chunks of its tensors and the GPU runs full waves.
+constexpr int kMaxBlocksPerLaunch = 1 << 20;
 
 // NOTE: [Launch metadata budget]
 // Kernel arguments are limited to 4 KB; the metadata gets 3840 bytes of it (the op's scalars and
-// the sink take the rest). The block tables cost 5 bytes per block; every tensor slot costs its
-// addresses (8 per list), its size (8), its index (4) and its per-tensor scalar pointers (8 each:
-// an optimizer's step count, LAMB's norms). Slots per launch are ATen's table where it fits.
+// the sink take the rest). Every tensor slot costs its addresses (8 per list), its size (8), its
+// index (4), its first block and first chunk (4 + 4) and its per-tensor scalar pointers (8 each:
+// an optimizer's step count, LAMB's norms); there is no per-block table: the blocks of a slot
+// are consecutive, in chunk order (NOTE: [Chunking]), so block b belongs to the last slot whose
+// first block is <= b, and its chunk is the slot's first chunk plus the distance. A per-block
+// table (ATen's layout: 5 bytes a block) capped a launch at 320 blocks, less than two waves of an
+// H100 (132 SMs), so a large tensor's step ran in many launches with a part-empty last wave each.
 constexpr int kMetadataBudget = 3840;
-constexpr int kBlockTableBytes = kMaxBlocksPerLaunch * 5 + 16;
+constexpr int kMetadataFixedBytes = 16;  // num_slots (+ padding) and first_global_chunk
 
 constexpr int max_tensors_per_launch(int depth, int tensor_scalars = 0) {
-  const int table = depth == 1 ? 110 : depth == 2 ? 64 : depth == 3 ? 48 : depth == 4 ? 36
-                  : depth == 5 ? 30 : 24;
-  const int fit = (kMetadataBudget - kBlockTableBytes) / (depth * 8 + 12 + tensor_scalars * 8);
-  return table < fit ? table : fit;
+  return (kMetadataBudget - kMetadataFixedBytes) / (depth * 8 + 20 + tensor_scalars * 8);
 }
 
 template <int Depth, int NScalars = 0>
@@ -43,10 +46,11 @@ struct TensorListMetadata {
   static constexpr int kMaxTensors = max_tensors_per_launch(Depth, NScalars);
   void* addresses[Depth][kMaxTensors];
   int64_t numel[kMaxTensors];
-  int32_t tensor_index[kMaxTensors];  // slot -> index in the caller's lists (per-tensor results)
   const float* tensor_scalars[NScalars > 0 ? NScalars : 1][NScalars > 0 ? kMaxTensors : 1];
-  int32_t block_to_chunk[kMaxBlocksPerLaunch];  // plan_launches checks chunk counts fit
-  uint8_t block_to_slot[kMaxBlocksPerLaunch];
+  int32_t tensor_index[kMaxTensors];  // slot -> index in the caller's lists (per-tensor results)
+  int32_t first_block[kMaxTensors];   // the slot's first block in this launch
+  int32_t first_chunk[kMaxTensors];   // that block's chunk of the tensor
+  int32_t num_slots;
   int64_t first_global_chunk;
 };
 
@@ -58,7 +62,7 @@ static_assert(fits_budget<1, 0>() && fits_budget<2, 0>() && fits_budget<3, 0>() 
                   fits_budget<4, 0>() && fits_budget<5, 0>() && fits_budget<6, 0>(),
               "see NOTE: [Launch metadata budget]");
 static_assert(fits_budget<3, 2>() && fits_budget<4, 1>() && fits_budget<5, 1>() &&
-                  fits_budget<6, 1>() && fits_budget<5, 2>(),
+                  fits_budget<6, 1>() && fits_budget<5, 2>() && fits_budget<6, 3>(),
               "see NOTE: [Launch metadata budget]");
 
 // Addresses and sizes of the caller's tensors, list by list: ptrs[t][d] is tensor t of list d;
@@ -81,11 +85,34 @@ void fill_metadata(const Launch& launch, const HostTensorLists<Depth, NScalars>&
     meta.tensor_index[slot] = static_cast<int32_t>(t);
     for (int k = 0; k < NScalars; ++k) meta.tensor_scalars[k][slot] = lists.scalars[t][k];
   }
+  // The plan emits a slot's blocks consecutively and in chunk order; its first block says all.
+  int last_slot = -1;
   for (size_t b = 0; b < launch.blocks.size(); ++b) {
-    meta.block_to_slot[b] = static_cast<uint8_t>(launch.blocks[b].slot);
-    meta.block_to_chunk[b] = static_cast<int32_t>(launch.blocks[b].chunk);
+    const BlockAssignment& a = launch.blocks[b];
+    if (a.slot != last_slot) {
+      meta.first_block[a.slot] = static_cast<int32_t>(b);
+      meta.first_chunk[a.slot] = static_cast<int32_t>(a.chunk);
+      last_slot = a.slot;
+    }
   }
+  meta.num_slots = static_cast<int32_t>(launch.slot_tensor.size());
   meta.first_global_chunk = launch.first_global_chunk;
+}
+
+// The slot block `block` of a launch works on (NOTE: [Launch metadata budget]): a binary search
+// over the slots' first blocks (the same answer in every thread of the block).
+template <int Depth, int NScalars>
+PEAK_HD int block_slot(const TensorListMetadata<Depth, NScalars>& meta, int block) {
+  int lo = 0, hi = meta.num_slots - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (meta.first_block[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
 }
 
 // Typed element access for list D of a pack of storage types.
@@ -197,42 +224,105 @@ PEAK_HD void q8_units(const float* absmax, float* units, float* inv_units,
       ...);
 }
 
-// A step with quantized lists, in the grid: thread `thread` owns quantization blocks thread,
-// thread + nthreads, ... of the chunk (chunks are multiples of kQBlock: checked by the host) and
-// runs both phases of NOTE: [8-bit moments] on each, the second recomputing the first. The
-// scales are the last q8_count<T...> per-tensor scalars (pointers to each tensor's fp32 scales).
+// NOTE: [8-bit moments on the grid]
+// A warp owns a quantization block (kQBlock = 256 elements): lane l holds elements l, l + 32,
+// ..., l + 224, so every access of the warp is 32 consecutive elements (coalesced). Phase 1 of
+// NOTE: [8-bit moments] runs the functor once per element and keeps the new values in the lane's
+// registers; the block's absmax is a max over the lanes (of the bits: exact in any order); phase
+// 2 encodes and stores the kept values. The warps of a CUDA block take the chunk's quantization
+// blocks in turn (chunks are multiples of kQBlock: checked by the host). The same code runs on
+// the CUDA grid, where a thread is one lane and the max is a warp shuffle, and on its CPU
+// emulation, which runs a warp's 32 lanes one after another with the max between the phases:
+// `kLanes` is the number of lanes one call holds (1 on CUDA, a whole warp emulated). The functor
+// runs once per element as on the CPU launcher, so the bits are the CPU's.
+constexpr int kWarpSize = 32;
+constexpr int kQPerLane = kQBlock / kWarpSize;
+static_assert(kQBlock % kWarpSize == 0 && kThreadsPerBlock % kWarpSize == 0,
+              "see NOTE: [8-bit moments on the grid]");
+
+// The max of a lane's value over its warp (CUDA only: kLanes == 1 is instantiated for the host
+// pass of nvcc as well, but only the device runs it).
+PEAK_HD uint32_t warp_max_bits(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, bits, offset);
+    bits = other > bits ? other : bits;
+  }
+#endif
+  return bits;
+}
+
+// Phase 1 for one lane: decode its elements of the block, run the functor, fold the absmax.
 template <typename Op, typename... T>
-PEAK_HD void grid_q8_thread(float* const* scales, void* const* base, int64_t start, int64_t n,
-                            int thread, int nthreads, const Op& op, typename Op::State& state) {
+PEAK_HD void q8_lane_compute(const Op& op, void* const* base, int64_t qstart, int64_t qlen,
+                             int lane, const float* units, float (*v)[sizeof...(T)],
+                             typename Op::State& state, float* absmax) {
+  const auto lists = std::make_index_sequence<sizeof...(T)>{};
+  for (int k = 0; k < kQPerLane; ++k) {
+    const int64_t j = lane + int64_t{kWarpSize} * k;
+    if (j < qlen) {
+      load_element_q8<Op, T...>(base, qstart + j, v[k], units, lists);
+      apply_op(op, v[k], state, qstart + j);
+      fold_absmax<T...>(v[k], absmax, lists);
+    }
+  }
+}
+
+// Phase 2 for one lane: encode with the block's new scale and store.
+template <typename Op, typename... T>
+PEAK_HD void q8_lane_store(const Op& op, void* const* base, int64_t qstart, int64_t qlen,
+                           int lane, const float (*v)[sizeof...(T)], const float* inv_units) {
+  const auto lists = std::make_index_sequence<sizeof...(T)>{};
+  for (int k = 0; k < kQPerLane; ++k) {
+    const int64_t j = lane + int64_t{kWarpSize} * k;
+    if (j < qlen) {
+      store_element_q8<Op, T...>(op, base, qstart + j, v[k], inv_units, lists);
+      if constexpr (Op::stores_grad) {
+        if (op.store_grad) store_unscaled_grad<Op, T...>(op, base[0], qstart + j, v[k][0]);
+      }
+    }
+  }
+}
+
+// Warp `warp` of `nwarps` over its quantization blocks of a chunk slice, holding lanes
+// first_lane .. first_lane + kLanes - 1 (states: one per lane held). The scales are each
+// quantized list's per-tensor fp32 scales.
+template <int kLanes, typename Op, typename... T>
+PEAK_HD void grid_q8_warp(float* const* scales, void* const* base, int64_t start, int64_t n,
+                          int warp, int nwarps, int first_lane, const Op& op,
+                          typename Op::State* states) {
   constexpr int Depth = sizeof...(T);
   constexpr int NQ = q8_count<T...>;
   const auto lists = std::make_index_sequence<Depth>{};
-  for (int64_t b = thread * int64_t{kQBlock}; b < n; b += int64_t{nthreads} * kQBlock) {
+  float v[kLanes][kQPerLane][Depth];
+  for (int64_t b = warp * int64_t{kQBlock}; b < n; b += int64_t{nwarps} * kQBlock) {
     const int64_t block = (start + b) / kQBlock;
-    const int64_t end = b + kQBlock < n ? b + kQBlock : n;
+    const int64_t qlen = b + kQBlock < n ? kQBlock : n - b;
     float units[NQ], inv_units[NQ], absmax[NQ];
     for (int q = 0; q < NQ; ++q) absmax[q] = scales[q][block];  // the old scales
     q8_units<T...>(absmax, units, inv_units, lists);
-    for (int q = 0; q < NQ; ++q) absmax[q] = 0.0f;
-    for (int64_t i = b; i < end; ++i) {  // phase 1: the new moments' absmax
-      float v[Depth];
-      load_element_q8<Op, T...>(base, start + i, v, units, lists);
-      typename Op::State scratch_state{};
-      apply_op(op, v, scratch_state, start + i);
-      fold_absmax<T...>(v, absmax, lists);
+    uint32_t max_bits[NQ] = {};
+    for (int l = 0; l < kLanes; ++l) {
+      float lane_absmax[NQ] = {};
+      q8_lane_compute<Op, T...>(op, base, start + b, qlen, first_lane + l, units, v[l],
+                                states[l], lane_absmax);
+      for (int q = 0; q < NQ; ++q) {
+        const uint32_t bits = float_bits(lane_absmax[q]);
+        max_bits[q] = bits > max_bits[q] ? bits : max_bits[q];
+      }
+    }
+    for (int q = 0; q < NQ; ++q) {
+      if constexpr (kLanes < kWarpSize) max_bits[q] = warp_max_bits(max_bits[q]);
+      absmax[q] = bits_float(max_bits[q]);
     }
     float new_units[NQ], inv_new[NQ];
     q8_units<T...>(absmax, new_units, inv_new, lists);
-    for (int64_t i = b; i < end; ++i) {  // phase 2: the same values, encoded and stored
-      float v[Depth];
-      load_element_q8<Op, T...>(base, start + i, v, units, lists);
-      apply_op(op, v, state, start + i);
-      store_element_q8<Op, T...>(op, base, start + i, v, inv_new, lists);
-      if constexpr (Op::stores_grad) {
-        if (op.store_grad) store_unscaled_grad<Op, T...>(op, base[0], start + i, v[0]);
-      }
+    for (int l = 0; l < kLanes; ++l) {
+      q8_lane_store<Op, T...>(op, base, start + b, qlen, first_lane + l, v[l], inv_new);
     }
-    for (int q = 0; q < NQ; ++q) scales[q][block] = absmax[q];
+    if (first_lane == 0) {
+      for (int q = 0; q < NQ; ++q) scales[q][block] = absmax[q];
+    }
   }
 }
 
@@ -323,10 +413,9 @@ PEAK_HD void store_unscaled_grad_vector(const Op& op, void* base, int64_t i,
 
 // The slice of its chunk a block works on: the lists' addresses, the first element, the count.
 template <typename Op, typename... T>
-PEAK_HD int64_t block_slice(const MetadataFor<Op, T...>& meta, int block, int64_t chunk_size,
-                            void** base, int64_t& start) {
-  const int slot = meta.block_to_slot[block];
-  start = meta.block_to_chunk[block] * chunk_size;
+PEAK_HD int64_t block_slice(const MetadataFor<Op, T...>& meta, int block, int slot,
+                            int64_t chunk_size, void** base, int64_t& start) {
+  start = (meta.first_chunk[slot] + int64_t{block - meta.first_block[slot]}) * chunk_size;
   int64_t n = meta.numel[slot] - start;
   if (n > chunk_size) n = chunk_size;
   for (int d = 0; d < static_cast<int>(sizeof...(T)); ++d) base[d] = meta.addresses[d][slot];
@@ -341,41 +430,67 @@ PEAK_HD bool block_vectorises(const MetadataFor<Op, T...>& meta, int block, int6
   } else {
     void* base[sizeof...(T)];
     int64_t start = 0;
-    const int64_t n = block_slice<Op, T...>(meta, block, chunk_size, base, start);
+    const int64_t n =
+        block_slice<Op, T...>(meta, block, block_slot(meta, block), chunk_size, base, start);
     return n >= kVectorWidth &&
            lists_vector_aligned<T...>(base, start, std::make_index_sequence<sizeof...(T)>{});
   }
 }
 
-// One thread's share of one block: groups of kVectorWidth elements (or single elements) thread,
-// thread + nthreads, ... of the block's chunk. `op` has loaded its per-step scalars; here it gets
-// the tensor's own scalars, and a skipped step (the device-side overflow flag is set) returns
-// before any memory is touched.
+// The op a block runs: the step's op with its tensor's own scalars loaded.
 template <typename Op, typename... T>
-PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int thread,
-                               int nthreads, int64_t chunk_size, const Op& step_op,
-                               typename Op::State& state) {
-  constexpr int Depth = sizeof...(T);
-  constexpr auto lists = std::make_index_sequence<Depth>{};
-  const int slot = meta.block_to_slot[block];
+PEAK_HD Op block_op(const MetadataFor<Op, T...>& meta, int slot, const Op& step_op) {
   Op op = step_op;
   if constexpr (Op::tensor_scalars > 0) {
     const float* scalars[Op::tensor_scalars > 0 ? Op::tensor_scalars : 1];
     for (int k = 0; k < Op::tensor_scalars; ++k) scalars[k] = meta.tensor_scalars[k][slot];
     op.load_tensor_scalars(scalars);
   }
+  return op;
+}
+
+// A block's share of a step with quantized lists (NOTE: [8-bit moments on the grid]) for warp
+// `warp` of `nwarps`, holding kLanes lanes from first_lane (states: one per lane held). A skipped
+// step (the device-side overflow flag is set) returns before any memory is touched.
+template <int kLanes, typename Op, typename... T>
+PEAK_HD void grid_block_q8(const MetadataFor<Op, T...>& meta, int block, int warp, int nwarps,
+                           int first_lane, int64_t chunk_size, const Op& step_op,
+                           typename Op::State* states) {
+  constexpr int NQ = q8_count<T...>;
+  const int slot = block_slot(meta, block);
+  const Op op = block_op<Op, T...>(meta, slot, step_op);
   if (op.skip()) return;
-  void* base[Depth];
+  void* base[sizeof...(T)];
   int64_t start = 0;
-  const int64_t n = block_slice<Op, T...>(meta, block, chunk_size, base, start);
-  if constexpr (q8_count<T...> > 0) {  // NOTE: [8-bit moments]: whole quantization blocks
-    constexpr int NQ = q8_count<T...>;
-    float* scales[NQ];
-    for (int q = 0; q < NQ; ++q) {
-      scales[q] = const_cast<float*>(meta.tensor_scalars[Op::tensor_scalars - NQ + q][slot]);
-    }
-    grid_q8_thread<Op, T...>(scales, base, start, n, thread, nthreads, op, state);
+  const int64_t n = block_slice<Op, T...>(meta, block, slot, chunk_size, base, start);
+  float* scales[NQ];
+  for (int q = 0; q < NQ; ++q) {
+    scales[q] = const_cast<float*>(meta.tensor_scalars[Op::tensor_scalars - NQ + q][slot]);
+  }
+  grid_q8_warp<kLanes, Op, T...>(scales, base, start, n, warp, nwarps, first_lane, op, states);
+}
+
+// One thread's share of one block: groups of kVectorWidth elements (or single elements) thread,
+// thread + nthreads, ... of the block's chunk. `op` has loaded its per-step scalars; here it gets
+// the tensor's own scalars, and a skipped step (the device-side overflow flag is set) returns
+// before any memory is touched. A step with quantized lists runs by warps instead: on CUDA the
+// thread is one lane of grid_block_q8; the emulated grid calls grid_block_q8 per warp.
+template <typename Op, typename... T>
+PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int thread,
+                               int nthreads, int64_t chunk_size, const Op& step_op,
+                               typename Op::State& state) {
+  constexpr int Depth = sizeof...(T);
+  constexpr auto lists = std::make_index_sequence<Depth>{};
+  if constexpr (q8_count<T...> > 0) {
+    grid_block_q8<1, Op, T...>(meta, block, thread / kWarpSize, nthreads / kWarpSize,
+                               thread % kWarpSize, chunk_size, step_op, &state);
   } else {
+    const int slot = block_slot(meta, block);
+    const Op op = block_op<Op, T...>(meta, slot, step_op);
+    if (op.skip()) return;
+    void* base[Depth];
+    int64_t start = 0;
+    const int64_t n = block_slice<Op, T...>(meta, block, slot, chunk_size, base, start);
     int64_t first_single = 0;  // where the per-element loop starts
     if (n >= kVectorWidth && lists_vector_aligned<T...>(base, start, lists)) {
       const int64_t groups = n / kVectorWidth;

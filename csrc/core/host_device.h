@@ -108,19 +108,48 @@ PEAK_HD_ALWAYS_INLINE uint16_t float_to_bf16(float x) {
   return bf16_or_nan(bits, (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16);
 }
 
-// The grid's loads and stores of fp16/bf16 (grid_block.h) go through the conversions above, so
-// the CUDA kernels store the bits the CPU launcher stores, NaNs included.
-PEAK_HD float to_opmath(c10::Half x) { return half_to_float(x.x); }
+// NOTE: [Device conversions]
+// The grid's loads and stores of fp16/bf16 (grid_block.h) give the bits of the conversions
+// above, NaNs included, so the CUDA kernels store what the CPU launcher stores. On the device
+// they are the hardware conversion (one cvt: round to nearest even, subnormals kept, as above)
+// with the NaN case selected from the rule above: the integer emulation cost about 15
+// instructions per element each way, a third of a memory-bound kernel's issue slots on an H100.
+// (The emulated grid runs the host branch: the same bits by the rule.)
+PEAK_HD float to_opmath(c10::Half x) {
+#ifdef __CUDA_ARCH__
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.x));
+  const uint32_t h = x.x;
+  const uint32_t nan = ((h & 0x8000u) << 16) | 0x7fc00000u | ((h & 0x3ffu) << 13);
+  return (h & 0x7fffu) > 0x7c00u ? bits_float(nan) : f;
+#else
+  return half_to_float(x.x);
+#endif
+}
 PEAK_HD float to_opmath(c10::BFloat16 x) { return bits_float(static_cast<uint32_t>(x.x) << 16); }
 
 template <>
 PEAK_HD c10::Half from_opmath<c10::Half>(float x) {
+#ifdef __CUDA_ARCH__
+  uint16_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  const uint32_t w = float_bits(x);
+  const uint16_t nan = static_cast<uint16_t>(((w >> 16) & 0x8000u) | 0x7e00u | ((w >> 13) & 0x3ffu));
+  return c10::Half((w & 0x7fffffffu) > 0x7f800000u ? nan : h, c10::Half::from_bits());
+#else
   return c10::Half(float_to_half(x), c10::Half::from_bits());
+#endif
 }
 
 template <>
 PEAK_HD c10::BFloat16 from_opmath<c10::BFloat16>(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint16_t b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(x));
+  return c10::BFloat16(bf16_or_nan(float_bits(x), b), c10::BFloat16::from_bits());
+#else
   return c10::BFloat16(float_to_bf16(x), c10::BFloat16::from_bits());
+#endif
 }
 
 // NOTE: [Remainder masters]

@@ -80,11 +80,20 @@ void multi_tensor_scale(Exec& exec, at::TensorList inputs, at::TensorList output
     check_flag_vector(name, "per_tensor_found_inf", *per_tensor_found_inf, inputs.size(), device);
   }
   if (inputs.empty()) return;
+  const BlockSink sink{found_inf.data_ptr<float>(), nullptr,
+                       per_tensor_found_inf ? per_tensor_found_inf->data_ptr<float>() : nullptr};
+  if (in_place) {
+    ScaleInPlaceOp op;
+    op.scale.ptr = scale.data_ptr<float>();
+    const auto lists = host_lists<1>({inputs});
+    with_storage_type(inputs[0].scalar_type(), [&](auto t) {
+      exec.template apply<ScaleInPlaceOp, decltype(t)>(lists, chunk_size, op, sink);
+    });
+    return;
+  }
   ScaleOp op;
   op.scale.ptr = scale.data_ptr<float>();
   const auto lists = host_lists<2>({inputs, outputs});
-  const BlockSink sink{found_inf.data_ptr<float>(), nullptr,
-                       per_tensor_found_inf ? per_tensor_found_inf->data_ptr<float>() : nullptr};
   with_storage_type(inputs[0].scalar_type(), [&](auto in_t) {
     with_storage_type(outputs[0].scalar_type(), [&](auto out_t) {
       exec.template apply<ScaleOp, decltype(in_t), decltype(out_t)>(lists, chunk_size, op, sink);

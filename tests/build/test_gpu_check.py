@@ -332,3 +332,39 @@ def test_stopped_from_outside_it_says_so_and_stops_its_step(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the step's process {step} outlived gpu_check")
+
+
+def test_a_crashing_test_is_reported_and_the_run_resumes_after_it(monkeypatch, tmp_path):
+    """A segfault in one test ends pytest: gpu_check reruns without the tests already done and
+    without the crashed one, and reports the crash as that test's failure."""
+    _stub_steps(monkeypatch, tmp_path, {"rc": 0, "log": ""})
+    calls = []
+    crash_log = ("tests/a.py::test_one[cuda] PASSED [ 10%]\n"
+                 "tests/a.py::test_two[cuda] FAILED [ 20%]\n"
+                 "tests/a.py::test_crash Fatal Python error: Segmentation fault\n\n"
+                 "Current thread 0x1 (most recent call first):\n  File \"x.py\", line 1\n")
+    rest_log = "tests/b.py::test_three[cuda] PASSED [ 50%]\n"
+    junit = ('<testsuites><testsuite name="pytest" errors="0" failures="0" skipped="0" '
+             'tests="1"><testcase classname="tests.b" name="test_three[cuda]" time="0.1"/>'
+             '</testsuite></testsuites>')
+
+    def fake_run_logged(cmd, log, timeout, env=None, cwd=gc.REPO):
+        calls.append(cmd)
+        with open(log, "a") as f:
+            f.write(crash_log if len(calls) == 1 else rest_log)
+        if len(calls) == 1:
+            return gc.Result(-11, 1.0, False)
+        Path([c for c in cmd if c.startswith("--junitxml=")][0].split("=", 1)[1]).write_text(junit)
+        return gc.Result(0, 1.0, False)
+
+    monkeypatch.setattr(gc, "run_logged", fake_run_logged)
+    out = tmp_path / "out"
+    assert gc.main(["--out", str(out), "--dry-run"]) == 1
+    assert len(calls) == 2 and calls[1][-1] == "tests"
+    assert {"--deselect=tests/a.py::test_crash", "--deselect=tests/a.py::test_one[cuda]",
+            "--deselect=tests/a.py::test_two[cuda]"} <= set(calls[1])
+    report = (out / "report.md").read_text()
+    assert "FAILED (a test crashed the interpreter)" in report
+    assert "2 passed, 2 failed, 0 errors, 0 skipped" in report
+    assert "| `tests/a.py::test_crash` | failed | crashed the interpreter: Segmentation fault" \
+        in report

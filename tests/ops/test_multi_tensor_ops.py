@@ -252,12 +252,12 @@ def test_l2norm(backend, case, dtype):
     total, per = backend.l2norm(xs, True, CHUNK)
     assert total.dtype == torch.float32 and total.shape == (1,)
     assert per.shape == (len(xs),)
-    reference = [torch.linalg.vector_norm(x.double()) if x.numel() else torch.zeros((), dtype=torch.float64)
-                 for x in xs]
+    reference = [torch.linalg.vector_norm(x.double()).cpu() if x.numel()
+                 else torch.zeros((), dtype=torch.float64) for x in xs]
     expected_total = torch.sqrt(sum(r * r for r in reference))
     # fp32 accumulation over up to ~10^3 terms.
-    torch.testing.assert_close(total.double()[0], expected_total, rtol=1e-5, atol=0)
-    torch.testing.assert_close(per.double(), torch.stack(reference), rtol=1e-5, atol=0)
+    torch.testing.assert_close(total.double().cpu()[0], expected_total, rtol=1e-5, atol=0)
+    torch.testing.assert_close(per.double().cpu(), torch.stack(reference), rtol=1e-5, atol=0)
     total_only, empty = backend.l2norm(xs, False, CHUNK)
     assert empty.numel() == 0
     assert torch.equal(total_only, total)

@@ -232,8 +232,8 @@ def test_adam_8bit_step_against_a_float64_reference(ns, master):
     for seed in (None, 77) if not (f == "sgd" and seed is not None)])
 @pytest.mark.parametrize("grid", [(3, 4, 5), (0, 0, 0)], ids=["tiny_grid", "cuda_grid"])
 def test_emulated_cuda_grid_equals_cpu_bitwise(family, master, seed, grid):
-    """The emulated CUDA grid (one thread per block of 256, the functor computed twice) gives the
-    CPU launcher's bits (a scratch per block, the functor computed once): weights, masters or
+    """The emulated CUDA grid (a warp per block of 256, its lanes' values kept between the
+    phases) gives the CPU launcher's bits (a scratch per block): weights, masters or
     remainders, codes, scales, step counts; over 52 tensors (more than one launch's slots), sizes
     that are not multiples of 256 and straddle chunks, a skipped step. (LAMB's norms sum in
     another order: weights within bf16 ulps, moments before the norms bit for bit.)"""
