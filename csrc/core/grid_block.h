@@ -224,108 +224,6 @@ PEAK_HD void q8_units(const float* absmax, float* units, float* inv_units,
       ...);
 }
 
-// NOTE: [8-bit moments on the grid]
-// A warp owns a quantization block (kQBlock = 256 elements): lane l holds elements l, l + 32,
-// ..., l + 224, so every access of the warp is 32 consecutive elements (coalesced). Phase 1 of
-// NOTE: [8-bit moments] runs the functor once per element and keeps the new values in the lane's
-// registers; the block's absmax is a max over the lanes (of the bits: exact in any order); phase
-// 2 encodes and stores the kept values. The warps of a CUDA block take the chunk's quantization
-// blocks in turn (chunks are multiples of kQBlock: checked by the host). The same code runs on
-// the CUDA grid, where a thread is one lane and the max is a warp shuffle, and on its CPU
-// emulation, which runs a warp's 32 lanes one after another with the max between the phases:
-// `kLanes` is the number of lanes one call holds (1 on CUDA, a whole warp emulated). The functor
-// runs once per element as on the CPU launcher, so the bits are the CPU's.
-constexpr int kWarpSize = 32;
-constexpr int kQPerLane = kQBlock / kWarpSize;
-static_assert(kQBlock % kWarpSize == 0 && kThreadsPerBlock % kWarpSize == 0,
-              "see NOTE: [8-bit moments on the grid]");
-
-// The max of a lane's value over its warp (CUDA only: kLanes == 1 is instantiated for the host
-// pass of nvcc as well, but only the device runs it).
-PEAK_HD uint32_t warp_max_bits(uint32_t bits) {
-#ifdef __CUDA_ARCH__
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    const uint32_t other = __shfl_xor_sync(0xffffffffu, bits, offset);
-    bits = other > bits ? other : bits;
-  }
-#endif
-  return bits;
-}
-
-// Phase 1 for one lane: decode its elements of the block, run the functor, fold the absmax.
-template <typename Op, typename... T>
-PEAK_HD void q8_lane_compute(const Op& op, void* const* base, int64_t qstart, int64_t qlen,
-                             int lane, const float* units, float (*v)[sizeof...(T)],
-                             typename Op::State& state, float* absmax) {
-  const auto lists = std::make_index_sequence<sizeof...(T)>{};
-  for (int k = 0; k < kQPerLane; ++k) {
-    const int64_t j = lane + int64_t{kWarpSize} * k;
-    if (j < qlen) {
-      load_element_q8<Op, T...>(base, qstart + j, v[k], units, lists);
-      apply_op(op, v[k], state, qstart + j);
-      fold_absmax<T...>(v[k], absmax, lists);
-    }
-  }
-}
-
-// Phase 2 for one lane: encode with the block's new scale and store.
-template <typename Op, typename... T>
-PEAK_HD void q8_lane_store(const Op& op, void* const* base, int64_t qstart, int64_t qlen,
-                           int lane, const float (*v)[sizeof...(T)], const float* inv_units) {
-  const auto lists = std::make_index_sequence<sizeof...(T)>{};
-  for (int k = 0; k < kQPerLane; ++k) {
-    const int64_t j = lane + int64_t{kWarpSize} * k;
-    if (j < qlen) {
-      store_element_q8<Op, T...>(op, base, qstart + j, v[k], inv_units, lists);
-      if constexpr (Op::stores_grad) {
-        if (op.store_grad) store_unscaled_grad<Op, T...>(op, base[0], qstart + j, v[k][0]);
-      }
-    }
-  }
-}
-
-// Warp `warp` of `nwarps` over its quantization blocks of a chunk slice, holding lanes
-// first_lane .. first_lane + kLanes - 1 (states: one per lane held). The scales are each
-// quantized list's per-tensor fp32 scales.
-template <int kLanes, typename Op, typename... T>
-PEAK_HD void grid_q8_warp(float* const* scales, void* const* base, int64_t start, int64_t n,
-                          int warp, int nwarps, int first_lane, const Op& op,
-                          typename Op::State* states) {
-  constexpr int Depth = sizeof...(T);
-  constexpr int NQ = q8_count<T...>;
-  const auto lists = std::make_index_sequence<Depth>{};
-  float v[kLanes][kQPerLane][Depth];
-  for (int64_t b = warp * int64_t{kQBlock}; b < n; b += int64_t{nwarps} * kQBlock) {
-    const int64_t block = (start + b) / kQBlock;
-    const int64_t qlen = b + kQBlock < n ? kQBlock : n - b;
-    float units[NQ], inv_units[NQ], absmax[NQ];
-    for (int q = 0; q < NQ; ++q) absmax[q] = scales[q][block];  // the old scales
-    q8_units<T...>(absmax, units, inv_units, lists);
-    uint32_t max_bits[NQ] = {};
-    for (int l = 0; l < kLanes; ++l) {
-      float lane_absmax[NQ] = {};
-      q8_lane_compute<Op, T...>(op, base, start + b, qlen, first_lane + l, units, v[l],
-                                states[l], lane_absmax);
-      for (int q = 0; q < NQ; ++q) {
-        const uint32_t bits = float_bits(lane_absmax[q]);
-        max_bits[q] = bits > max_bits[q] ? bits : max_bits[q];
-      }
-    }
-    for (int q = 0; q < NQ; ++q) {
-      if constexpr (kLanes < kWarpSize) max_bits[q] = warp_max_bits(max_bits[q]);
-      absmax[q] = bits_float(max_bits[q]);
-    }
-    float new_units[NQ], inv_new[NQ];
-    q8_units<T...>(absmax, new_units, inv_new, lists);
-    for (int l = 0; l < kLanes; ++l) {
-      q8_lane_store<Op, T...>(op, base, start + b, qlen, first_lane + l, v[l], inv_new);
-    }
-    if (first_lane == 0) {
-      for (int q = 0; q < NQ; ++q) scales[q][block] = absmax[q];
-    }
-  }
-}
-
 // NOTE: [Aligned vector access]
 // A thread moves kVectorWidth consecutive elements of every list with one aligned access per list
 // (16 bytes of fp32, 8 of fp16/bf16) when every list's slice of the block starts on such a
@@ -409,6 +307,188 @@ PEAK_HD void store_unscaled_grad_vector(const Op& op, void* base, int64_t i,
   VectorOf<G> x;
   for (int k = 0; k < kVectorWidth; ++k) x.e[k] = from_opmath<G>(op.unscaled_grad(v[k][0]));
   store_vector(static_cast<G*>(base) + i, x);
+}
+
+// NOTE: [8-bit moments on the grid]
+// A warp owns a quantization block (kQBlock = 256 elements): lane l holds its elements 8l to
+// 8l + 7, moved with one aligned access per list where they allow it (a view at an odd offset
+// or a block's short tail takes the per-element path), so a warp reads and writes the block's
+// 256 consecutive elements of every list in full-width transactions. Phase 1 of
+// NOTE: [8-bit moments] runs the functor once per element and keeps the new values in the lane's
+// registers; the block's absmax is a max over the lanes (of the bits: exact in any order); phase
+// 2 encodes and stores the kept values. The warps of a CUDA block take the chunk's quantization
+// blocks in turn (chunks are multiples of kQBlock: checked by the host). The same code runs on
+// the CUDA grid, where a thread is one lane and the max is a warp shuffle, and on its CPU
+// emulation, which runs a warp's 32 lanes one after another with the max between the phases:
+// `kLanes` is the number of lanes one call holds (1 on CUDA, a whole warp emulated). The functor
+// runs once per element as on the CPU launcher, so the bits are the CPU's.
+constexpr int kWarpSize = 32;
+constexpr int kQPerLane = kQBlock / kWarpSize;
+static_assert(kQBlock % kWarpSize == 0 && kThreadsPerBlock % kWarpSize == 0,
+              "see NOTE: [8-bit moments on the grid]");
+
+// The max of a lane's value over its warp (CUDA only: kLanes == 1 is instantiated for the host
+// pass of nvcc as well, but only the device runs it).
+PEAK_HD uint32_t warp_max_bits(uint32_t bits) {
+#ifdef __CUDA_ARCH__
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, bits, offset);
+    bits = other > bits ? other : bits;
+  }
+#endif
+  return bits;
+}
+
+// A lane's eight consecutive elements of one list, moved with one aligned access (two for
+// fp32: 32 bytes) when every list's slice starts on such a boundary (as NOTE: [Aligned vector
+// access]); 8-bit codes move as bytes.
+template <typename L>
+using StoredAs = std::conditional_t<is_q8<L>, uint8_t, L>;
+template <typename S>
+struct alignas(sizeof(S) * kQPerLane > 16 ? 16 : sizeof(S) * kQPerLane) LaneVector {
+  S e[kQPerLane];
+};
+
+template <typename... T, size_t... D>
+PEAK_HD bool lane_vectors_aligned(void* const* base, int64_t i, std::index_sequence<D...>) {
+  return ((reinterpret_cast<uintptr_t>(
+               static_cast<const StoredAs<typename ListType<D, T...>::type>*>(base[D]) + i) %
+               alignof(LaneVector<StoredAs<typename ListType<D, T...>::type>>) ==
+           0) &&
+          ...);
+}
+
+template <typename Op, typename... T, size_t... D>
+PEAK_HD void load_lane_vectors_q8(void* const* base, int64_t i, float (*v)[sizeof...(T)],
+                                  const float* units, std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        using S = StoredAs<L>;
+        if constexpr (!((Op::read_mask >> D) & 1u)) {
+          for (int k = 0; k < kQPerLane; ++k) v[k][D] = 0.0f;
+        } else {
+          const LaneVector<S> x = load_vector<LaneVector<S>>(static_cast<const S*>(base[D]) + i);
+          for (int k = 0; k < kQPerLane; ++k) {
+            if constexpr (is_q8<L>) {
+              v[k][D] = L::decode(x.e[k], units[q8_index<D, T...>()]);
+            } else {
+              v[k][D] = to_opmath(x.e[k]);
+            }
+          }
+        }
+      }(),
+      ...);
+}
+
+template <typename Op, typename... T, size_t... D>
+PEAK_HD void store_lane_vectors_q8(const Op& op, void* const* base, int64_t i,
+                                   const float (*v)[sizeof...(T)], const float* inv_units,
+                                   std::index_sequence<D...>) {
+  (
+      [&] {
+        using L = typename ListType<D, T...>::type;
+        using S = StoredAs<L>;
+        if constexpr (((Op::write_mask >> D) & 1u) != 0) {
+          LaneVector<S> x;
+          for (int k = 0; k < kQPerLane; ++k) {
+            if constexpr (is_q8<L>) {
+              x.e[k] = static_cast<uint8_t>(L::encode(v[k][D], inv_units[q8_index<D, T...>()],
+                                                      q8_round_add<Op, L>(op, i + k)));
+            } else {
+              x.e[k] = from_opmath<L>(v[k][D]);
+            }
+          }
+          store_vector(static_cast<S*>(base[D]) + i, x);
+        }
+      }(),
+      ...);
+}
+
+// Phase 1 for one lane: decode its elements of the block (kQPerLane consecutive ones), run the
+// functor, fold the absmax.
+template <typename Op, typename... T>
+PEAK_HD void q8_lane_compute(const Op& op, void* const* base, int64_t qstart, int64_t qlen,
+                             int lane, const float* units, float (*v)[sizeof...(T)],
+                             typename Op::State& state, float* absmax) {
+  const auto lists = std::make_index_sequence<sizeof...(T)>{};
+  const int64_t first = int64_t{lane} * kQPerLane;
+  if (first + kQPerLane <= qlen && lane_vectors_aligned<T...>(base, qstart + first, lists)) {
+    load_lane_vectors_q8<Op, T...>(base, qstart + first, v, units, lists);
+    for (int k = 0; k < kQPerLane; ++k) {
+      apply_op(op, v[k], state, qstart + first + k);
+      fold_absmax<T...>(v[k], absmax, lists);
+    }
+    return;
+  }
+  for (int k = 0; k < kQPerLane; ++k) {
+    if (first + k < qlen) {
+      load_element_q8<Op, T...>(base, qstart + first + k, v[k], units, lists);
+      apply_op(op, v[k], state, qstart + first + k);
+      fold_absmax<T...>(v[k], absmax, lists);
+    }
+  }
+}
+
+// Phase 2 for one lane: encode with the block's new scale and store.
+template <typename Op, typename... T>
+PEAK_HD void q8_lane_store(const Op& op, void* const* base, int64_t qstart, int64_t qlen,
+                           int lane, const float (*v)[sizeof...(T)], const float* inv_units) {
+  const auto lists = std::make_index_sequence<sizeof...(T)>{};
+  const int64_t first = int64_t{lane} * kQPerLane;
+  const bool vectors =
+      first + kQPerLane <= qlen && lane_vectors_aligned<T...>(base, qstart + first, lists);
+  if (vectors) store_lane_vectors_q8<Op, T...>(op, base, qstart + first, v, inv_units, lists);
+  for (int k = 0; k < kQPerLane; ++k) {
+    if (first + k < qlen) {
+      if (!vectors) store_element_q8<Op, T...>(op, base, qstart + first + k, v[k], inv_units, lists);
+      if constexpr (Op::stores_grad) {
+        if (op.store_grad) store_unscaled_grad<Op, T...>(op, base[0], qstart + first + k, v[k][0]);
+      }
+    }
+  }
+}
+
+// Warp `warp` of `nwarps` over its quantization blocks of a chunk slice, holding lanes
+// first_lane .. first_lane + kLanes - 1 (states: one per lane held). The scales are each
+// quantized list's per-tensor fp32 scales.
+template <int kLanes, typename Op, typename... T>
+PEAK_HD void grid_q8_warp(float* const* scales, void* const* base, int64_t start, int64_t n,
+                          int warp, int nwarps, int first_lane, const Op& op,
+                          typename Op::State* states) {
+  constexpr int Depth = sizeof...(T);
+  constexpr int NQ = q8_count<T...>;
+  const auto lists = std::make_index_sequence<Depth>{};
+  float v[kLanes][kQPerLane][Depth];
+  for (int64_t b = warp * int64_t{kQBlock}; b < n; b += int64_t{nwarps} * kQBlock) {
+    const int64_t block = (start + b) / kQBlock;
+    const int64_t qlen = b + kQBlock < n ? kQBlock : n - b;
+    float units[NQ], inv_units[NQ], absmax[NQ];
+    for (int q = 0; q < NQ; ++q) absmax[q] = scales[q][block];  // the old scales
+    q8_units<T...>(absmax, units, inv_units, lists);
+    uint32_t max_bits[NQ] = {};
+    for (int l = 0; l < kLanes; ++l) {
+      float lane_absmax[NQ] = {};
+      q8_lane_compute<Op, T...>(op, base, start + b, qlen, first_lane + l, units, v[l],
+                                states[l], lane_absmax);
+      for (int q = 0; q < NQ; ++q) {
+        const uint32_t bits = float_bits(lane_absmax[q]);
+        max_bits[q] = bits > max_bits[q] ? bits : max_bits[q];
+      }
+    }
+    for (int q = 0; q < NQ; ++q) {
+      if constexpr (kLanes < kWarpSize) max_bits[q] = warp_max_bits(max_bits[q]);
+      absmax[q] = bits_float(max_bits[q]);
+    }
+    float new_units[NQ], inv_new[NQ];
+    q8_units<T...>(absmax, new_units, inv_new, lists);
+    for (int l = 0; l < kLanes; ++l) {
+      q8_lane_store<Op, T...>(op, base, start + b, qlen, first_lane + l, v[l], inv_new);
+    }
+    if (first_lane == 0) {
+      for (int q = 0; q < NQ; ++q) scales[q][block] = absmax[q];
+    }
+  }
 }
 
 // The slice of its chunk a block works on: the lists' addresses, the first element, the count.

@@ -94,13 +94,45 @@ def assert_close_state(a, b):
     torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=1e-6)
 
 
+def assert_close_quantized_norm_state(got, ref, lr, steps=4):
+    """A step with 8-bit moments whose math reads a norm (LAMB: the clipping norm and the trust
+    ratios) on two backends: the norms' summation orders differ by fp32 rounding, which moves a
+    few moments across a code boundary, and a flipped code changes that element's update by a
+    code step (3-6%), and through the trust ratio the whole tensor's a little. So: few codes
+    differ (a signed code near zero can flip its sign bit: the integers are not compared), the
+    scales agree to fp32 rounding, and the weights within a small part of what the steps moved
+    them (measured on the emulated grid over six seeds and three block sizes: at most 1.1% of
+    steps * lr * max|w| for the fp32 masters, 9.2% for the bf16 weights, one bf16 ulp) -- a
+    tolerance 4-5x the largest seen."""
+    assert len(got) == len(ref)
+    after_codes = False
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.dtype == torch.uint8:
+            flips = int((a != b).sum())
+            assert flips <= max(2, 2e-3 * a.numel()), (flips, a.numel())
+        elif after_codes:  # the codes' fp32 scales (state_bits lists each after its codes)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+        elif a.dim() == 0:
+            assert torch.equal(a, b)  # step counts
+        else:
+            moved = steps * lr * b.float().abs().max().item()
+            tol = (0.05 if a.dtype == F32 else 0.4) * moved
+            diff = (a.float() - b.float()).abs().max().item()
+            assert diff <= tol, (a.dtype, tuple(a.shape), diff, tol)
+        after_codes = a.dtype == torch.uint8
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_device_matches_cpu(case, device):
     ref = stepped(case, "cpu")
     got = stepped(case, device)
     assert len(got) == len(ref)
-    exact = CASES[case][3]
+    cls, kwargs, _, exact = CASES[case]
+    if kwargs.get("exp_avg_dtype") == U8 and not exact:
+        assert_close_quantized_norm_state(got, ref, kwargs["lr"])
+        return
     for a, b in zip(got, ref):
         if exact:
             assert a.dtype == b.dtype and torch.equal(a, b), case
