@@ -240,6 +240,27 @@ def op_mixed_dtypes():
     ops.multi_tensor_scale_([torch.ones(3), torch.ones(3).half()], [torch.ones(3)] * 2, 2.0, ops.new_found_inf())
 
 
+def _stepped_adam(**kw):
+    from peak.optimizers import FusedAdam  # noqa: PLC0415
+    w = torch.nn.Parameter(torch.randn(300).bfloat16())
+    opt = FusedAdam([w], lr=1e-2, **kw)
+    w.grad = torch.randn(300).bfloat16()
+    opt.step()
+    return opt, opt.state_dict()
+
+
+def checkpoint_missing_moment():
+    opt, sd = _stepped_adam()
+    del sd["state"][0]["exp_avg"]
+    opt.load_state_dict(sd)
+
+
+def checkpoint_8bit_without_scale():
+    opt, sd = _stepped_adam(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    del sd["state"][0]["exp_avg_sq_scale"]
+    opt.load_state_dict(sd)
+
+
 MISUSES = {name.replace("_", "-"): fn for name, fn in list(globals().items())
            if callable(fn) and not name.startswith("_") and fn.__module__ == __name__
            and name not in ("rows",)}

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .._dtypes import MOMENT_STORAGE, parse_dtype
+from ._checkpoint_check import check_loadable
 from ._quant import dequantize, new_state, quantize, scale_key
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
@@ -482,6 +483,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, except that fp32 state (moments, step counts, master weights) stays fp32
         and is copied bit for bit, and a torch.optim state dict of the same family loads too."""
+        check_loadable(self, state_dict)  # a damaged checkpoint is refused before any change
         saved_state = state_dict["state"]
         fp32 = {pid: {k: v for k, v in st.items() if k in FP32_STATE_KEYS and v is not None}
                 for pid, st in saved_state.items()}

@@ -59,6 +59,9 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
                          store_unscaled_grads, capturable, lean=lean)
 
+    _all_state_keys = ("momentum_buffer",)
+    _loaded_step_required = False  # torch.optim.SGD keeps none (see _complete_loaded_state)
+
     def _state_keys_for(self, group):
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
@@ -137,6 +140,8 @@ class FusedAdam(FusedOptimizer):
                     exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
                          store_unscaled_grads, capturable, lean=lean)
+
+    _all_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -341,6 +346,8 @@ class FusedNovoGrad(FusedOptimizer):
                          store_unscaled_grads=store_unscaled_grads, capturable=capturable)
 
     _state_keys = ("exp_avg",)
+    _all_state_keys = ("exp_avg", "exp_avg_sq")
+    _also_required_state_keys = _scalar_state_keys = ("exp_avg_sq",)  # one norm per parameter
 
     def _init_state(self, p, group):
         state = super()._init_state(p, group)

@@ -1,0 +1,124 @@
+"""An optimizer state dict checked against the optimizer that loads it, before anything loads.
+
+A damaged checkpoint (a missing, extra, mis-shaped or mis-typed entry, an 8-bit moment without
+its scale, a missing step count) is refused with the entry named; the optimizer's state, its
+param_groups and the weights stay as they were. Without the check a missing ``exp_avg`` loaded
+and stepped: the moment restarted at zero beside the parameter's ``exp_avg_sq`` and step count,
+a silently wrong update (torch.optim.AdamW raises a KeyError there, after loading).
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor
+
+from ._quant import FORMATS, num_blocks, scale_key
+
+MASTER_KEY = "master_param"
+REMAINDER_KEY = "master_param_remainder"
+
+
+def check_loadable(optimizer, state_dict) -> None:
+    """Raises ValueError (naming the entry and the fix) unless ``state_dict`` is whole for
+    ``optimizer``: its structure, and every parameter's saved state (see the module's doc)."""
+    name = type(optimizer).__name__
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError(f"{name}.load_state_dict: expected a dict with 'state' and "
+                         "'param_groups' (an optimizer's state_dict()), got "
+                         f"{type(state_dict).__name__}"
+                         + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict)
+                            else ""))
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"{name}.load_state_dict: the checkpoint has {len(saved_groups)} param "
+                         f"groups, this optimizer {len(optimizer.param_groups)}; build the "
+                         "optimizer with the same groups as the one saved")
+    where = {}
+    for i, (saved, own) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        if len(saved["params"]) != len(own["params"]):
+            raise ValueError(f"{name}.load_state_dict: param_groups[{i}] of the checkpoint has "
+                             f"{len(saved['params'])} parameters, this optimizer's "
+                             f"{len(own['params'])}; build it over the same parameters")
+        merged = dict(own, **{k: v for k, v in saved.items() if k != "params"})
+        for j, (pid, p) in enumerate(zip(saved["params"], own["params"])):
+            where[pid] = (p, merged, f"param_groups[{i}]['params'][{j}]")
+    for pid, entries in state_dict["state"].items():
+        if pid not in where:
+            raise ValueError(f"{name}.load_state_dict: the checkpoint's state has an entry for "
+                             f"parameter id {pid!r}, which no param group lists (an extra "
+                             "entry: the state dict was edited or comes from another model)")
+        p, group, label = where[pid]
+        _check_entries(optimizer, name, p, group, f"state[{pid!r}] ({label})", entries)
+
+
+def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries) -> None:
+    def refuse(what: str) -> None:
+        raise ValueError(f"{name}.load_state_dict: {label}: {what}; the checkpoint is damaged "
+                         "or from another optimizer (nothing was loaded)")
+
+    if not isinstance(entries, dict):
+        refuse(f"expected a dict of state tensors, got {type(entries).__name__}")
+    # An optimizer class says which state it can keep (``_all_state_keys``, default its
+    # ``_state_keys``), which a started parameter must have (``_state_keys_for(group)`` plus
+    # ``_also_required_state_keys``), whether a step count is required, and which state is one
+    # number per parameter (NovoGrad's layer norm).
+    known = set(getattr(optimizer, "_all_state_keys", ()) or optimizer._state_keys)
+    known |= {"step", MASTER_KEY, REMAINDER_KEY}
+    extra = sorted(k for k in entries if k not in known and k not in
+                   {scale_key(m) for m in known})
+    if extra:
+        refuse(f"unknown entries {extra} (this optimizer keeps {sorted(known)})")
+    moments = [k for k in known if k not in ("step", MASTER_KEY, REMAINDER_KEY)]
+    started = "step" in entries or any(entries.get(k) is not None for k in moments)
+    if started:
+        required = tuple(optimizer._state_keys_for(group))
+        required += tuple(getattr(optimizer, "_also_required_state_keys", ()))
+        missing = [k for k in required if entries.get(k) is None]
+        if ("step" not in entries and "step" not in group
+                and getattr(optimizer, "_loaded_step_required", True)):
+            missing.append("step")
+        if missing:
+            refuse(f"missing {missing} (a parameter's state is loaded whole or not at all)")
+    scalar_keys = getattr(optimizer, "_scalar_state_keys", ())
+    for key, value in entries.items():
+        if key == "step":
+            if isinstance(value, Tensor):
+                if value.numel() != 1 or value.is_complex():
+                    refuse(f"'step' must be one real number, got a tensor of shape "
+                           f"{tuple(value.shape)}")
+            elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+                refuse(f"'step' must be a number or a one-element tensor, got "
+                       f"{type(value).__name__}")
+            continue
+        if value is None:
+            continue
+        if not isinstance(value, Tensor):
+            refuse(f"'{key}' must be a tensor, got {type(value).__name__}")
+        if key.endswith("_scale") and key not in known:
+            moment = key[: -len("_scale")]
+            codes = entries.get(moment)
+            if not (isinstance(codes, Tensor) and codes.dtype == torch.uint8):
+                refuse(f"'{key}' (8-bit scales) without 8-bit '{moment}' codes")
+            if value.dtype != torch.float32 or value.numel() != num_blocks(p.numel()):
+                refuse(f"'{key}' must be float32 with {num_blocks(p.numel())} elements (one per "
+                       f"256 of the parameter's {p.numel()}), got {value.dtype} with "
+                       f"{value.numel()}")
+            continue
+        if key == REMAINDER_KEY:
+            dtypes, shape = (torch.int16,), p.shape
+        elif key == MASTER_KEY:
+            dtypes, shape = (torch.float32,), p.shape
+        else:
+            dtypes = (torch.float32, torch.bfloat16, torch.float16)
+            dtypes += (torch.uint8,) if key in FORMATS else ()
+            shape = torch.Size([]) if key in scalar_keys else p.shape
+        if value.dtype not in dtypes:
+            refuse(f"'{key}' has dtype {value.dtype}, expected one of "
+                   f"{[str(d).replace('torch.', '') for d in dtypes]}")
+        if value.shape != shape and not (key in scalar_keys and value.numel() == 1):
+            refuse(f"'{key}' has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}")
+        if value.dtype == torch.uint8 and not isinstance(entries.get(scale_key(key)), Tensor):
+            refuse(f"'{key}' holds 8-bit codes but '{scale_key(key)}' (their per-block scales) "
+                   "is missing")
+

@@ -1,0 +1,145 @@
+"""Damaged optimizer checkpoints are refused before anything changes: a missing, extra,
+mis-shaped or mis-typed entry, an 8-bit moment without its scale, a missing step count, an extra
+parameter id -- in every state layout. The error names the entry; the optimizer's state, its
+param_groups and the weights stay bit for bit as they were, and the optimizer still steps."""
+import copy
+
+import pytest
+import torch
+
+from peak.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+
+BF16, U8 = torch.bfloat16, torch.uint8
+
+# name: (make optimizer over params, parameter dtype, the moment key to damage)
+LAYOUTS = {
+    "adam_fp32_masters": (lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True), BF16, "exp_avg"),
+    "adam_remainders_bf16": (lambda ps: FusedAdam(ps, lr=1e-2, store_param_remainders=True,
+                                                  exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16),
+                             BF16, "exp_avg"),
+    "adam_8bit": (lambda ps: FusedAdam(ps, lr=1e-2, store_param_remainders=True,
+                                       exp_avg_dtype=U8, exp_avg_sq_dtype=U8), BF16, "exp_avg_sq"),
+    "adam_amsgrad_fp32": (lambda ps: FusedAdam(ps, lr=1e-2, amsgrad=True), torch.float32,
+                          "max_exp_avg_sq"),
+    "sgd_momentum": (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9), BF16, "momentum_buffer"),
+    "sgd_8bit": (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, store_param_remainders=True,
+                                     momentum_dtype=U8), BF16, "momentum_buffer"),
+    "lamb": (lambda ps: FusedLAMB(ps, lr=1e-2), BF16, "exp_avg_sq"),
+    "adagrad": (lambda ps: FusedAdagrad(ps, lr=0.1), torch.float32, "sum"),
+    "novograd": (lambda ps: FusedNovoGrad(ps, lr=1e-2), torch.float32, "exp_avg_sq"),
+}
+
+
+def trained(layout, steps=2):
+    make, dtype, _ = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in ((300,), (5, 7))]
+    opt = make(params)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(dtype)
+        opt.step()
+    return params, opt
+
+
+def snapshot(params, opt):
+    return ([p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()))
+
+
+def assert_unchanged(before, params, opt):
+    weights, sd = before
+    assert all(torch.equal(a, b.detach()) for a, b in zip(weights, params))
+    now = opt.state_dict()
+    assert now["param_groups"] == sd["param_groups"]
+    assert now["state"].keys() == sd["state"].keys()
+    for pid, entries in sd["state"].items():
+        assert now["state"][pid].keys() == entries.keys()
+        for k, v in entries.items():
+            w = now["state"][pid][k]
+            assert (torch.equal(v, w) and v.dtype == w.dtype) if torch.is_tensor(v) else v == w
+
+
+def damages(layout, sd):
+    """(description, damaged copy, words the error must contain) for one layout's state dict."""
+    key = LAYOUTS[layout][2]
+    out = []
+
+    def edited(fn):
+        d = copy.deepcopy(sd)
+        fn(d)
+        return d
+
+    out.append(("missing moment", edited(lambda d: d["state"][0].pop(key)), f"missing ['{key}'"))
+    if "step" in sd["state"][0] and layout not in ("sgd_momentum", "sgd_8bit"):
+        out.append(("missing step", edited(lambda d: d["state"][0].pop("step")), "['step']"))
+    out.append(("extra entry", edited(lambda d: d["state"][1].__setitem__("foo", torch.zeros(1))),
+                "unknown entries ['foo']"))
+    value = sd["state"][0][key]
+    if value.dim() > 0:
+        out.append(("mis-shaped", edited(lambda d: d["state"][0].__setitem__(key, value[:-1])),
+                    f"'{key}' has shape"))
+    out.append(("mis-typed", edited(lambda d: d["state"][0].__setitem__(
+        key, torch.zeros(value.shape, dtype=torch.int32))), f"'{key}' has dtype torch.int32"))
+    if value.dtype == U8:
+        out.append(("8-bit without its scale",
+                    edited(lambda d: d["state"][0].pop(key + "_scale")), f"'{key}_scale'"))
+    out.append(("extra parameter id",
+                edited(lambda d: d["state"].__setitem__(7, copy.deepcopy(d["state"][0]))),
+                "parameter id 7"))
+    out.append(("fewer parameters", edited(lambda d: d["param_groups"][0]["params"].pop()),
+                "has 1 parameters"))
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_damaged_checkpoint_is_refused_and_nothing_changes(layout):
+    params, opt = trained(layout)
+    sd = copy.deepcopy(opt.state_dict())
+    cases = damages(layout, sd)
+    assert len(cases) >= 5
+    for what, damaged, words in cases:
+        before = snapshot(params, opt)
+        with pytest.raises(ValueError, match="load_state_dict") as err:
+            opt.load_state_dict(damaged)
+        assert words in str(err.value), (what, str(err.value))
+        assert_unchanged(before, params, opt)
+    # The undamaged checkpoint still loads, and the optimizer steps on.
+    opt.load_state_dict(sd)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+
+def test_a_missing_moment_is_not_restarted_at_zero():
+    """The failure this check exists for: before it, an AdamW checkpoint without one exp_avg
+    loaded, the step recreated the moment as zeros beside the saved exp_avg_sq and step count."""
+    params, opt = trained("adam_fp32_masters")
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["state"][1]["exp_avg"]
+    fresh = FusedAdam([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2,
+                      adam_w_mode=True)
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\]\): missing \['exp_avg'\]"):
+        fresh.load_state_dict(sd)
+    assert not fresh.state  # nothing was loaded
+
+
+def test_checkpoints_that_are_whole_still_load():
+    """What the check must let through: a state before any step (amp's masters only), a torch
+    optimizer's checkpoint (no masters; SGD without step counts), Apex's group step count."""
+    g = torch.Generator().manual_seed(1)
+    w = [torch.nn.Parameter(torch.randn(10, generator=g)) for _ in range(2)]
+    ref = torch.optim.SGD(w, lr=0.1, momentum=0.9)
+    for p in w:
+        p.grad = torch.randn(10, generator=g)
+    ref.step()
+    FusedSGD(w, lr=0.1, momentum=0.9).load_state_dict(ref.state_dict())
+    ref = torch.optim.AdamW(w, lr=0.1)
+    ref.step()
+    FusedAdam(w, lr=0.1, adam_w_mode=True).load_state_dict(ref.state_dict())
+    sd = ref.state_dict()  # Apex's FusedAdam: the step count in the group, none per parameter
+    for st in sd["state"].values():
+        st.pop("step")
+    sd["param_groups"][0]["step"] = 1
+    FusedAdam(w, lr=0.1, adam_w_mode=True).load_state_dict(sd)
+    empty = FusedAdam(w, lr=0.1).state_dict()
+    FusedAdam(w, lr=0.1).load_state_dict(empty)
