@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -61,15 +62,47 @@ def test_amp_state_dict_format():
     assert type(sd["loss_scaler0"]["loss_scale"]) is float and type(sd["loss_scaler0"]["unskipped"]) is int
 
 
-def test_load_state_dict_apex_semantics(capsys):
-    amp.initialize(H.make_mlp(), opt_level="O1", num_losses=2, verbosity=0)
-    amp.load_state_dict(OrderedDict([("loss_scaler7", {"loss_scale": 8.0, "unskipped": 3})]))
-    assert "Warning: state_dict contains 1 entries, while 2 loss_scalers are used" in capsys.readouterr().out
+def test_load_state_dict_apex_semantics():
+    """Entries load by position, as Apex's; a different number of losses is a Python warning
+    (not a print) at verbosity > 0 and nothing at 0; a damaged dict loads nothing."""
+    amp.initialize(H.make_mlp(), opt_level="O1", num_losses=2, verbosity=1)
+    with pytest.warns(UserWarning, match="1 saved loss scalers, 2 in use"):
+        amp.load_state_dict(OrderedDict([("loss_scaler7", {"loss_scale": 8.0, "unskipped": 3})]))
     assert _amp_state.loss_scalers[0].loss_scale() == 8.0  # matched by position, as Apex
     assert _amp_state.loss_scalers[0]._unskipped == 3
     sd = OrderedDict((f"loss_scaler{i}", {"loss_scale": 2.0**i, "unskipped": i}) for i in range(3))
-    amp.load_state_dict(sd)
-    assert "Skipping loss_scaler[2], since num_losses was set to 2" in capsys.readouterr().out
-    with pytest.raises(RuntimeError, match='Unexpected key\\(s\\) in state_dict: "bogus"'):
-        amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0}, "bogus": 1})
-    assert _amp_state.loss_scalers[0].loss_scale() == 4.0  # valid keys applied first, as Apex
+    with pytest.warns(UserWarning, match="3 saved loss scalers, 2 in use"):
+        amp.load_state_dict(sd)
+    assert [s.loss_scale() for s in _amp_state.loss_scalers] == [1.0, 2.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning obeys filters: here it would raise
+        with pytest.raises(UserWarning):
+            amp.load_state_dict(OrderedDict(list(sd.items())[:1]))
+    for bad, match in (({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0}, "bogus": 1},
+                        'Unexpected key\\(s\\) in state_dict: "bogus"'),
+                       ({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0},
+                         "loss_scaler1": {"loss_scale": 4.0}}, "not loss scaler states")):
+        with pytest.raises(RuntimeError, match=match):
+            amp.load_state_dict(bad)
+        assert _amp_state.loss_scalers[0].loss_scale() == 1.0  # nothing was applied
+    amp.initialize(H.make_mlp(), opt_level="O1", num_losses=2, verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # verbosity 0: no warning
+        amp.load_state_dict(OrderedDict([("loss_scaler0", {"loss_scale": 8.0, "unskipped": 3})]))
+
+
+def test_a_static_loss_scale_is_not_replaced_by_the_checkpoints():
+    """A user's explicit static loss_scale=128 stays when a checkpoint of a dynamic run (65536)
+    is loaded: a warning says so; the same scale loads silently; a dynamic scaler resumes."""
+    amp.initialize(H.make_mlp(), opt_level="O1", loss_scale=128.0, verbosity=0)
+    saved = {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 7}}
+    with pytest.warns(UserWarning, match="static loss scale 128.0 stays, the saved 65536.0"):
+        amp.load_state_dict(saved)
+    assert _amp_state.loss_scalers[0].loss_scale() == 128.0
+    assert _amp_state.loss_scalers[0]._unskipped == 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 1}})
+    amp.initialize(H.make_mlp(), opt_level="O1", verbosity=0)  # dynamic
+    amp.load_state_dict(saved)
+    assert _amp_state.loss_scalers[0].loss_scale() == 65536.0

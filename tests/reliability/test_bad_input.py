@@ -261,6 +261,16 @@ def checkpoint_8bit_without_scale():
     opt.load_state_dict(sd)
 
 
+def amp_load_over_static_scale():
+    amp.initialize(_model(), opt_level="O1", loss_scale=128.0, verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}})
+
+
+def amp_load_other_num_losses():
+    amp.initialize(_model(), opt_level="O1", num_losses=2, verbosity=1)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}})
+
+
 MISUSES = {name.replace("_", "-"): fn for name, fn in list(globals().items())
            if callable(fn) and not name.startswith("_") and fn.__module__ == __name__
            and name not in ("rows",)}

@@ -297,30 +297,25 @@ def state_dict(destination=None):
 
 
 def load_state_dict(state_dict):
-    """Restore what ``amp.state_dict()`` saved (Apex semantics: entries are matched by
-    position)."""
+    """Restore what ``amp.state_dict()`` saved, by position (as Apex), checked whole first; a
+    static scaler keeps its scale; other num_losses: a warning (verbosity > 0)."""
     _require_initialized("amp.load_state_dict()")
     if not _amp_state.enabled:
         return
-    scalers = _amp_state.loss_scalers
-    if len(state_dict) != len(scalers):
-        print("Warning: state_dict contains {} entries, while {} loss_scalers are used".format(
-            len(state_dict), len(scalers)))
-    unexpected_keys = []
-    idx = 0
-    for key in state_dict:
-        if "loss_scaler" not in key:
-            unexpected_keys.append(key)
-        elif idx > len(scalers) - 1:
-            print("Skipping loss_scaler[{}], since num_losses was set to {}".format(
-                idx, len(scalers)))
-            break
-        else:
-            scalers[idx].load_state_dict(state_dict[key])
-            idx += 1
-    if unexpected_keys:
+    scalers, items = _amp_state.loss_scalers, list(state_dict.items())
+    if unexpected := [k for k, _ in items if "loss_scaler" not in k]:
         raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: {}. "
-                           .format(", ".join('"{}"'.format(k) for k in unexpected_keys)))
+                           .format(", ".join('"{}"'.format(k) for k in unexpected)))
+    if bad := [k for k, e in items
+               if not isinstance(e, dict) or {"loss_scale", "unskipped"} - set(e)]:
+        raise RuntimeError(f"amp.load_state_dict: {bad} are not loss scaler states "
+                           "({'loss_scale': float, 'unskipped': int}); nothing was loaded")
+    if len(items) != len(scalers) and _amp_state.verbosity > 0:
+        warnings.warn(f"amp.load_state_dict: {len(items)} saved loss scalers, {len(scalers)} in "
+                      "use (num_losses): the first ones load by position, the rest are left",
+                      stacklevel=2)
+    for scaler, (_, entry) in zip(scalers, items):
+        scaler.load_state_dict(entry)
 
 
 def _require_initialized(what: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections import OrderedDict
 from typing import Sequence
 
@@ -149,7 +150,11 @@ class LossScaler:
         return OrderedDict(loss_scale=self.loss_scale(), unskipped=self._unskipped)
 
     def load_state_dict(self, state: dict) -> None:
-        self._loss_scale = state["loss_scale"]
+        if self.dynamic or float(state["loss_scale"]) == self.loss_scale():
+            self._loss_scale = state["loss_scale"]
+        else:  # the user's explicit static scale wins over the checkpoint's
+            warnings.warn(f"amp.load_state_dict: the static loss scale {self.loss_scale()} stays, "
+                          f"the saved {state['loss_scale']} is not loaded", stacklevel=3)
         self._unskipped = state["unskipped"]
         self.hysteresis_tracker.fill_(self.hysteresis)
         self.clear_overflow_state()
