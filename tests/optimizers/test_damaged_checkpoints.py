@@ -143,3 +143,15 @@ def test_checkpoints_that_are_whole_still_load():
     FusedAdam(w, lr=0.1, adam_w_mode=True).load_state_dict(sd)
     empty = FusedAdam(w, lr=0.1).state_dict()
     FusedAdam(w, lr=0.1).load_state_dict(empty)
+
+
+def test_add_param_group_takes_what_torchs_takes():
+    """The DTensor check in add_param_group reads the parameters once: a generator, a single
+    tensor and a list still work as in torch, and a set is still torch's error."""
+    a, b, c = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
+    opt = FusedAdam([a], lr=0.1)
+    opt.add_param_group({"params": (p for p in [b])})
+    opt.add_param_group({"params": c})
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1, 1]
+    with pytest.raises(TypeError, match="set"):
+        opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(2))}})

@@ -1,10 +1,7 @@
 """What every fused optimizer shares: state layout, master weights, step plumbing, checkpoints.
-
-State per parameter (all fp32, on the parameter's device): ``step`` (a 0-dim count, as torch's
-fused optimizers keep it), the family's moments, and ``master_param`` when the parameter is kept
-in fp16/bf16 with master weights. So ``optimizer.state_dict()`` carries the masters, and
-``load_state_dict`` restores them bit for bit (the hole in Apex's FusedAdam).
-"""
+State per parameter, on its device: ``step`` (0-dim), the family's moments (fp32 unless lean) and
+an fp16/bf16 parameter's master (fp32 or a remainder); ``state_dict()`` carries the masters and
+``load_state_dict`` checks, then restores them bit for bit (the hole in Apex's FusedAdam)."""
 from __future__ import annotations
 
 import itertools
@@ -117,13 +114,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         # optimizers leave it (NOTE: [Unscaled gradients after the step]); False skips that store.
         self.store_unscaled_grads = store_unscaled_grads
         self._step_store_grads = False  # this step's choice (set by step())
-        # The hash key of the rounding (NOTE: [Stochastic rounding to bf16]): from torch's seed,
-        # so torch.manual_seed makes runs repeat; kept in param_groups, so checkpoints carry it.
-        # capturable (torch's and Apex's name): peak's step always keeps its counts and scalars
-        # on the device and never syncs with the host, which is what capturable=True asks for;
-        # False is accepted for the same step. Kept in the groups, as torch keeps it.
-        # Lean state (store_param_remainders, moment dtypes, moment_rounding): per group, so
-        # that checkpoints carry it; see "Lean optimizer state" in docs/core.md.
+        # In param_groups, so that checkpoints carry them: the rounding's hash key (NOTE:
+        # [Stochastic rounding to bf16]; from torch's seed, so torch.manual_seed repeats runs),
+        # capturable (the step never syncs either way: True is what it asks for) and the lean
+        # state's options ("Lean optimizer state" in docs/core.md).
         lean = dict(lean or {})
         if lean:
             if not isinstance(lean.get("store_param_remainders", False), bool):
@@ -151,9 +145,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         # to self.defaults later; they are not copied into loaded groups).
         self._group_keys = tuple(self.defaults)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's; DTensor parameters (FSDP2) are refused here, before any forward."""
+        params = param_group["params"]
+        if not isinstance(params, set):  # (torch refuses sets itself)
+            param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
+            if any(hasattr(p, "device_mesh") for p in params):
+                raise NotImplementedError(
+                    f"{type(self).__name__} does not support DTensor parameters (FSDP2's "
+                    "fully_shard) yet: its kernels take whole local tensors. Use a torch optimizer "
+                    "(e.g. torch.optim.AdamW) with peak.amp.GradScaler under FSDP2; see "
+                    "docs/distributed.md.")
+        super().add_param_group(param_group)
+
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """As torch's; ``set_to_none=None`` follows the constructor's ``set_grad_none`` (Apex's
-        argument; True, torch's default, unless given)."""
+        """As torch's; ``set_to_none=None`` follows the constructor's ``set_grad_none`` (Apex's)."""
         if set_to_none is None:  # (an unpickled optimizer has only torch's attributes)
             set_to_none = getattr(self, "set_grad_none", True)
         super().zero_grad(set_to_none)
@@ -338,12 +344,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if hasattr(p, "device_mesh"):
-                    raise NotImplementedError(
-                        f"{type(self).__name__} does not support DTensor parameters (FSDP2's "
-                        "fully_shard) yet: its kernels take whole local tensors. Use a torch "
-                        "optimizer (e.g. torch.optim.AdamW) with peak.amp.GradScaler under FSDP2; "
-                        "see docs/distributed.md.")
                 if p.grad.dtype != p.dtype:
                     raise TypeError(f"a gradient has dtype {p.grad.dtype} but its parameter has "
                                     f"{p.dtype}; {type(self).__name__} reads gradients in the "
