@@ -165,6 +165,16 @@ static double time_layout(int layout, int n) {
   return best;
 }
 
+// The lean loop on the caller's buffers, for benchmarks/bench_optimizer_bounds.py, which builds
+// this file as a shared library (-DPLAIN_LOOP_LIBRARY -shared -fPIC, the flags above) and times
+// it interleaved with peak's step in one process.
+void plain_lean_step(int n, uint16_t* p, uint16_t* rem, const uint16_t* g, uint16_t* m,
+                     uint16_t* v) {
+  const Hyper h = {1.0f / 1024.0f, 1.0f - 1e-4f * 0.01f, 0.1f, 0.999f, 0.001f, 1.0f, 1e-8f, 1e-4f};
+  step_lean(n, p, rem, g, m, v, h);
+}
+
+#ifndef PLAIN_LOOP_LIBRARY
 int main(void) {
   const char* names[] = {"fp32 (torch's layout)", "fp32 masters, bf16 model", "remainder + bf16 (RNE)"};
   printf("%-28s %16s %16s\n", "plain C loop", "in cache ns/el", "memory ns/el");
@@ -180,3 +190,4 @@ int main(void) {
   }
   return 0;
 }
+#endif

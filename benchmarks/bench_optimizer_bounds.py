@@ -13,7 +13,12 @@ bench_optimizers.py. Two floors measured with torch's own kernels on the cache-s
 operations every exact Adam step pays per element) and `mul` (one multiply, for scale).
 """
 import argparse
+import ctypes
+import subprocess
+import tempfile
 import time
+
+from pathlib import Path
 
 import torch
 
@@ -51,6 +56,34 @@ def make_step(options, n):
     return lambda: opt.step(grad_scale=scale, found_inf=found)
 
 
+PLAIN = "plain C loop, remainder + bf16 (RNE)"
+
+
+def plain_loop():
+    """benchmarks/adam_loop_floor.c's lean loop built as a shared library with its flags, so it
+    runs interleaved with the contenders (None where no gcc builds it)."""
+    src = Path(__file__).with_name("adam_loop_floor.c")
+    lib = Path(tempfile.mkdtemp()) / "adam_loop_floor.so"
+    flags = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+             "-march=x86-64-v4", "-mtune=generic", "-mprefer-vector-width=512"]
+    try:
+        subprocess.run(["gcc", *flags, "-DPLAIN_LOOP_LIBRARY", "-shared", "-fPIC", "-o", str(lib),
+                        str(src), "-lm"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return ctypes.CDLL(str(lib)).plain_lean_step
+
+
+def make_plain_step(fn, n):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, generator=g).mul_(0.02).to(torch.bfloat16)
+    grad = (torch.randn(n, generator=g).mul_(1e-3) * 1024).to(torch.bfloat16)
+    buffers = (w, torch.zeros(n, dtype=torch.int16), grad, torch.zeros(n, dtype=torch.int16),
+               torch.zeros(n, dtype=torch.int16))
+    ptrs = [ctypes.c_void_p(t.data_ptr()) for t in buffers]
+    return lambda: fn(n, *ptrs) and buffers  # (the closure keeps the buffers alive)
+
+
 def best_ns_per_elem(fns, n, calls, repeats):
     for fn in fns.values():
         fn()
@@ -72,14 +105,19 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    plain = plain_loop()
+
+    def steps(n):
+        fns = {k: make_step(o, n) for k, o in CONFIGS.items()}
+        if plain is not None:
+            fns[PLAIN] = make_plain_step(plain, n)
+        return fns
+
     # The per-call cost (Python, dispatch) taken out: the time of a 256-element step subtracted.
-    cached = best_ns_per_elem({k: make_step(o, args.cache_elems) for k, o in CONFIGS.items()},
-                              args.cache_elems, 200, args.repeats)
-    tiny = best_ns_per_elem({k: make_step(o, 256) for k, o in CONFIGS.items()}, 256, 200,
-                            args.repeats)
+    cached = best_ns_per_elem(steps(args.cache_elems), args.cache_elems, 200, args.repeats)
+    tiny = best_ns_per_elem(steps(256), 256, 200, args.repeats)
     cached = {k: t - tiny[k] * 256 / args.cache_elems for k, t in cached.items()}
-    big = best_ns_per_elem({k: make_step(o, args.memory_elems) for k, o in CONFIGS.items()},
-                           args.memory_elems, 2, args.repeats)
+    big = best_ns_per_elem(steps(args.memory_elems), args.memory_elems, 2, args.repeats)
     a, b = torch.rand(args.cache_elems) + 1, torch.rand(args.cache_elems) + 1
     s, q = torch.empty_like(a), torch.empty_like(a)
     floors = best_ns_per_elem(
@@ -91,6 +129,11 @@ def main():
     t_torch = big["torch AdamW fused fp32"]
     for name in CONFIGS:
         print(f"{name:28s}{cached[name]:16.3f}{big[name]:14.3f}{t_torch / big[name]:9.2f}x")
+    if plain is not None:
+        lean = "remainder + bf16 (RNE)"
+        print(f"{PLAIN:28s}{cached[PLAIN]:16.3f}{big[PLAIN]:14.3f}{t_torch / big[PLAIN]:9.2f}x")
+        print(f"{lean} / plain loop: {cached[lean] / cached[PLAIN]:.2f}x in cache, "
+              f"{big[lean] / big[PLAIN]:.2f}x from memory (issue 23's target: 1.3x)")
     for name, t in floors.items():
         print(f"{'floor: ' + name:28s}{t:16.3f}")
 

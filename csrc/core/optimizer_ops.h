@@ -206,7 +206,7 @@ struct AdamOp : OpDefaults {
   float beta2_f = 0.999f, one_minus_beta1 = 0.1f, one_minus_beta2 = 0.001f;
   // Branch-free forms of the options, so the element loop vectorises: multiplying by 1 and
   // adding 0 * w are exact (for finite weights).
-  float sign = 1.0f;          // -1 with maximize
+  float signed_grad_factor = 1.0f;  // s.grad_factor, negated with maximize (exact: +-1 * x)
   float decay_factor = 1.0f;  // AdamW: 1 - lr * weight_decay
   float l2 = 0.0f;            // Adam: weight_decay (added to the gradient)
   // Per tensor, from its step count.
@@ -220,7 +220,7 @@ struct AdamOp : OpDefaults {
     beta2_f = static_cast<float>(beta2);
     one_minus_beta1 = static_cast<float>(1.0 - beta1);
     one_minus_beta2 = static_cast<float>(1.0 - beta2);
-    sign = maximize ? -1.0f : 1.0f;
+    signed_grad_factor = maximize ? -s.grad_factor : s.grad_factor;
     decay_factor = adam_w ? static_cast<float>(1.0 - static_cast<double>(s.lr.value) * weight_decay)
                           : 1.0f;
     l2 = adam_w ? 0.0f : static_cast<float>(weight_decay);
@@ -238,7 +238,7 @@ struct AdamOp : OpDefaults {
 
   PEAK_HD void operator()(float* v, State&, [[maybe_unused]] int64_t index = 0) const {
     float w = load_weight<Storage, HasMaster>(v, kParam, kWeight);
-    const float g = fmaf(l2, w, sign * (v[kGrad] * s.grad_factor));
+    const float g = fmaf(l2, w, v[kGrad] * signed_grad_factor);
     w = w * decay_factor;
     const float m = fmaf(one_minus_beta1, g - v[kExpAvg], v[kExpAvg]);  // lerp, as torch
     const float vsq = fmaf(one_minus_beta2, g * g, beta2_f * v[kExpAvgSq]);
