@@ -61,7 +61,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_entry(at::TensorList tens
 }
 
 // The overflow flags of one step (one per device and optimizer) summed on the scale's device,
-// as torch's GradScaler.update sums them: the one merge of per-device flags, on the device.
+// as torch's GradScaler.update sums them (the C++ side's merge; scaling.sum_flags is the Python
+// side's, for callers that hand one flag on).
 inline at::Tensor merged_found_inf(at::TensorList found_infs, const at::Tensor& scale) {
   if (found_infs.size() == 1 && found_infs[0].device() == scale.device()) return found_infs[0];
   at::Tensor total = at::zeros({1}, scale.options());

@@ -1,6 +1,7 @@
-"""FusedSGD, FusedAdam and FusedLAMB: torch.optim-compatible optimizers whose step is one C++
-kernel per (device, dtype) bucket -- unscale, skip on overflow, fp32 master and state update,
-low-precision weight write -- on CPU and CUDA. See NOTE: [Fused master-weight step]."""
+"""FusedSGD, FusedAdam, FusedAdamW, FusedLAMB, FusedMixedPrecisionLamb, FusedAdagrad and
+FusedNovoGrad: torch.optim-compatible optimizers whose step is one C++ kernel per (device, dtype)
+bucket -- unscale, skip on overflow, master and state update, low-precision weight write -- on
+CPU and CUDA. See NOTE: [Fused master-weight step]."""
 from __future__ import annotations
 
 import torch
