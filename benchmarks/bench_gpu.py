@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import peak  # noqa: E402
-from peak import amp, ops  # noqa: E402
+from peak import _C, amp, ops  # noqa: E402
 from peak.optimizers import FusedAdam  # noqa: E402
 from bench_optimizers import LEAN, amp_o2_step  # noqa: E402  (rows built as the CPU bench builds them)
 
@@ -176,8 +176,16 @@ def bench_unscale(args, clock, report):
         inv = torch.ones(1, device=dev)
         nbytes = 2 * count * numel * 2  # fp16, read + written
         iters = 20 if launch_bound and not args.tiny else 1
+        # GradScaler.unscale_'s own way in: a C++ walk over the optimizer's param_groups and a
+        # typed dispatcher call (bindings/param_grads.cpp), without the Python wrapper's boxing.
+        params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g
+        groups = [{"params": params}]
         contenders = {
             "peak multi_tensor_scale_": (None, lambda: ops.multi_tensor_scale_(grads, grads, inv, found), iters),
+            "peak GradScaler path (param_groups walk in C++)": (
+                None, lambda: _C.unscale_param_grads(groups, inv, found, False, 65536), iters),
             "torch _amp_foreach_non_finite_check_and_unscale_": (
                 None, lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv), iters),
         }
@@ -205,7 +213,7 @@ def bench_unscale(args, clock, report):
                          "; ".join(f"{k} {op}: {m}" for k, op, m in targets)])
         rows.append([case, "D2D copy of the same bytes", f"{t_copy * 1e3:.3f}",
                      f"{copy_gbs:.0f}", "1.00", "", "", ""])
-        del grads
+        del grads, params, groups
     report.write(header(args, "Unscale + inf/NaN check, fp16 gradients, in place",
                         ", ".join(f"{c} elements" for c in cases)))
     report.write(table(rows, ["case", "contender", "ms", "GB/s", "of copy", "vs torch",
