@@ -52,6 +52,10 @@ template <typename Op, typename... T>
 void apply(const HostTensorLists<sizeof...(T), Op::tensor_scalars>& lists, int64_t chunk_size,
            const Op& op, const BlockSink& sink) {
   using Metadata = MetadataFor<Op, T...>;
+  // The whole argument list within the 4 KB CUDA allows before 12.1 (NOTE: [Launch metadata
+  // budget]): a failure here is an op that grew, not a runtime error.
+  static_assert(sizeof(Metadata) + sizeof(int64_t) + sizeof(Op) + sizeof(BlockSink) <= 4096,
+                "kernel arguments over 4 KB: see NOTE: [Launch metadata budget]");
   const std::vector<Launch> launches =
       plan_launches(lists.numels, chunk_size, {Metadata::kMaxTensors, kMaxBlocksPerLaunch});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

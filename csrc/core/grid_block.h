@@ -378,7 +378,7 @@ PEAK_HD int64_t block_slice(const MetadataFor<Op, T...>& meta, int block, int sl
 template <typename Op, typename... T>
 PEAK_HD bool block_vectorises(const MetadataFor<Op, T...>& meta, int block, int64_t chunk_size) {
   if constexpr (q8_count<T...> > 0) {
-    return false;  // whole quantization blocks per thread (NOTE: [8-bit moments])
+    return false;  // lanes of a warp per quantization block (NOTE: [8-bit moments on the grid])
   } else {
     void* base[sizeof...(T)];
     int64_t start = 0;
@@ -434,8 +434,14 @@ PEAK_HD void grid_block_thread(const MetadataFor<Op, T...>& meta, int block, int
   constexpr int Depth = sizeof...(T);
   constexpr auto lists = std::make_index_sequence<Depth>{};
   if constexpr (q8_count<T...> > 0) {
+#ifdef __CUDA_ARCH__
     grid_block_q8<1, Op, T...>(meta, block, thread / kWarpSize, nthreads / kWarpSize,
                                thread % kWarpSize, chunk_size, step_op, &state);
+#else
+    // One lane per call needs the warp's shuffle: on the host a warp runs whole
+    // (grid_block_q8<kWarpSize>, as emulated_grid.h calls it).
+    static_assert(q8_count<T...> == 0, "8-bit steps on the host run by warps: grid_block_q8");
+#endif
   } else {
     const int slot = block_slot(meta, block);
     const Op op = block_op<Op, T...>(meta, slot, step_op);

@@ -7,11 +7,12 @@
 // tensor order, skipping empty tensors (they contribute nothing and must not occupy a slot;
 // Apex's packer lost pending work behind a trailing empty tensor).
 //
-// On CUDA the launch metadata (tensor addresses, sizes, block -> (tensor slot, chunk)) travels
-// by value as a kernel argument, which is limited to 4 KB; so one launch holds at most
-// `max_tensors` tensors and `max_blocks` blocks. A launch closes when its block table is full,
-// or when its tensor table is full after a tensor's last chunk, or at the very end. A tensor
-// cut mid-way by a full block table moves to slot 0 of the next launch and continues there.
+// On CUDA the launch metadata (tensor addresses and sizes, each slot's first block and chunk)
+// travels by value as a kernel argument, which is limited to 4 KB; so one launch holds at most
+// `max_tensors` tensors (NOTE: [Launch metadata budget]) and `max_blocks` blocks (2^20 on CUDA;
+// small in the emulated grid's tests). A launch closes when it has max_blocks blocks, or when its
+// tensor slots are full after a tensor's last chunk, or at the very end. A tensor cut mid-way by
+// the block limit moves to slot 0 of the next launch and continues there.
 // Because blocks are emitted strictly in tensor order, block b of launch L is global chunk
 // `launch.first_global_chunk + b`: per-chunk results (l2norm partials) land in tensor order and
 // per-tensor reductions are plain segmented sums over `chunk_offsets`.

@@ -20,7 +20,7 @@ LAYOUTS = {
     "adam_8bit": (lambda ps: FusedAdam(ps, lr=1e-2, store_param_remainders=True,
                                        exp_avg_dtype=U8, exp_avg_sq_dtype=U8), BF16, "exp_avg_sq"),
     "adam_amsgrad_fp32": (lambda ps: FusedAdam(ps, lr=1e-2, amsgrad=True), torch.float32,
-                          "max_exp_avg_sq"),
+                          "exp_avg_sq"),
     "sgd_momentum": (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9), BF16, "momentum_buffer"),
     "sgd_8bit": (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, store_param_remainders=True,
                                      momentum_dtype=U8), BF16, "momentum_buffer"),
@@ -69,8 +69,12 @@ def damages(layout, sd):
         fn(d)
         return d
 
-    out.append(("missing moment", edited(lambda d: d["state"][0].pop(key)), f"missing ['{key}'"))
-    if "step" in sd["state"][0] and layout not in ("sgd_momentum", "sgd_8bit"):
+    if key != "momentum_buffer":  # (SGD: a missing buffer starts at the next step, as torch's)
+        out.append(("missing moment", edited(lambda d: d["state"][0].pop(key)),
+                    f"missing ['{key}'"))
+    # (SGD and Adagrad: torch.optim.SGD and Apex's FusedAdagrad keep no step count, so a missing
+    # one starts at 0.)
+    if "step" in sd["state"][0] and layout not in ("sgd_momentum", "sgd_8bit", "adagrad"):
         out.append(("missing step", edited(lambda d: d["state"][0].pop("step")), "['step']"))
     out.append(("extra entry", edited(lambda d: d["state"][1].__setitem__("foo", torch.zeros(1))),
                 "unknown entries ['foo']"))
@@ -97,6 +101,10 @@ def test_damaged_checkpoint_is_refused_and_nothing_changes(layout):
     sd = copy.deepcopy(opt.state_dict())
     cases = damages(layout, sd)
     assert len(cases) >= 5
+    if layout == "sgd_8bit":  # the buffer gone but not its scale
+        d = copy.deepcopy(sd)
+        d["state"][0].pop("momentum_buffer")
+        cases.append(("scale without codes", d, "'momentum_buffer_scale' (8-bit scales) without"))
     for what, damaged, words in cases:
         before = snapshot(params, opt)
         with pytest.raises(ValueError, match="load_state_dict") as err:
@@ -155,3 +163,41 @@ def test_add_param_group_takes_what_torchs_takes():
     assert [len(g["params"]) for g in opt.param_groups] == [1, 1, 1]
     with pytest.raises(TypeError, match="set"):
         opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(2))}})
+
+
+def test_state_an_option_starts_mid_run_is_not_required():
+    """Options switched on after some steps (a momentum warm-up from 0, amsgrad) start their state
+    at the next step, as the optimizer's own step does: such a checkpoint loads. So does Apex's
+    FusedAdagrad layout (only 'sum'). A step count that is not a count is refused."""
+    g = torch.Generator().manual_seed(2)
+    w = [torch.nn.Parameter(torch.randn(6, generator=g))]
+    for make, switch in ((lambda: FusedSGD(w, lr=0.1, momentum=0.0), ("momentum", 0.9)),
+                         (lambda: FusedAdam(w, lr=0.1), ("amsgrad", True))):
+        opt = make()
+        w[0].grad = torch.randn(6, generator=g)
+        opt.step()
+        opt.param_groups[0][switch[0]] = switch[1]
+        fresh = make()
+        fresh.load_state_dict(opt.state_dict())
+        fresh.step()  # the state starts here
+    apex = {"state": {0: {"sum": torch.rand(6)}},
+            "param_groups": [dict(lr=1e-2, eps=1e-10, weight_decay=0.0, params=[0])]}
+    FusedAdagrad(w).load_state_dict(apex)
+    opt = FusedAdam(w, lr=0.1)
+    opt.step()
+    for bad in (torch.tensor(True), torch.tensor(float("nan")), -1.0, torch.tensor([1.0, 2.0])):
+        sd = copy.deepcopy(opt.state_dict())
+        sd["state"][0]["step"] = bad
+        with pytest.raises(ValueError, match="'step' must be"):
+            opt.load_state_dict(sd)
+
+
+def test_named_dtensor_parameters_are_refused_at_construction():
+    """torch's named parameters ((name, tensor) pairs) are unwrapped before the DTensor check."""
+    p = torch.nn.Parameter(torch.ones(2))
+    p.device_mesh = object()  # what marks a DTensor (FSDP2's parameters) for the check
+    for params in ([p], [("w", p)], [{"params": [("w", p)]}]):
+        with pytest.raises(NotImplementedError, match="DTensor parameters"):
+            FusedAdam(params, lr=0.1)
+    with pytest.raises(TypeError):
+        FusedAdam([torch.nn.Parameter(torch.ones(2))]).add_param_group([p])  # not a dict

@@ -297,8 +297,7 @@ def state_dict(destination=None):
 
 
 def load_state_dict(state_dict):
-    """Restore what ``amp.state_dict()`` saved, by position (as Apex), checked whole first; a
-    static scaler keeps its scale; other num_losses: a warning (verbosity > 0)."""
+    """``amp.state_dict()``'s entries, by position as Apex's, checked first (docs/amp_api.md)."""
     _require_initialized("amp.load_state_dict()")
     if not _amp_state.enabled:
         return
@@ -306,8 +305,9 @@ def load_state_dict(state_dict):
     if unexpected := [k for k, _ in items if "loss_scaler" not in k]:
         raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: {}. "
                            .format(", ".join('"{}"'.format(k) for k in unexpected)))
-    if bad := [k for k, e in items
-               if not isinstance(e, dict) or {"loss_scale", "unskipped"} - set(e)]:
+    if bad := [k for k, e in items if not isinstance(e, dict) or {"loss_scale", "unskipped"} - {*e}
+               or isinstance(e["loss_scale"], bool) or not isinstance(e["loss_scale"], (int, float))
+               or isinstance(e["unskipped"], bool) or not isinstance(e["unskipped"], int)]:
         raise RuntimeError(f"amp.load_state_dict: {bad} are not loss scaler states "
                            "({'loss_scale': float, 'unskipped': int}); nothing was loaded")
     if len(items) != len(scalers) and _amp_state.verbosity > 0:

@@ -147,10 +147,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; DTensor parameters (FSDP2) are refused here, before any forward."""
-        params = param_group["params"]
-        if not isinstance(params, set):  # (torch refuses sets itself)
-            param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)
-            if any(hasattr(p, "device_mesh") for p in params):
+        params = param_group["params"] if isinstance(param_group, dict) else set()  # (torch's
+        if not isinstance(params, set):  # errors for a non-dict and for a set of parameters)
+            params = param_group["params"] = [params] if isinstance(params, Tensor) else [*params]
+            if any(hasattr(p[1] if isinstance(p, tuple) else p, "device_mesh") for p in params):
                 raise NotImplementedError(
                     f"{type(self).__name__} does not support DTensor parameters (FSDP2's "
                     "fully_shard) yet: its kernels take whole local tensors. Use a torch optimizer "

@@ -72,7 +72,10 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
     moments = [k for k in known if k not in ("step", MASTER_KEY, REMAINDER_KEY)]
     started = "step" in entries or any(entries.get(k) is not None for k in moments)
     if started:
-        required = tuple(optimizer._state_keys_for(group))
+        # (State an option switched on mid-run starts at the next step, as _init_state does:
+        # FusedSGD's momentum buffer, FusedAdam's max_exp_avg_sq; not required.)
+        mid_run = getattr(optimizer, "_mid_run_state_keys", ())
+        required = tuple(k for k in optimizer._state_keys_for(group) if k not in mid_run)
         required += tuple(getattr(optimizer, "_also_required_state_keys", ()))
         missing = [k for k in required if entries.get(k) is None]
         if ("step" not in entries and "step" not in group
@@ -84,17 +87,25 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
     for key, value in entries.items():
         if key == "step":
             if isinstance(value, Tensor):
-                if value.numel() != 1 or value.is_complex():
-                    refuse(f"'step' must be one real number, got a tensor of shape "
-                           f"{tuple(value.shape)}")
+                if (value.numel() != 1 or value.is_complex() or value.dtype == torch.bool
+                        or value.is_meta):
+                    refuse(f"'step' must be one real number, got a {value.dtype} tensor of "
+                           f"shape {tuple(value.shape)}" + (" on the meta device" if
+                                                              value.is_meta else ""))
+                value = value.item()
             elif isinstance(value, bool) or not isinstance(value, numbers.Real):
                 refuse(f"'step' must be a number or a one-element tensor, got "
                        f"{type(value).__name__}")
+            if not value >= 0 or value == float("inf"):
+                refuse(f"'step' must be a finite count >= 0, got {value}")
             continue
         if value is None:
             continue
         if not isinstance(value, Tensor):
             refuse(f"'{key}' must be a tensor, got {type(value).__name__}")
+        if value.is_meta:
+            refuse(f"'{key}' is on the meta device (no values: a checkpoint saved from a model "
+                   "not yet materialized)")
         if key.endswith("_scale") and key not in known:
             moment = key[: -len("_scale")]
             codes = entries.get(moment)

@@ -60,7 +60,7 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
                          store_unscaled_grads, capturable, lean=lean)
 
-    _all_state_keys = ("momentum_buffer",)
+    _all_state_keys = _mid_run_state_keys = ("momentum_buffer",)  # (momentum warm-up from 0)
     _loaded_step_required = False  # torch.optim.SGD keeps none (see _complete_loaded_state)
 
     def _state_keys_for(self, group):
@@ -143,6 +143,7 @@ class FusedAdam(FusedOptimizer):
                          store_unscaled_grads, capturable, lean=lean)
 
     _all_state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _mid_run_state_keys = ("max_exp_avg_sq",)  # amsgrad switched on after some steps
 
     def _state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -286,6 +287,7 @@ class FusedAdagrad(FusedOptimizer):
                          store_unscaled_grads=store_unscaled_grads, capturable=capturable)
 
     _state_keys = ("sum",)
+    _loaded_step_required = False  # Apex's FusedAdagrad keeps only 'sum'
 
     def _init_state(self, p, group):
         fresh = "sum" not in self.state[p]
