@@ -181,6 +181,78 @@ def private_reads(modules: dict[str, Path], scope: str = "peak.amp") -> list[str
     return found
 
 
+# Private names one peak package may touch on another's objects (measure 6), each with its
+# reason: Apex's own names that user scripts touch; torch's protocols, which peak's classes
+# implement under torch's names.
+PRIVATE_ATTRIBUTE_ALLOWLIST = {
+    "_amp_stash": "Apex's per-optimizer amp state; Apex scripts read optimizer._amp_stash",
+    "_amp_state": "Apex's global amp state; Apex scripts read amp._amp_state",
+    "_C": "the compiled extension",
+    "_step_supports_amp_scaling": "torch's attribute: the step takes grad_scale/found_inf",
+    "_check_inf_per_device": "torch's GradScaler method; Apex's step(closure, grad_scaler) calls it",
+    "_get_scale_async": "torch's GradScaler method; Apex's step(closure, grad_scaler) calls it",
+    "_enabled": "torch's GradScaler attribute; Apex's step(closure, grad_scaler) reads it",
+    "_optimizer_state_dict_post_hooks": "torch's Optimizer attribute (set by its __init__)",
+}
+
+
+def package_of(module: str) -> str:
+    """peak.amp.handle -> peak.amp; a top-level module (peak.scaling) is a package of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def _private_names_defined(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+        if isinstance(node, ast.Name) and node.id in ("self", "cls"):
+            return node.id  # self._x.y: the own object's attribute first
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def private_attribute_accesses(modules: dict[str, Path]) -> tuple[list[str], list[str]]:
+    """``obj._name`` (and ``getattr(obj, "_name")``...) in a peak package, where ``_name`` is
+    defined by another peak package only: the contract between packages must be public names.
+    Returns (accesses outside the allowlist, allowlisted accesses)."""
+    trees = {name: ast.parse(path.read_text(), str(path))
+             for name, path in modules.items() if path is not None}
+    defined: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        defined.setdefault(package_of(name), set()).update(_private_names_defined(tree))
+    found, allowed = [], []
+    for name, tree in trees.items():
+        own = defined[package_of(name)]
+        others = set().union(*(d for pkg, d in defined.items() if pkg != package_of(name)))
+        for node in ast.walk(tree):
+            attr = None
+            if isinstance(node, ast.Attribute) and _root_name(node) not in ("self", "cls",
+                                                                             "torch"):
+                attr = node.attr
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str)):
+                attr = node.args[1].value
+            if attr is None or attr not in others or attr in own:
+                continue
+            path = modules[name]
+            rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            where = f"{rel}:{node.lineno}: .{attr}"
+            (allowed if attr in PRIVATE_ATTRIBUTE_ALLOWLIST else found).append(where)
+    return found, allowed
+
+
 def line_count(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(1 for _ in f)
@@ -248,6 +320,15 @@ def main(argv=None) -> int:
     for p in private:
         print("  ", p)
     failed |= bool(private)
+
+    accesses, allowed = private_attribute_accesses(modules)
+    print(f"private attributes of another peak package touched: {len(accesses)} "
+          f"(+{len(allowed)} on the allowlist)")
+    for p in accesses:
+        print("  ", p)
+    for p in allowed:
+        print("   allowed:", p)
+    failed |= bool(accesses)
 
     long = long_files()
     print(f"files over {MAX_LINES} lines in python/peak and csrc: {len(long)}")

@@ -3,14 +3,18 @@
     python amp_ckpt_worker.py DIR    # for every config: load DIR/<config>.ckpt.pt, train M more steps,
                                      # save DIR/<config>.resumed.pt
 """
+import os
 import sys
 
-import torch
-from torch import nn
+if __name__ == "__main__":  # a fresh process: amp_helpers needs tests/ (peak_testing) on the path
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import amp_helpers as H
-from peak import amp
-from peak.amp._amp_state import _amp_state
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import amp_helpers as H  # noqa: E402
+from peak import amp  # noqa: E402
+from peak.amp._amp_state import _amp_state  # noqa: E402
 
 N_STEPS, M_STEPS = 4, 4
 CONFIGS = {f"{level}-{name}": (level, dtype) for level in H.LEVELS for name, dtype in H.DTYPES.items()}

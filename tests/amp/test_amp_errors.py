@@ -109,13 +109,15 @@ def test_non_scalar_and_non_tensor_loss():
     model, opt = _pair()
     amp.initialize(model, opt, opt_level="O1", verbosity=0)
     out = model(torch.randn(4, 6))
+    for p in model.parameters():  # gradients of an earlier pass, which a bad loss must not touch
+        p.grad = torch.ones_like(p)
     with pytest.raises(ValueError, match=r"loss must be a scalar.*shape \(4, 3\).*loss.mean\(\)"):
         with amp.scale_loss(out, opt):
             pass
     with pytest.raises(TypeError, match="loss must be a torch.Tensor, got float"):
         with amp.scale_loss(1.0, opt):
             pass
-    assert opt._amp_stash.grad_stash is None  # nothing was prepared
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
 
 
 @pytest.mark.parametrize("loss_id", [1, 5, -1, "0"])

@@ -13,6 +13,7 @@ from peak.amp import LossScaler
 from peak.amp._amp_state import _amp_state
 
 import amp_helpers as H
+from peak_testing import assert_poisoned_steps_skipped
 
 INF = float("inf")
 
@@ -104,25 +105,23 @@ def test_overflow_skips_exactly_that_step(level, low, capsys):
     adam = functools.partial(torch.optim.Adam, eps=1e-4)
     model, opt = _model_opt(level, low, opt_cls=adam, loss_scale="dynamic", verbosity=1, max_loss_scale=2.0**12)
     scaler = _amp_state.loss_scalers[0]
-    for step in range(2):
-        _train_step(model, opt, step)
-    assert scaler.loss_scale() == 2.0**12 and scaler._unskipped == 2
-    before = H.snapshot(model, opt)
-    capsys.readouterr()
 
-    _train_step(model, opt, 2, inject=True)
+    def step(i, poison):
+        capsys.readouterr()
+        _train_step(model, opt, i, inject=poison)
+        return dict(out=capsys.readouterr().out, scale=scaler.loss_scale(), unskipped=scaler._unskipped,
+                    params=H.snapshot(model, opt)["params"])
 
-    assert capsys.readouterr().out.endswith(
+    # step 2 leaves weights, masters, optimizer state (Adam step counts too) bit for bit, halves
+    runs = assert_poisoned_steps_skipped(step, 4, {2}, lambda: H.snapshot(model, opt),
+                                         scale=scaler.loss_scale)
+    assert (runs[1]["scale"], runs[1]["unskipped"]) == (2.0**12, 2)
+    assert runs[2]["out"].endswith(
         "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 2048.0\n")
-    assert scaler.loss_scale() == 2.0**11 and scaler._unskipped == 0
-    after = H.snapshot(model, opt)
-    H.assert_bitwise_equal(after, before)  # weights, masters, optimizer state (Adam step counts too)
-
-    _train_step(model, opt, 3)  # the next step is not skipped
-    assert "Gradient overflow" not in capsys.readouterr().out
-    changed = [not torch.equal(a, b) for a, b in zip(H.snapshot(model, opt)["params"], before["params"])]
-    assert any(changed)
-    assert scaler.loss_scale() == 2.0**11 and scaler._unskipped == 1
+    assert (runs[2]["scale"], runs[2]["unskipped"]) == (2.0**11, 0)
+    assert "Gradient overflow" not in runs[3]["out"]  # the next step is not skipped
+    assert any(not torch.equal(a, b) for a, b in zip(runs[3]["params"], runs[2]["params"]))
+    assert (runs[3]["scale"], runs[3]["unskipped"]) == (2.0**11, 1)
 
 
 def test_overflow_message_apex_format(capsys):

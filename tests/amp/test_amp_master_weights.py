@@ -136,7 +136,7 @@ def test_optimizer_state_dict_restores_masters_bit_for_bit(low, order):
         _step(model, opt, step)
     sd = opt.state_dict()
     masters = list(amp.master_params(opt))
-    saved = sd["amp_master_params"]
+    saved = {i: st["master_param"] for i, st in sd["state"].items() if "master_param" in st}
     assert set(saved) == {i for i, m in enumerate(masters) if m.dtype == torch.float32
                           and any(m is s for s in opt._amp_stash.masters)}
     assert any(not torch.equal(m.to(low).float(), m) for m in saved.values())  # masters hold more bits

@@ -53,3 +53,32 @@ def test_amp_under_its_ceiling():
     total, _counts = check_structure.amp_lines()
     assert total <= check_structure.AMP_CEILING, (total, check_structure.AMP_CEILING)
     assert check_structure.AMP_CEILING >= check_structure.AMP_BUDGET
+
+
+def test_no_private_attribute_of_another_package_touched():
+    found, allowed = check_structure.private_attribute_accesses(check_structure.package_modules())
+    assert found == []
+    assert all(a.rsplit(".", 1)[1] in check_structure.PRIVATE_ATTRIBUTE_ALLOWLIST for a in allowed)
+
+
+def test_private_attribute_check_sees_attributes_and_getattr(tmp_path):
+    """The contract between packages as amp used it before masters had one owner: attribute
+    accesses and getattr strings of names another package defines are found; a package's own
+    names and the allowlist are not."""
+    (tmp_path / "opt.py").write_text(
+        "class Opt:\n"
+        "    def _wants_master(self, p):\n        return self._own(p)\n"
+        "    def _own(self, p):\n        return p\n"
+        "    _step_supports_amp_scaling = True\n")
+    (tmp_path / "amp.py").write_text(
+        "def use(opt, p):\n"
+        "    opt._wants_master(p)\n"
+        "    getattr(opt, '_masters_have_grads', False)\n"
+        "    opt._step_supports_amp_scaling\n"
+        "    opt._local_thing = 1\n    return opt._local_thing\n")
+    (tmp_path / "opt2.py").write_text("def f(o):\n    o._masters_have_grads = True\n")
+    modules = {"peak.optimizers.fused": tmp_path / "opt.py", "peak.amp.handle": tmp_path / "amp.py",
+               "peak.optimizers.other": tmp_path / "opt2.py"}
+    found, allowed = check_structure.private_attribute_accesses(modules)
+    assert sorted(f.split(": ")[1] for f in found) == ["._masters_have_grads", "._wants_master"]
+    assert [a.split(": ")[1] for a in allowed] == ["._step_supports_amp_scaling"]

@@ -10,7 +10,8 @@ import math
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_helpers import batch, make_model, reset_amp, same, snapshot
+from dist_helpers import batch, make_model, reset_amp
+from peak_testing import bitwise_equal, state_tensors
 
 STEPS = 10
 POISON = {3: "loss_inf", 7: "input_nan"}  # injected on rank 1 only
@@ -41,20 +42,6 @@ def _optimizer(name, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return peak.optimizers.FusedAdam(params, lr=1e-2)
-
-
-def state_tensors(model, opt) -> list:
-    """Model parameters, then for each optimizer parameter its state tensors (masters, moments,
-    step counters) in a fixed order."""
-    out = [p.detach().clone() for p in model.parameters()]
-    for group in opt.param_groups:
-        for p in group["params"]:
-            out.append(p.detach().clone())
-            st = opt.state.get(p, {})
-            for k in sorted(st):
-                v = st[k]
-                out.append(v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
-    return out
 
 
 def _data(step, rank, poison):
@@ -94,7 +81,7 @@ def run_amp(rank, opt_level, low, opt_name, dynamic):
     scales, skipped = [], []
     for step in range(STEPS):
         x, y, what = _data(step, rank, dynamic)
-        before = snapshot(state_tensors(model, opt))
+        before = state_tensors(model, opt)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x).float(), y)
         if what == "loss_inf":
@@ -102,7 +89,7 @@ def run_amp(rank, opt_level, low, opt_name, dynamic):
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
         opt.step()
-        skipped.append(same(before, state_tensors(model, opt)))
+        skipped.append(bitwise_equal(before, state_tensors(model, opt)))
         scales.append(float(scaler.loss_scale()))
     return {"state": state_tensors(model, opt), "scales": scales, "skipped": skipped}
 
@@ -118,7 +105,7 @@ def run_scaler(rank, model_dtype, low, opt_name, dynamic):
     scales, skipped = [], []
     for step in range(STEPS):
         x, y, what = _data(step, rank, dynamic)
-        before = snapshot(state_tensors(model, opt))
+        before = state_tensors(model, opt)
         opt.zero_grad()
         with amp.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
             out = ddp(x.to(model_dtype))
@@ -128,7 +115,7 @@ def run_scaler(rank, model_dtype, low, opt_name, dynamic):
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        skipped.append(same(before, state_tensors(model, opt)))
+        skipped.append(bitwise_equal(before, state_tensors(model, opt)))
         scales.append(float(scaler.get_scale()))
     return {"state": state_tensors(model, opt), "scales": scales, "skipped": skipped,
             "skipped_steps": scaler.skipped_steps}

@@ -1,5 +1,6 @@
 """Multi-process helpers: spawn ``world_size`` gloo ranks on 127.0.0.1 (a free port), each runs a
-worker function that writes its results to ``<out_dir>/rank<r>.pt``; the test compares them."""
+worker function that writes its results to ``<out_dir>/rank<r>.pt``; the test compares them. The
+ranks are spawned processes: they get the parent's sys.path (tests/ with peak_testing included)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from peak_testing import make_mlp, regression_batch
 
 WORLD_SIZE = 2
 
@@ -58,18 +61,10 @@ def reset_amp() -> None:
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    """The distributed tests' model: Linear(16, 32) -> ReLU -> Linear(32, 4)."""
+    return make_mlp(seed, 16, 4, hidden=32, act=torch.nn.ReLU)
 
 
 def batch(step: int, rank: int, n: int = 8):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
-
-
-def snapshot(tensors) -> list:
-    return [t.detach().clone() for t in tensors]
-
-
-def same(a, b) -> bool:
-    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+    """Rank ``rank``'s batch at ``step``: x (n, 16), y (n, 4)."""
+    return regression_batch(1000 * step + rank, n, 16, 4)

@@ -10,7 +10,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_worker import POISON, STEPS, _data
-from dist_helpers import make_model, reset_amp, same, snapshot
+from dist_helpers import make_model, reset_amp
+from peak_testing import bitwise_equal
 
 
 def _params(model):
@@ -31,7 +32,7 @@ def run_zero_scaler(rank, model_dtype, low, optimizer_class):
     scales, skipped = [], []
     for step in range(STEPS):
         x, y, what = _data(step, rank, True)
-        before = snapshot(_params(model))
+        before = _params(model)
         opt.zero_grad()
         with amp.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
             out = ddp(x.to(model_dtype))
@@ -41,7 +42,7 @@ def run_zero_scaler(rank, model_dtype, low, optimizer_class):
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        skipped.append(same(before, _params(model)))
+        skipped.append(bitwise_equal(before, _params(model)))
         scales.append(float(scaler.get_scale()))
     local_state = []
     inner = getattr(opt, "optim", opt)
@@ -73,7 +74,7 @@ def run_amp(rank, level, low):
     scales, skipped = [], []
     for step in range(STEPS):
         x, y, what = _data(step, rank, True)
-        before = snapshot(_params(model))
+        before = _params(model)
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x).float(), y)
         if what == "loss_inf":
@@ -81,7 +82,7 @@ def run_amp(rank, level, low):
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
         opt.step()
-        skipped.append(same(before, _params(model)))
+        skipped.append(bitwise_equal(before, _params(model)))
         scales.append(float(scaler.loss_scale()))
     return {"params": _params(model), "scales": scales, "skipped": skipped}
 

@@ -6,12 +6,11 @@ import torch
 
 from peak.fp16_utils import FP16_Optimizer
 
-from peak_testing import dtype_id
+from peak_testing import assert_poisoned_steps_skipped, dtype_id, make_mlp, state_tensors
 
 
 def model_and_data(dtype, seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = make_mlp(seed, 8, 1, hidden=16)
     fp32 = copy.deepcopy(model)
     return model.to(dtype), fp32, [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(6)]
 
@@ -47,25 +46,19 @@ def test_dynamic_overflow_skips_and_halves():
     opt = make(model, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 1024.0},
                verbose=False)
     x, y = data[0]
-    opt.zero_grad()
-    opt.backward(torch.nn.functional.mse_loss(model(x.half()).float(), y))
-    opt.step()
-    before = [p.detach().clone() for p in opt.model_params]
-    masters = [m.detach().clone() for m in opt.master_params]
-    state = copy.deepcopy(opt.optimizer.state_dict()["state"])
-    opt.zero_grad()
-    loss = torch.nn.functional.mse_loss(model(x.half()).float(), y) * float("inf")
-    opt.backward(loss)
-    assert opt.overflow
-    opt.step()
+
+    def step(i, poison):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
+        opt.backward(loss * float("inf") if poison else loss)
+        if poison:
+            assert opt.overflow
+        opt.step()
+
+    # the skipped step leaves weights, masters and momentum buffers; the scale halves
+    assert_poisoned_steps_skipped(step, 2, {1}, lambda: state_tensors(model, opt.optimizer),
+                                  scale=lambda: opt.loss_scale)
     assert opt.loss_scale == 512.0
-    for a, b in zip(opt.model_params, before):
-        assert torch.equal(a, b)
-    for a, b in zip(opt.master_params, masters):
-        assert torch.equal(a, b)
-    after = opt.optimizer.state_dict()["state"]
-    for k in state:
-        assert torch.equal(after[k]["momentum_buffer"], state[k]["momentum_buffer"])
 
 
 def test_growth_after_window_and_state_dict_round_trip():
@@ -135,21 +128,21 @@ def test_fp32_parameters_are_unscaled_and_checked_like_apex():
 
 def test_inf_in_an_fp32_gradient_skips_the_step():
     low, high = mixed_model()
-    opt = make(torch.nn.ModuleList([low, high]), dynamic_loss_scale=True,
-               dynamic_loss_args={"init_scale": 1024.0}, verbose=False)
-    before = [p.detach().clone() for p in list(low.parameters()) + list(high.parameters())]
-    masters = [m.detach().clone() for m in opt.master_params]
-    opt.zero_grad()
-    opt.backward(mixed_loss(low, high, torch.randn(5, 4)))
-    high.bias.grad.fill_(float("inf"))  # only the fp32 parameter overflows
-    opt.update_master_grads()
-    assert opt.overflow
-    opt.step()
+    model = torch.nn.ModuleList([low, high])
+    opt = make(model, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 1024.0},
+               verbose=False)
+
+    def step(i, poison):
+        opt.zero_grad()
+        opt.backward(mixed_loss(low, high, torch.randn(5, 4)))
+        high.bias.grad.fill_(float("inf"))  # only the fp32 parameter overflows
+        opt.update_master_grads()
+        assert opt.overflow
+        opt.step()
+
+    assert_poisoned_steps_skipped(step, 1, {0}, lambda: state_tensors(model, opt.optimizer),
+                                  scale=lambda: opt.loss_scale)
     assert opt.loss_scale == 512.0
-    for a, b in zip(list(low.parameters()) + list(high.parameters()), before):
-        assert torch.equal(a, b)
-    for a, b in zip(opt.master_params, masters):
-        assert torch.equal(a, b)
 
 
 def test_dynamic_scale_never_drops_below_one():

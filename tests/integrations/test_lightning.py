@@ -127,7 +127,8 @@ def test_apex_plugin_trains_as_by_hand_and_resumes_bitwise(opt_level, dtype, tmp
     assert saved["AmpPrecision"]["amp"] == amp.state_dict()
     assert saved["AmpPrecision"]["opt_level"] == opt_level
     if opt_level == "O2":  # fp32 masters travel in the optimizer's state, exactly
-        masters = saved["optimizer_states"][0]["amp_master_params"]  # {index: master} of cast params
+        masters = {i: st["master_param"] for i, st in saved["optimizer_states"][0]["state"].items()
+                   if "master_param" in st}  # {index: master} of cast params
         live = list(amp.master_params(trainer.optimizers[0]))
         assert len(masters) == 4  # the two Linear layers' weight and bias; BatchNorm stays fp32
         assert all(torch.equal(m, live[i]) and m.dtype == torch.float32 for i, m in masters.items())

@@ -8,7 +8,6 @@ every step whose math does not depend on an L2 norm (docs/core.md: one functor p
 contraction, the same stateless random bits); steps that clip by a norm, LAMB's trust ratios and
 NovoGrad's layer norms sum in another order on CUDA, so they are compared within fp32 rounding.
 """
-import types
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch
 from peak.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD)
 from peak.optimizers._base import FusedOptimizer
 
-from peak_testing import DEVICES, state_bits
+from peak_testing import DEVICES, state_tensors
 from test_fused_optimizers import grads_for, make_params
 
 BF16, F16, F32, U8 = torch.bfloat16, torch.float16, torch.float32, torch.uint8
@@ -79,7 +78,7 @@ def stepped(case, device, steps=4, skip_step=2):
             p.grad = g * GRAD_SCALE
         found = torch.full((1,), float(step == skip_step), device=device)
         opt.step(grad_scale=torch.full((1,), GRAD_SCALE, device=device), found_inf=found)
-    return [t.cpu() for t in state_bits(types.SimpleNamespace(parameters=lambda: params), opt)]
+    return [t.cpu() for t in state_tensors(params, opt, held_params=False)]
 
 
 def assert_close_state(a, b):
@@ -111,7 +110,7 @@ def assert_close_quantized_norm_state(got, ref, lr, steps=4):
         if a.dtype == torch.uint8:
             flips = int((a != b).sum())
             assert flips <= max(2, 2e-3 * a.numel()), (flips, a.numel())
-        elif after_codes:  # the codes' fp32 scales (state_bits lists each after its codes)
+        elif after_codes:  # the codes' fp32 scales (state_tensors lists each after its codes)
             torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
         elif a.dim() == 0:
             assert torch.equal(a, b)  # step counts
@@ -182,7 +181,7 @@ def test_tensor_lr_changed_in_place_is_read_by_the_step(device, cls, kwargs):
             for p, g in zip(params, grads_for(step, params)):
                 p.grad = g
             opt.step()
-        runs.append(state_bits(types.SimpleNamespace(parameters=lambda: params), opt))
+        runs.append(state_tensors(params, opt, held_params=False))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -260,8 +259,8 @@ def test_captured_step_replays_with_lr_changed_between_replays(case):
         graph.replay()
         del junk
     torch.cuda.synchronize()
-    eager = state_bits(types.SimpleNamespace(parameters=lambda: params_e), opt_e)
-    replayed = state_bits(types.SimpleNamespace(parameters=lambda: params_g), opt_g)
+    eager = state_tensors(params_e, opt_e, held_params=False)
+    replayed = state_tensors(params_g, opt_g, held_params=False)
     for a, b in zip(eager, replayed):
         assert torch.equal(a, b), case
 

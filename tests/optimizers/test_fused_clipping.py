@@ -9,7 +9,7 @@ import torch
 import peak.amp.grad_scaler as peak_grad_scaler
 from peak import amp, ops
 from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD
-from peak_testing import opcheck_op
+from peak_testing import HostReads, assert_poisoned_steps_skipped, opcheck_op, state_tensors
 
 SHAPES = [(7, 13), (130,), (3, 5, 2), (65536 + 3,)]  # straddles a chunk boundary
 LOW = [torch.float16, torch.bfloat16]
@@ -88,8 +88,6 @@ def test_grad_scaler_hands_the_norm_of_its_check(monkeypatch, dtype, family):
     and the clipping; no other pass over the gradients, no host read; results bit-for-bit those
     of the same optimizer stepping the unscaled gradients by itself (the scale is a power of
     two), and an inf skips the step exactly as the check pass would."""
-    from torch_dialect.torch_dialect_helpers import HostReads
-
     make = {"sgd": lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9, max_grad_norm=40.0),
             "adamw": lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True, max_grad_norm=40.0),
             "lamb": lambda ps: FusedLAMB(ps, lr=1e-2, max_grad_norm=40.0)}[family]
@@ -101,10 +99,11 @@ def test_grad_scaler_hands_the_norm_of_its_check(monkeypatch, dtype, family):
     walks = _count(monkeypatch, peak_grad_scaler, "_unscale_param_grads")
     checks = _count(monkeypatch, ops, "multi_tensor_check_finite_")  # the one way to the check
     reads = HostReads()
-    for step in range(12):
+
+    def step(i, poison):
         scale = scaler.get_scale()
-        gs = grads_for(step, params)
-        if step == 5:
+        gs = grads_for(i, params)
+        if poison:
             gs[1][3] = float("inf")
         for p, q, g in zip(params, ref, gs):
             p.grad = (g.float() * scale).to(dtype)
@@ -115,15 +114,12 @@ def test_grad_scaler_hands_the_norm_of_its_check(monkeypatch, dtype, family):
             scaler.step(opt)
             scaler.update()
         assert len(norms) - n_before == 1  # one dtype: one pass
-        assert scaler.last_step_skipped == (step == 5)
-        if step != 5:
-            ref_opt.step()
+
+    assert_poisoned_steps_skipped(step, 12, {5}, lambda: state_tensors(params, opt),
+                                  skipped=lambda: scaler.last_step_skipped,
+                                  reference_step=lambda i: ref_opt.step(),
+                                  reference_state=lambda: state_tensors(ref, ref_opt))
     assert reads.count == 0 and not walks and not checks
-    for p, q in zip(params, ref):
-        assert torch.equal(p, q)
-    for p, q in zip(params, ref):
-        for key, value in opt.state[p].items():
-            assert torch.equal(value, ref_opt.state[q][key]), key
 
 
 def test_grad_scaler_after_unscale_lets_the_optimizer_measure():

@@ -8,8 +8,8 @@ import torch
 from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD, export_fp32_state_dict
 
 from peak_testing import (opcheck_op, DEVICES, TOLERANCES, dtype_id,
-                          assert_resumes_bit_for_bit_in_a_new_process,
-                          step_on_cpu_and_emulated_grid)
+                          assert_poisoned_steps_skipped, assert_resumes_bit_for_bit_in_a_new_process,
+                          state_tensors, step_on_cpu_and_emulated_grid)
 
 LOW = [torch.float16, torch.bfloat16]
 SHAPES = [(7, 13), (130,), (3, 5, 2), (1,), (65536 + 3,)]  # straddles a chunk boundary
@@ -511,16 +511,21 @@ def test_torch_grad_scaler_hands_off_by_attributes(make):
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     x = torch.randn(4, 5)
-    for poison in (False, True, False):
+
+    def step(i, poison):
         opt.zero_grad()
         loss = model(x).square().mean() * (float("inf") if poison else 1.0)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        if not poison:
-            ref_opt.zero_grad()
-            ref(x).square().mean().backward()
-            ref_opt.step()
+
+    def reference_step(i):
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+
+    assert_poisoned_steps_skipped(step, 3, {1}, lambda: state_tensors(model, opt),
+                                  reference_step=reference_step)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -13,7 +13,12 @@ import os
 import random
 import sys
 
-import torch
+if __name__ == "__main__":  # the SIGKILL test's child: tests/ (peak_testing) is not on its path
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from peak_testing import bitwise_equal, make_mlp, regression_batch, state_tensors  # noqa: E402
 
 # name -> (model dtype, autocast dtype or None, optimizer)
 CONFIGS = {
@@ -75,8 +80,7 @@ def build(config: str):
     from peak import amp
 
     model_dtype, low, opt_name = CONFIGS[config]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = make_mlp(0, 8, 4, hidden=16)
     if not is_amp(config):
         model = model.to(model_dtype)
     if opt_name == "fused_adam":
@@ -99,21 +103,7 @@ def build(config: str):
 
 
 def batch(step: int):
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-
-
-def state_tensors(model, opt) -> list:
-    """Every model weight, then every optimizer state tensor (masters, moments, step counters)."""
-    out = [p.detach().clone() for p in model.parameters()]
-    for group in opt.param_groups:
-        for p in group["params"]:
-            out.append(p.detach().clone())  # amp O2 with a torch optimizer: the fp32 master
-            st = opt.state.get(p, {})
-            for k in sorted(st):
-                v = st[k]
-                out.append(v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(float(v)))
-    return out
+    return regression_batch(step, 16, 8, 4)
 
 
 def all_finite(tensors) -> bool:
@@ -177,8 +167,7 @@ def run(config: str, steps: int, plan: dict, *, by_construction: bool = False, c
             before = state_tensors(model, opt) if is_amp(config) else None
             train_step(model, opt, scaler, config, s, plan.get(s))
             if before is not None:  # amp has no last_step_skipped: nothing changed = skipped
-                after = state_tensors(model, opt)
-                skipped.append(all(torch.equal(a, b) for a, b in zip(before, after)))
+                skipped.append(bitwise_equal(before, state_tensors(model, opt)))
             else:
                 skipped.append(scaler.last_step_skipped)
         scales.append(get_scale(scaler))

@@ -8,8 +8,9 @@ import torch
 
 from peak import amp
 from peak.amp.grad_scaler import OptState, _refresh_per_optimizer_state
-from peak_testing import DEVICES, DTYPES, dtype_id
-from torch_dialect_helpers import HostReads, batches, make_model
+from peak_testing import (DEVICES, DTYPES, HostReads, assert_poisoned_steps_skipped, dtype_id,
+                          state_tensors)
+from torch_dialect_helpers import batches, make_model
 
 F = torch.nn.functional
 INF, NAN = float("inf"), float("nan")
@@ -262,22 +263,29 @@ def test_half_model_training(dtype):
     ref = make_model(dtype=dtype)
     o, o_ref = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     s = amp.GradScaler("cpu", init_scale=256.0, growth_interval=1000)
-    for i, (x, y) in enumerate(batches(6, inf_at=(2,))):
-        x, y = x.to(dtype), y.to(dtype)
-        scale = s.get_scale()
+    poisoned = {2}  # an inf in the batch's input
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(6, inf_at=poisoned)]
+    scales = []
+
+    def step(i, poison):
+        x, y = data[i]
+        scales.append(s.get_scale())
         o.zero_grad()
         s.scale(F.mse_loss(m(x), y)).backward()
-        o_ref.zero_grad()
-        (F.mse_loss(ref(x), y) * torch.tensor(scale)).backward()
         s.step(o)
-        if i != 2:
-            for p in ref.parameters():
-                p.grad = (p.grad.float() * (1 / scale)).to(dtype)
-            o_ref.step()
         s.update()
-        assert s.last_step_skipped == (i == 2)
-    for a, b in zip(m.parameters(), ref.parameters()):
-        assert torch.equal(a, b)
+
+    def reference_step(i):
+        x, y = data[i]
+        o_ref.zero_grad()
+        (F.mse_loss(ref(x), y) * torch.tensor(scales[i])).backward()
+        for p in ref.parameters():
+            p.grad = (p.grad.float() * (1 / scales[i])).to(dtype)
+        o_ref.step()
+
+    assert_poisoned_steps_skipped(step, 6, poisoned, lambda: state_tensors(m, o),
+                                  skipped=lambda: s.last_step_skipped, reference_step=reference_step,
+                                  reference_state=lambda: state_tensors(ref, o_ref))
 
 
 def test_sparse_gradients():
@@ -490,16 +498,25 @@ def test_peak_fused_optimizer_hand_off():
     o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     s = amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
     reads = HostReads()
-    for i, (x, y) in enumerate(batches(5, inf_at=(2,))):
+    poisoned = {2}  # an inf in the batch's input
+    data = batches(5, inf_at=poisoned)
+
+    def step(i, poison):
+        x, y = data[i]
         o.zero_grad()
-        o_ref.zero_grad()
         s.scale(F.mse_loss(m(x), y)).backward()
         with reads.counting():
             s.step(o)
         s.update()
+
+    def reference_step(i):
+        x, y = data[i]
+        o_ref.zero_grad()
         F.mse_loss(ref(x), y).backward()
-        if i != 2:
-            o_ref.step()
+        o_ref.step()
+
+    assert_poisoned_steps_skipped(step, 5, poisoned, lambda: state_tensors(m, o),
+                                  reference_step=reference_step)
     assert reads.count == 0 and s.skipped_steps == 1
     for a, b in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from peak import amp
-from torch_dialect_helpers import HostReads, batches, make_model, params_equal, twin
+from peak_testing import HostReads
+from torch_dialect_helpers import batches, make_model, params_equal, twin
 
 F = torch.nn.functional
 

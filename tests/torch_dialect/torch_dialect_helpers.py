@@ -3,13 +3,12 @@ import copy
 
 import torch
 
-from peak_testing import HostReads  # noqa: F401 (re-exported: the tests import it here)
+from peak_testing import bitwise_equal, make_mlp
 
 
 def make_model(seed=0, width=8, dtype=torch.float32):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, width)).to(dtype)
+    """Linear(width, width) -> ReLU -> Linear(width, width)."""
+    return make_mlp(seed, width, width, hidden=width, act=torch.nn.ReLU, dtype=dtype)
 
 
 def twin(model, opt_factory):
@@ -19,6 +18,8 @@ def twin(model, opt_factory):
 
 
 def batches(n, width=8, batch=4, seed=1, inf_at=(), nan_at=()):
+    """``n`` batches from one generator; an inf (a NaN) in the inputs of the steps ``inf_at``
+    (``nan_at``)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -33,4 +34,5 @@ def batches(n, width=8, batch=4, seed=1, inf_at=(), nan_at=()):
 
 
 def params_equal(m1, m2):
-    return all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+    """The two models' parameters bit for bit."""
+    return bitwise_equal(list(m1.parameters()), list(m2.parameters()))

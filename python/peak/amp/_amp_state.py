@@ -77,9 +77,7 @@ def master_params(optimizer):
         torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)
     """
     stash = getattr(optimizer, "_amp_stash", None)
-    if stash is not None and stash.fused:
-        # A peak fused optimizer keeps its masters in its state and reads the model's (scaled)
-        # gradients: the masters get fp32 gradients for clipping, which the step then reads.
-        yield from stash.fused_master_params()
+    if stash is not None:  # (a fused optimizer's masters get fp32 gradients for clipping here)
+        yield from stash.master_params()
         return
     yield from (p for group in optimizer.param_groups for p in group["params"])

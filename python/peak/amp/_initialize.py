@@ -15,9 +15,11 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from peak.optimizers.masters import master_of_param
+
 from . import _caster
 from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
-from ._process_optimizer import inner_optimizer, master_of, process_optimizer
+from ._process_optimizer import inner_optimizer, process_optimizer
 
 # Models that went through an enabled amp.initialize (params may be cast, forward patched).
 _initialized_models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -251,7 +253,7 @@ def _refresh_masters_hook(module, incompatible_keys) -> None:
     (which restores the exact masters) is bit-for-bit in either order."""
     with torch.no_grad():
         for p in module._parameters.values():
-            master = master_of.get(p) if p is not None else None
+            master = master_of_param(p) if p is not None else None
             if master is not None and not torch.equal(master.to(p.dtype), p):
                 master.copy_(p)
 

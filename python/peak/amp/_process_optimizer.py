@@ -1,26 +1,33 @@
-"""What ``amp.initialize`` does to optimizers: ``optimizer._amp_stash`` (an ``AmpOptimizerState``:
-master weights, gradient unscaling, step skipping) and instance-level ``step``, ``zero_grad`` and
-``add_param_group``. Design: docs/amp_api.md, "Master weights (O2)", "Fused optimizers under amp".
+"""What ``amp.initialize`` does to optimizers: ``optimizer._amp_stash`` and instance-level
+``step``, ``zero_grad`` and ``add_param_group``. The master weights belong to peak.optimizers
+(``peak.optimizers.masters``); a stash is one of two kinds, by who reads the scaled gradients:
+
+- ``ScaledGradsState``: a peak fused optimizer with master weights (not inside a wrapper) keeps
+  its masters and reads the model's scaled gradients; amp hands its step ``grad_scale``,
+  ``found_inf`` and the gradient norm;
+- ``UnscaledGradsState``: any other optimizer; amp unscales into the masters of a
+  ``MasterWeights`` store (O2) or in place.
+
+The skip: when the step takes ``found_inf`` (peak's fused optimizers, torch's ``fused=True``) it
+is decided on the device, and the "Gradient overflow" message comes from a non-blocking copy
+(docs/amp_api.md, "The skip on overflow"); otherwise one host read at ``scale_loss`` exit decides,
+as torch's GradScaler does for non-fused optimizers.
 """
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from peak import ops
+from peak.optimizers.masters import LOW_DTYPES, MasterWeights
 
 from . import _caster
-from ._amp_state import LOW_DTYPES, _amp_state, log_skip_step, maybe_print
+from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
 from ..scaling import OverflowFlags, group_by_device_dtype, unscale_grads_
-
-# model parameter -> its fp32 master (used by the model's load_state_dict hook to refresh masters).
-master_of = WeakIdKeyDictionary()
-
-MASTERS_KEY = "amp_master_params"
 
 
 def inner_optimizer(optimizer):
@@ -43,40 +50,26 @@ def inner_optimizer(optimizer):
 
 
 class AmpOptimizerState:
-    def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int,
-                 wrapped: bool = False) -> None:
-        from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (it imports nothing of amp)
+    """What both kinds share: the step's skip (on the device or the host), its log line."""
 
+    consumes_scaled_grads = False
+
+    def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int) -> None:
         self.optimizer = optimizer
         self.master_weights = master_weights
-        # A peak fused optimizer with master weights, not inside a wrapper (which may read the
-        # gradients before the inner step, as LARC does: they must be unscaled by then).
-        self.fused = master_weights and isinstance(optimizer, FusedOptimizer) and not wrapped
-        self.fused_params: list[torch.Tensor] = []
-        self.fused_grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
-        # ...is a static 1 (known on the host): step() then neither unscales nor stores them back.
-        self.fused_scale_is_one = False
-        # Their global norm, when the optimizer clips (taken by the inf/NaN check's pass).
-        self.fused_grad_norm: torch.Tensor | None = None
-        # Gradients set aside while a pass runs after an overflow: (params, grads, their scale).
-        self.fused_set_aside: tuple | None = None
-        # amp.master_params gave the masters fp32 gradients, which the step reads instead.
-        self.fused_master_grads = False
         self.o1 = o1
-        self.warned_no_master_grads = False
         self.generation = generation
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
         self.params_have_scaled_gradients = False
-        self.pending_skip = None  # (loss_id, scaler) of an overflow: the next step() is a no-op
+        # The step takes found_inf and skips on the device (torch's protocol attribute).
+        self.device_skip = (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+                            and not isinstance(optimizer, torch.optim.LBFGS))
+        self.found_inf = None  # device skip: the flag the next step() hands over
+        self.pending_skip = None  # host skip: (loss_id, scaler) of an overflow
+        self.reports: list = []  # device skip: (loss_id, [flag, new scale]) for the message
+        self.in_flight: list = []  # (step, loss_id, host copy, event) of reports being copied
         self.step_count = 0  # step() calls since initialize, skipped ones included (log line)
-        # Master weights: parallel lists of low-precision model params and their fp32 masters.
-        self.model_low_params: list[torch.Tensor] = []
-        self.masters: list[torch.Tensor] = []
-        # Params that are their own masters (fp32 params; every param without master weights).
-        self.own_master_params: list[torch.Tensor] = []
-        self.grad_stash: list | None = None
-        self.loaded_masters = None  # masters read from a checkpoint, applied after load_state_dict
-        self.copy_flags = OverflowFlags()  # throwaway overflow flags for master->model copies
+        self.warned_no_master_grads = False
         self.orig_step = optimizer.step
         self.orig_zero_grad = optimizer.zero_grad
         self.orig_add_param_group = optimizer.add_param_group
@@ -85,87 +78,153 @@ class AmpOptimizerState:
     def already_patched(self) -> bool:  # Apex name: a skip is pending
         return self.pending_skip is not None
 
-    # ------------------------------------------------------------------ params
-    def register_params(self, params, fp32_originals=None) -> list:
-        """Sort ``params`` into masters / own masters; return the list to put into the param
-        group (low-precision params replaced by their new fp32 masters): the parameter's fp32 data
-        from before ``initialize`` cast it when known (``fp32_originals``), else an upcast copy."""
-        out = []
-        if self.fused:
-            for p in params:
-                original = fp32_originals.pop(id(p), None) if fp32_originals else None
-                # the exact fp32 weights from before the cast become the optimizer's master
-                if (original is not None and p.dtype in LOW_DTYPES
-                        and self.optimizer._wants_master(p)):
-                    self.optimizer.state[p]["master_param"] = original
-                self.fused_params.append(p)
-                out.append(p)
-            return out
-        for p in params:
-            if self.master_weights and p.requires_grad and p.dtype in LOW_DTYPES:
-                original = fp32_originals.pop(id(p), None) if fp32_originals else None
-                data = original if original is not None else p.detach().to(torch.float32, copy=True)
-                master = torch.nn.Parameter(data, requires_grad=True)
-                self.model_low_params.append(p)
-                self.masters.append(master)
-                master_of[p] = master
-                out.append(master)
+    def note_overflow(self, loss_id: int, scaler) -> None:
+        """A ``scale_loss`` exit of a dynamic scaler (device skip): keep its flag for step()."""
+        flag = scaler.found_inf_on(self.device)
+        if self.found_inf is None:
+            self.found_inf = flag
+        else:
+            torch.maximum(self.found_inf, flag, out=self.found_inf)
+        if _amp_state.verbosity > 0 or logger.isEnabledFor(logging.INFO):
+            self.reports.append((loss_id, torch.cat([flag, scaler.scale.to(flag.device)])))
+
+    @property
+    def device(self) -> torch.device:
+        return next((p.device for g in self.optimizer.param_groups for p in g["params"]),
+                    torch.device("cpu"))
+
+    def send_reports(self, step_index: int) -> None:
+        """Start the copies of this step's overflow reports to the host (no wait)."""
+        for loss_id, report in self.reports:
+            event = None
+            if report.device.type == "cuda":
+                host = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
+                host.copy_(report, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
             else:
-                if p.requires_grad or not self.master_weights:
-                    self.own_master_params.append(p)
-                out.append(p)
-        return out
+                host = report
+            self.in_flight.append((step_index, loss_id, host, event))
+        self.reports = []
 
-    def copy_masters_to_model(self) -> None:
-        with torch.no_grad():
-            unscale_grads_(self.masters, 1.0, self.copy_flags, outputs=self.model_low_params)
+    def print_reports(self) -> None:
+        """The messages of skipped steps whose reports have arrived (one per step)."""
+        printed = set()
+        while self.in_flight and (self.in_flight[0][3] is None or self.in_flight[0][3].query()):
+            step_index, loss_id, host, _ = self.in_flight.pop(0)
+            skipped, new_scale = host.tolist()
+            if skipped and step_index not in printed:
+                printed.add(step_index)
+                self.print_skip(step_index, loss_id, new_scale)
 
-    # ------------------------------------------------------------------ fused path
-    def fused_prepare_backward(self, scaler) -> None:
-        """Gradients still pending from an earlier pass carry that pass's scale: bring them to the
-        scale of the pass about to run, so that the backward accumulates like with like. After an
-        overflow (a skip is pending) set them aside instead: they may hold the inf/NaN that was
-        already charged to the earlier pass's scaler, and must not be charged to this one."""
-        if self.fused_master_grads:
+    def print_skip(self, step_index: int, loss_id: int, new_scale: float) -> None:
+        maybe_print("Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}"
+                    .format(loss_id, new_scale))
+        log_skip_step(step_index, loss_id, new_scale, type(self.optimizer).__name__)
+
+    def abort_backward(self) -> None:
+        """Undo ``prepare_backward`` (the backward pass raised)."""
+
+    def master_params(self):
+        yield from (p for group in self.optimizer.param_groups for p in group["params"])
+
+    def before_step(self) -> None:
+        """Checks of the step about to run."""
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """After the optimizer's own ``zero_grad``: what amp keeps for the step is dropped."""
+        self.params_have_scaled_gradients = False
+
+
+class ScaledGradsState(AmpOptimizerState):
+    """A peak fused optimizer that owns its masters and reads the scaled gradients."""
+
+    consumes_scaled_grads = True
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.params: list[torch.Tensor] = []
+        self.grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
+        # ...is a static 1 (known on the host): step() then neither unscales nor stores them back.
+        self.scale_is_one = False
+        # Their global norm, when the optimizer clips (taken by the inf/NaN check's pass).
+        self.grad_norm: torch.Tensor | None = None
+        # Gradients set aside while a later pass runs: (params, grads, their scale).
+        self.set_aside: tuple | None = None
+        # amp.master_params gave the masters fp32 gradients, which the step reads instead.
+        self.master_grads_given = False
+
+    def register_params(self, params, fp32_originals=None) -> list:
+        """The params stay in the group; the exact fp32 weights from before the cast become the
+        optimizer's masters."""
+        for p in params:
+            original = fp32_originals.pop(id(p), None) if fp32_originals else None
+            if original is not None and p.dtype in LOW_DTYPES:
+                self.optimizer.set_master(p, original)
+            self.params.append(p)
+        return list(params)
+
+    def holds(self, p) -> bool:
+        return any(q is p for q in self.params)
+
+    def mark(self):
+        return len(self.params)
+
+    def rollback(self, mark) -> None:
+        del self.params[mark:]
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        super().zero_grad(set_to_none)
+        self.drop_pending()  # (the optimizer's zero_grad dropped the masters' gradients)
+
+    def prepare_backward(self, scaler) -> None:
+        """Gradients still pending from an earlier pass carry that pass's scale and may hold an
+        inf/NaN already charged to its scaler: set them aside while this pass runs; its exit
+        checks the new gradients alone, then adds the earlier ones back at the new scale."""
+        if self.master_grads_given:
             raise RuntimeError(
                 "amp.scale_loss: amp.master_params(optimizer) already gave this fused optimizer's "
                 "fp32 master weights their gradients (for clipping) and no step() or zero_grad() "
                 "has used them since. Read amp.master_params once per step, after the last "
                 "scale_loss block of the step (gradient accumulation: after the last micro-batch).")
-        params = [p for p in self.fused_params if p.grad is not None]
-        if self.fused_grad_scale is None or not params:
+        params = [p for p in self.params if p.grad is not None]
+        if self.grad_scale is None or not params:
             return
-        if self.pending_skip is not None:
-            self.fused_set_aside = (params, [p.grad for p in params], self.fused_grad_scale)
-            for p in params:
-                p.grad = None
-        else:
-            _rescale_([p.grad for p in params], scaler.scale, self.fused_grad_scale)
-        self.fused_grad_scale = self.fused_grad_norm = None
+        self.set_aside = (params, [p.grad for p in params], self.grad_scale)
+        for p in params:
+            p.grad = None
+        self.grad_scale = self.grad_norm = None
 
-    def fused_post_backward(self, scaler) -> None:
-        self.fused_grad_norm = None
+    def abort_backward(self) -> None:
+        if self.set_aside is not None:
+            params, grads, self.grad_scale = self.set_aside
+            for p, g in zip(params, grads):
+                p.grad = g
+            self.set_aside = None
+
+    def post_backward(self, scaler) -> None:
+        self.grad_norm = None
         with torch.no_grad():
-            if self.fused_set_aside is None and self.optimizer._wants_grad_norm:
+            if self.set_aside is None and self.optimizer.clips_by_norm:
                 # The optimizer clips: the global norm's pass is the inf/NaN check as well (a
                 # non-finite gradient makes the norm non-finite): NOTE [Clipping inside the step].
-                norm = self.optimizer._global_grad_norm()
+                norm = self.optimizer.grad_norm()
                 if norm is not None:
                     flag = scaler.found_inf_for(norm.device)
                     torch.maximum(flag, (~torch.isfinite(norm)).to(flag.dtype).reshape(flag.shape),
                                   out=flag)
-                    self.fused_grad_norm = norm
-            else:  # after an overflow: the new gradients alone, then the earlier ones added back
+                    self.grad_norm = norm
+            else:  # the new gradients alone, then the earlier ones added back
                 if scaler.dynamic:  # a static scaler never reads the flag (as Apex): no pass
-                    scaler.check([p.grad for p in self.fused_params if p.grad is not None])
-                if self.fused_set_aside is not None:
+                    scaler.check([p.grad for p in self.params if p.grad is not None])
+                if self.set_aside is not None:
                     self._add_back_set_aside(scaler)
-        self.fused_grad_scale = scaler.scale.clone()  # taken before the scale is updated
-        self.fused_scale_is_one = scaler.is_static_one()
+        self.grad_scale = scaler.scale.clone()  # taken before the scale is updated
+        self.scale_is_one = scaler.is_static_one()
 
     def _add_back_set_aside(self, scaler) -> None:
-        params, olds, old_scale = self.fused_set_aside
-        self.fused_set_aside = None
+        params, olds, old_scale = self.set_aside
+        self.set_aside = None
         both_new, both_old, only_old = [], [], []
         for p, old in zip(params, olds):
             if p.grad is None:
@@ -180,102 +239,92 @@ class AmpOptimizerState:
                                     check="none")
         _rescale_(only_old, scaler.scale, old_scale)
 
-    def fused_master_params(self):
-        """The fp32 weights the fused optimizer steps, with fp32 gradients to clip (see the module
-        docstring): masters get the unscaled model gradients in fp32 (exact for the power-of-two
-        scales loss scalers use), fp32 parameters their own gradients unscaled in place."""
-        opt = self.optimizer
-        if not self.fused_master_grads:
-            with torch.no_grad():
-                scale = self.fused_grad_scale
-                lows, masters, own = [], [], []
-                for p in self.fused_params:
-                    if p.grad is None:
-                        continue
-                    # (A master kept as a remainder has no fp32 tensor: its bf16 param's
-                    # gradient is unscaled in place, exactly, as an fp32 param's is.)
-                    if opt._wants_master(p) and not opt._wants_remainder(p):
-                        state = opt.state[p]
-                        if "master_param" not in state:
-                            state["master_param"] = p.detach().to(torch.float32, copy=True)
-                        master = state["master_param"]
-                        master.grad = torch.empty_like(master)
-                        lows.append(p.grad)
-                        masters.append(master.grad)
-                    else:
-                        own.append(p.grad)
-                inv = 1.0 if scale is None else scale.reciprocal()
-                unscale_grads_(lows, inv, OverflowFlags(), outputs=masters)
-                if scale is not None:
-                    unscale_grads_(own, inv, OverflowFlags())
-            opt._masters_have_grads = True  # zero_grad() drops them
-            if scale is not None:
-                self.fused_grad_scale = torch.ones_like(scale)
-            self.fused_grad_norm = None  # the step measures what it reads (maybe clipped)
-            self.fused_master_grads = True
-        for group in opt.param_groups:
-            for p in group["params"]:
-                master = (opt.state.get(p) or {}).get("master_param")
-                yield master if master is not None else p
+    def master_params(self):
+        """The fp32 weights the optimizer steps, their gradients unscaled into fp32 for clipping
+        (the optimizer's ``give_master_grads``), which the step then reads."""
+        if not self.master_grads_given:
+            self.optimizer.give_master_grads(self.grad_scale)
+            if self.grad_scale is not None:
+                self.grad_scale = torch.ones_like(self.grad_scale)
+            self.grad_norm = None  # the step measures what it reads (maybe clipped)
+            self.master_grads_given = True
+        yield from self.optimizer.master_params()
 
-    def drop_master_grads(self) -> None:
-        """Drop the fp32 masters' gradients (amp's masters and a fused optimizer's)."""
-        for m in self.masters:
-            m.grad = None
-        for p in self.fused_params:
-            master = (self.optimizer.state.get(p) or {}).get("master_param")
-            if master is not None:
-                master.grad = None
-        self.fused_master_grads = False
+    def run_step(self, args, found_inf):
+        unit = self.scale_is_one and not self.master_grads_given
+        grad_scale, self.grad_scale = (None if unit else self.grad_scale), None
+        grad_norm, self.grad_norm = self.grad_norm, None
+        result = self.orig_step(*args, grad_scale=grad_scale, found_inf=found_inf,
+                                grad_norm=grad_norm)
+        self.master_grads_given = False  # the step used and dropped them
+        return result
 
-    # ------------------------------------------------------------------ backward
-    def prepare_backward(self) -> None:
-        for p in self.model_low_params:
-            p.grad = None
-        self.grad_stash = [p.grad for p in self.own_master_params]
-        for p in self.own_master_params:
-            p.grad = None
+    def drop_pending(self) -> None:
+        self.optimizer.drop_master_grads()
+        self.grad_scale = self.grad_norm = self.set_aside = None
+        self.master_grads_given = False
+
+
+class UnscaledGradsState(AmpOptimizerState):
+    """Any other optimizer: the gradients are unscaled into the fp32 masters of a
+    ``MasterWeights`` store (O2: the masters stand in for the fp16/bf16 params in the groups)
+    or in place (fp32 params, and every param without master weights)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.store = MasterWeights()
+
+    @property
+    def masters(self) -> list:  # Apex scripts' view
+        return self.store.masters
+
+    def register_params(self, params, fp32_originals=None) -> list:
+        return self.store.register(params, self.master_weights, fp32_originals)
+
+    def holds(self, p) -> bool:
+        return self.store.holds(p)
+
+    def mark(self):
+        return self.store.mark()
+
+    def rollback(self, mark) -> None:
+        self.store.rollback(mark)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        super().zero_grad(set_to_none)
+        self.store.zero_grad(set_to_none)
+
+    def before_step(self) -> None:
+        if self.store.masters and not self.warned_no_master_grads:
+            _warn_if_backward_bypassed_amp(self)
+
+    def prepare_backward(self, scaler) -> None:
+        self.store.set_grads_aside()
 
     def abort_backward(self) -> None:
-        """Undo ``prepare_backward`` / ``fused_prepare_backward`` (the backward pass raised):
-        restore the stashed gradients, put set-aside ones back as they were."""
-        if self.grad_stash is not None:
-            for p, s in zip(self.own_master_params, self.grad_stash):
-                p.grad = s
-        for p in self.model_low_params:
-            p.grad = None
-        self.grad_stash = None
-        if self.fused_set_aside is not None:
-            params, grads, self.fused_grad_scale = self.fused_set_aside
-            for p, g in zip(params, grads):
-                p.grad = g
-            self.fused_set_aside = None
+        self.store.restore_grads()
 
     def post_backward(self, scaler) -> None:
-        """Unscale the backward's gradients into the master gradients (own masters: in place),
-        adding those of earlier backward passes of the step."""
-        with torch.no_grad():
-            rows = []  # (new gradient, earlier gradient or None, output)
-            for p, m in zip(self.model_low_params, self.masters):
-                if p.grad is not None:
-                    if m.grad is None:
-                        m.grad = torch.empty_like(m)
-                        rows.append((p.grad, None, m.grad))
-                    else:
-                        rows.append((p.grad, m.grad, m.grad))
-            stash = self.grad_stash or [None] * len(self.own_master_params)
-            for p, s in zip(self.own_master_params, stash):
-                if p.grad is None:
-                    p.grad = s
-                else:
-                    rows.append((p.grad, s, p.grad))
-            new = [r for r in rows if r[1] is None]
-            acc = [r for r in rows if r[1] is not None]
-            if new:
-                scaler.unscale([r[0] for r in new], [r[2] for r in new])
-            if acc:
-                scaler.unscale_with_stashed(*([r[i] for r in acc] for i in range(3)))
-        self.grad_stash = None
+        self.store.take_grads(scaler)
+
+    def run_step(self, args, found_inf):
+        opt = self.optimizer
+        if found_inf is not None:  # torch's fused optimizers read it as an attribute
+            opt.found_inf = found_inf.reshape(())
+        try:
+            if self.o1:
+                with _caster.disabled():
+                    return self.orig_step(*args)
+            return self.orig_step(*args)
+        finally:
+            if found_inf is not None:
+                del opt.found_inf
+            if self.store.masters:
+                self.store.copy_to_model()
+                self.store.drop_grads()
+
+    def drop_pending(self) -> None:
+        self.store.drop_grads()
 
 
 def _rescale_(grads, new_scale: torch.Tensor, old_scale: torch.Tensor) -> None:
@@ -286,10 +335,16 @@ def _rescale_(grads, new_scale: torch.Tensor, old_scale: torch.Tensor) -> None:
 
 
 def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool = False) -> None:
-    """``wrapped``: ``optimizer`` is the inner optimizer of a wrapper (see ``inner_optimizer``)."""
-    stash = AmpOptimizerState(optimizer, bool(properties.master_weights),
-                              bool(properties.patch_torch_functions), _amp_state.generation,
-                              wrapped=wrapped)
+    """``wrapped``: ``optimizer`` is the inner optimizer of a wrapper (see ``inner_optimizer``),
+    which may read the gradients before the inner step (as LARC does): they are unscaled by then.
+    """
+    from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (it imports nothing of amp)
+
+    master_weights = bool(properties.master_weights)
+    kind = (ScaledGradsState if master_weights and isinstance(optimizer, FusedOptimizer)
+            and not wrapped else UnscaledGradsState)
+    stash = kind(optimizer, master_weights, bool(properties.patch_torch_functions),
+                 _amp_state.generation)
     had_state = len(optimizer.state) > 0
     for group in optimizer.param_groups:
         old = list(group["params"])
@@ -305,10 +360,8 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
     optimizer.step = types.MethodType(_step, optimizer)
     optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)
     optimizer.add_param_group = types.MethodType(_add_param_group, optimizer)
-    if stash.master_weights and not stash.fused:  # a fused optimizer saves its masters itself
-        optimizer.register_state_dict_post_hook(_save_masters_hook)
-        optimizer.register_load_state_dict_pre_hook(_take_masters_hook)
-        optimizer.register_load_state_dict_post_hook(_restore_masters_hook)
+    if kind is UnscaledGradsState and master_weights:  # a fused optimizer saves its own masters
+        stash.store.attach(optimizer)
 
 
 def _step(self, closure=None):
@@ -330,33 +383,18 @@ def _step(self, closure=None):
                 loss = closure()
     step_index = stash.step_count
     stash.step_count += 1
+    stash.print_reports()  # earlier steps' skips whose reports have arrived
     if stash.pending_skip is not None:
         loss_id, scaler = stash.pending_skip
         stash.pending_skip = None
-        new_scale = scaler.loss_scale()
-        maybe_print("Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}"
-                    .format(loss_id, new_scale))
-        log_skip_step(step_index, loss_id, new_scale, type(self).__name__)
-        stash.drop_master_grads()
-        stash.fused_grad_scale = stash.fused_grad_norm = None
+        stash.print_skip(step_index, loss_id, scaler.loss_scale())
+        stash.drop_pending()
         return loss
-    if stash.masters and not stash.warned_no_master_grads:
-        _warn_if_backward_bypassed_amp(stash)
-    if stash.fused:
-        unit = stash.fused_scale_is_one and not stash.fused_master_grads
-        grad_scale, stash.fused_grad_scale = (None if unit else stash.fused_grad_scale), None
-        grad_norm, stash.fused_grad_norm = stash.fused_grad_norm, None
-        result = stash.orig_step(*args, grad_scale=grad_scale, grad_norm=grad_norm)
-        stash.fused_master_grads = False  # the step used and dropped them
-    elif stash.o1:
-        with _caster.disabled():
-            result = stash.orig_step(*args)
-    else:
-        result = stash.orig_step(*args)
-    if stash.masters:
-        stash.copy_masters_to_model()
-        for m in stash.masters:
-            m.grad = None
+    stash.before_step()
+    found_inf, stash.found_inf = stash.found_inf, None
+    result = stash.run_step(args, found_inf)
+    stash.send_reports(step_index)
+    stash.print_reports()  # at once where the report needs no copy (the CPU)
     return loss if closure is not None and not args else result
 
 
@@ -364,7 +402,7 @@ def _warn_if_backward_bypassed_amp(stash) -> None:
     """O2 steps the fp32 masters, whose gradients only ``scale_loss`` fills: a plain
     ``loss.backward()`` leaves them empty and the step changes nothing (in Apex too)."""
     if (any(m.grad is not None for m in stash.masters)
-            or not any(p.grad is not None for p in stash.model_low_params)):
+            or not any(p.grad is not None for p in stash.store.model_params)):
         return
     stash.warned_no_master_grads = True
     warnings.warn(
@@ -377,17 +415,8 @@ def _warn_if_backward_bypassed_amp(stash) -> None:
 
 
 def _zero_grad(self, set_to_none: bool = True):
-    stash = self._amp_stash
-    stash.orig_zero_grad(set_to_none)
-    for p in stash.model_low_params:
-        if p.grad is not None and set_to_none:
-            p.grad = None
-        elif p.grad is not None:
-            p.grad.detach_().zero_()
-    stash.grad_stash = stash.fused_grad_scale = stash.fused_grad_norm = stash.fused_set_aside = None
-    stash.params_have_scaled_gradients = False
-    if stash.fused:
-        stash.drop_master_grads()
+    self._amp_stash.orig_zero_grad(set_to_none)
+    self._amp_stash.zero_grad(set_to_none)
 
 
 def _add_param_group(self, param_group):
@@ -403,57 +432,14 @@ def _add_param_group(self, param_group):
                         "list instead.")
     else:
         params = list(params)
-    held = {id(p) for p in stash.model_low_params + stash.fused_params}
-    if any(id(p) in held for p in params):
+    if any(stash.holds(p) for p in params):
         raise ValueError("some parameters appear in more than one parameter group (this "
                          "optimizer already steps them through their fp32 master weights)")
-    n_masters, n_own = len(stash.masters), len(stash.own_master_params)
-    n_fused = len(stash.fused_params)
+    mark = stash.mark()
     group = dict(param_group)
     group["params"] = stash.register_params(params)
     try:
         stash.orig_add_param_group(group)
     except BaseException:  # leave nothing half-registered
-        for p in stash.model_low_params[n_masters:]:
-            master_of.pop(p, None)
-        del stash.model_low_params[n_masters:], stash.masters[n_masters:]
-        del stash.own_master_params[n_own:], stash.fused_params[n_fused:]
+        stash.rollback(mark)
         raise
-
-
-# ---- checkpoints
-def _flat_params(optimizer):
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _save_masters_hook(optimizer, state_dict):
-    """Add the fp32 masters, keyed by the same indices as ``state_dict["state"]``."""
-    masters = {id(m) for m in optimizer._amp_stash.masters}
-    state_dict[MASTERS_KEY] = {i: p for i, p in enumerate(_flat_params(optimizer))
-                               if id(p) in masters}
-    return state_dict
-
-
-def _take_masters_hook(optimizer, state_dict):
-    optimizer._amp_stash.loaded_masters = state_dict.pop(MASTERS_KEY, None)
-    return state_dict
-
-
-def _restore_masters_hook(optimizer):
-    stash = optimizer._amp_stash
-    loaded, stash.loaded_masters = stash.loaded_masters, None
-    if loaded is None:
-        return  # a checkpoint without masters: keep the masters derived from the model
-    flat = _flat_params(optimizer)
-    masters = {id(m) for m in stash.masters}
-    with torch.no_grad():
-        for i, value in loaded.items():
-            target = flat[i] if 0 <= i < len(flat) else None
-            if target is None or id(target) not in masters or target.shape != value.shape:
-                raise RuntimeError(
-                    f"optimizer.load_state_dict: the checkpoint has an fp32 master weight for "
-                    f"parameter {i} that this optimizer does not have a master for (shape or dtype "
-                    "differ). Restore with the same model, opt_level and keep_batchnorm_fp32 that "
-                    "wrote the checkpoint.")
-            target.copy_(value)
-    stash.copy_masters_to_model()

@@ -213,7 +213,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         """Fused path of an optimizer that clips (peak's, ``max_grad_norm > 0``): the global norm
         of the still-scaled gradients is the inf/NaN check too, and the step clips with it."""
         self._check_scale_growth_tracker("_check_inf_by_norm")
-        norm = optimizer._global_grad_norm()
+        norm = optimizer.grad_norm()
         per_device = {} if norm is None else {
             norm.device: (~torch.isfinite(norm)).to(torch.float32).reshape(())}
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
@@ -279,7 +279,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                 kwargs_.update({"grad_scaler": self})
             else:
                 if optimizer_state["stage"] is OptState.READY:
-                    if (takes_norm and getattr(optimizer, "_wants_grad_norm", False)
+                    if (takes_norm and getattr(optimizer, "clips_by_norm", False)
                             and not self._report_enabled):
                         grad_norm = self._check_inf_by_norm(optimizer)
                     else:

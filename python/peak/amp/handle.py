@@ -14,7 +14,8 @@ from typing import Sequence
 import torch
 
 from peak import ops
-from peak.scaling import LossScale, core_attribute, group_by_device_dtype, unscale_grads_
+from peak.scaling import (LossScale, core_attribute, group_by_device_dtype, sum_flags,
+                          unscale_grads_)
 
 from . import _caster
 from ._amp_state import _amp_state
@@ -92,6 +93,13 @@ class LossScaler:
     def found_inf_for(self, device: torch.device) -> torch.Tensor:
         """The overflow flag the kernels write for tensors on ``device``."""
         return self._core.found_inf.for_device(device)
+
+    def found_inf_on(self, device: torch.device) -> torch.Tensor:
+        """The overflow flags merged into a new 0/1 flag of shape (1,) on ``device`` (no host
+        read): what a step that skips on the device takes."""
+        flags = list(self._core.found_inf.values())
+        merged = sum_flags(flags, device, (1,)).reshape(1)
+        return merged.clamp_(max=1) if len(flags) > 1 else merged
 
     def clear_overflow_state(self) -> None:
         self._core.found_inf.zero_()
@@ -256,12 +264,10 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         return
 
     prepared = [stash for stash in stashes  # fused ones; others unless gradients stay scaled
-                if stash.fused or not (delay_unscale or stash.params_have_scaled_gradients)]
+                if stash.consumes_scaled_grads
+                or not (delay_unscale or stash.params_have_scaled_gradients)]
     for stash in prepared:
-        if stash.fused:
-            stash.fused_prepare_backward(scaler)
-        else:
-            stash.prepare_backward()
+        stash.prepare_backward(scaler)
     try:
         yield scaler.scaled(loss)
     except BaseException:
@@ -275,12 +281,17 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         return
     scaler.clear_overflow_state()
     for stash in stashes:
-        if stash.fused:
-            stash.fused_post_backward(scaler)
-        else:
-            stash.post_backward(scaler)
+        stash.post_backward(scaler)
         stash.params_have_scaled_gradients = False
-    if not delay_overflow_check and scaler.update_scale():
+    if delay_overflow_check:
+        return
+    if all(stash.device_skip for stash in stashes):
+        # Every step takes found_inf: the skip is decided on the device, no host read.
+        scaler.update()
+        if scaler.dynamic:
+            for stash in stashes:
+                stash.note_overflow(loss_id, scaler)
+    elif scaler.update_scale():  # the one host read, for optimizers that cannot skip on the device
         for stash in stashes:
             if stash.pending_skip is None:
                 stash.pending_skip = (loss_id, scaler)

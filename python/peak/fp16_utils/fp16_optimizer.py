@@ -16,10 +16,8 @@ import warnings
 
 import torch
 
-from .. import ops
-from ..scaling import LossScale, group_by_device_dtype
-
-_LOW = (torch.float16, torch.bfloat16)
+from ..optimizers.masters import LOW_DTYPES, MasterWeights
+from ..scaling import LossScale
 
 
 class FP16_Optimizer:
@@ -46,6 +44,9 @@ class FP16_Optimizer:
         self.fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
+        # The masters' one owner (peak.optimizers.masters); the groups above are Apex's views.
+        self._store = MasterWeights()
+        self._store.attach(self, hooks=False)
         # Where each parameter went (kind, index within its kind, per group), to read
         # checkpoints of peak 0.1, whose groups kept the parameters in their original order.
         self._legacy_layout: list[list[tuple[str, int]]] = []
@@ -58,9 +59,9 @@ class FP16_Optimizer:
                     # with their state: torch's state_dict() would not find them in a group
                     self.optimizer.state.pop(p, None)
                     continue
-                if p.dtype in _LOW:
+                if p.dtype in LOW_DTYPES:
                     layout.append(("master", len(masters)))
-                    master = torch.nn.Parameter(p.detach().to(torch.float32, copy=True))
+                    master = self._store.add(p)
                     if p in self.optimizer.state:
                         self.optimizer.state[master] = self.optimizer.state.pop(p)
                     low.append(p)
@@ -100,14 +101,14 @@ class FP16_Optimizer:
         self.overflow = False
         self.first_closure_call_this_step = True
 
-    # The flat views (group order) peak's own helpers use, e.g. export_fp32_state_dict.
+    # The flat views (group order), as the store keeps them.
     @property
     def model_params(self) -> list[torch.Tensor]:
-        return [p for group in self.fp16_groups for p in group]
+        return self._store.model_params
 
     @property
     def master_params(self) -> list[torch.Tensor]:
-        return [m for group in self.fp32_from_fp16_groups for m in group]
+        return self._store.masters
 
     def __getstate__(self):
         raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
@@ -196,7 +197,7 @@ class FP16_Optimizer:
             result = self._step_with_closure(closure)
         else:
             result = self.optimizer.step()
-        self._copy_masters_to_model()
+        self._store.copy_to_model()
         self._update_scale()
         return result
 
@@ -207,7 +208,7 @@ class FP16_Optimizer:
             if self.first_closure_call_this_step:
                 self.first_closure_call_this_step = False
             else:
-                self._copy_masters_to_model()
+                self._store.copy_to_model()
             return closure()
 
         try:
@@ -218,12 +219,6 @@ class FP16_Optimizer:
     def _update_scale(self):
         if self.dynamic_loss_scale:
             self._core.update()
-
-    @torch.no_grad()
-    def _copy_masters_to_model(self):
-        for device, _, _, (ins, outs) in group_by_device_dtype(self.master_params,
-                                                               self.model_params):
-            ops.multi_tensor_scale_(ins, outs, 1.0, ops.new_found_inf(device))
 
     def zero_grad(self, set_grads_to_None=False):
         for p in self.model_params + self.master_params:

@@ -14,14 +14,15 @@ bf16 weight drops, and ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (SGD: ``momentum
 block-quantized: ~8.03 bytes); ``memory_report(model, optimizer)``
 shows where they go. See "Lean optimizer state" in docs/core.md.
 """
-from ._base import FusedOptimizer, join_remainder, split_master
+from ._base import FusedOptimizer
 from ._export import export_fp32_optimizer_state_dict, export_fp32_state_dict
 from ._memory import MemoryReport, memory_report
 from .fused import (FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB, FusedMixedPrecisionLamb,
                     FusedNovoGrad, FusedSGD)
 from .larc import LARC
+from .masters import MasterWeights, join_remainder, split_master
 
 __all__ = ["FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB", "FusedMixedPrecisionLamb",
            "FusedAdagrad", "FusedNovoGrad", "LARC", "FusedOptimizer", "export_fp32_state_dict",
            "export_fp32_optimizer_state_dict",
-           "memory_report", "MemoryReport", "join_remainder", "split_master"]
+           "memory_report", "MemoryReport", "join_remainder", "split_master", "MasterWeights"]

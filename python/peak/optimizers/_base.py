@@ -14,6 +14,8 @@ from torch import Tensor
 from .._dtypes import MOMENT_STORAGE, parse_dtype
 from ._checkpoint_check import check_loadable
 from ._quant import dequantize, new_state, quantize, scale_key
+from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_remainder, keep_as_remainder,
+                      load_master, new_master)
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
 # Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
@@ -23,31 +25,8 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 SCALE_KEYS = tuple(scale_key(k) for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
 FP32_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
                    "sum", "master_param", "master_param_remainder") + SCALE_KEYS
-REMAINDER_KEY = "master_param_remainder"
 LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
              "moment_rounding")
-
-
-def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
-    """The fp32 master held as a bf16 ``weight`` and its int16 ``remainder`` (the low 16 bits; a
-    negative remainder means the weight was rounded up): NOTE: [Remainder masters]."""
-    high = weight.view(torch.int16).to(torch.int32) & 0xFFFF
-    low = remainder.to(torch.int32) & 0xFFFF
-    high = (high - (low >> 15)) & 0xFFFF
-    bits = (high.to(torch.int64) << 16) | low.to(torch.int64)
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    return bits.view(torch.float32)
-
-
-def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
-    """The inverse of :func:`join_remainder`: (bf16 weight, int16 remainder) with the weight the
-    master rounded half away from zero in magnitude (round to nearest, ties up in magnitude)."""
-    bits = master.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
-    bits = bits & 0xFFFFFFFF
-    low = bits & 0xFFFF
-    high = ((bits >> 16) + (low >> 15)) & 0xFFFF
-    as_int16 = lambda x: torch.where(x >= 2**15, x - 2**16, x).to(torch.int16)  # noqa: E731
-    return as_int16(high).view(torch.bfloat16), as_int16(low)
 
 
 def _check_moment_dtype(name, value):
@@ -163,15 +142,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         if set_to_none is None:  # (an unpickled optimizer has only torch's attributes)
             set_to_none = getattr(self, "set_grad_none", True)
         super().zero_grad(set_to_none)
-        if getattr(self, "_masters_have_grads", False):  # amp.master_params gave them fp32 grads
-            for state in self.state.values():
-                master = state.get("master_param")
-                if master is not None:
-                    master.grad = None
-            self._masters_have_grads = False
+        self.drop_master_grads()
 
     # -- state -----------------------------------------------------------------------------------
-    def _wants_master(self, p: Tensor) -> bool:
+    def wants_master(self, p: Tensor) -> bool:
         if p.dtype == torch.float32:
             return False
         if p.dtype not in (torch.float16, torch.bfloat16):
@@ -179,13 +153,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                             f"parameters; got a {p.dtype} parameter")
         return self.master_weights is not False
 
-    def _wants_remainder(self, p: Tensor, group: dict | None = None) -> bool:
+    def keeps_remainder(self, p: Tensor, group: dict | None = None) -> bool:
         """p's master is kept as a 16-bit remainder (NOTE: [Remainder masters])."""
         if group is None:
             if not any(g.get("store_param_remainders", False) for g in self.param_groups):
                 return False  # (the common case, without a search for p's group)
             group = self._group_of(p)
-        if not group.get("store_param_remainders", False) or not self._wants_master(p):
+        if not group.get("store_param_remainders", False) or not self.wants_master(p):
             return False
         if p.dtype != torch.bfloat16:
             raise TypeError(
@@ -233,25 +207,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "remainders and the state is not leaner. Cast the model to bfloat16 (or use "
                 "amp.initialize(..., opt_level='O2', cast_model_type=torch.bfloat16)) before the "
                 "first step", stacklevel=4)
-        if self._wants_remainder(p, group):
+        if self.keeps_remainder(p, group):
             if REMAINDER_KEY not in state:
                 master = state.pop("master_param", None)  # (amp O2's exact fp32 original)
                 if master is None:
                     state[REMAINDER_KEY] = torch.zeros_like(p, dtype=torch.int16)
                 else:
-                    self._set_from_master(p, state, master)
-        elif self._wants_master(p) and "master_param" not in state:
-            state["master_param"] = p.detach().to(torch.float32, copy=True)
+                    keep_as_remainder(p, state, master)
+        elif self.wants_master(p) and "master_param" not in state:
+            state[MASTER_KEY] = new_master(p)
         return state
-
-    @staticmethod
-    def _set_from_master(p: Tensor, state: dict, master: Tensor) -> None:
-        """Keep an fp32 ``master`` as p's remainder, p its rounding (NOTE: [Remainder masters])."""
-        weight, remainder = split_master(master.to(p.device))
-        with torch.no_grad():
-            p.copy_(weight.view(p.shape))
-        state[REMAINDER_KEY] = torch.empty_like(p, dtype=torch.int16).copy_(
-            remainder.view(p.shape))
 
     @staticmethod
     def _master_list_entry(state: dict):
@@ -266,28 +231,80 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _state_started(self, state: dict, key: str) -> None:
         """Hook: ``state[key]`` was just created (zeros) for a parameter."""
 
+    # -- the master-weight protocol (docs/core.md, "Who owns the master weights") ---------------
+    # wants_master(p) / keeps_remainder(p): how p is stepped; set_master(p, fp32): p's exact
+    # master (amp O2 hands over the weights from before its cast); master_of(p): the exact fp32
+    # master; master_params(): the fp32 weights stepped; clips_by_norm / grad_norm(): the global
+    # norm clipping uses; give_master_grads(grad_scale): fp32 master gradients to clip, which the
+    # next step() reads; step(grad_scale=, found_inf=, grad_norm=): the step, skipped on the device.
+    def set_master(self, p: Tensor, master: Tensor) -> None:
+        if self.wants_master(p):
+            self.state[p][MASTER_KEY] = new_master(p, master)
+
+    def master_of(self, p: Tensor) -> Tensor | None:
+        state = self.state.get(p) or {}
+        if REMAINDER_KEY in state:
+            return join_remainder(p.detach(), state[REMAINDER_KEY])
+        return state.get(MASTER_KEY)
+
     def master_params(self):
         """The fp32 weights the optimizer steps: the master copy where there is one, else the
         parameter itself (for gradient clipping on the values being updated)."""
         for group in self.param_groups:  # (remainders: the bf16 param, half of its master)
             for p in group["params"]:
-                yield self.state[p].get("master_param", p) if p in self.state else p
+                yield self.state[p].get(MASTER_KEY, p) if p in self.state else p
 
-    # -- step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def give_master_grads(self, grad_scale: Tensor | None = None):
+        """Unscale the model's gradients (carrying ``grad_scale``) into fp32 gradients of the
+        weights stepped, for clipping: an fp32 master gets a new fp32 gradient (exact for the
+        power-of-two scales loss scalers use), an fp32 or remainder-kept parameter its own,
+        unscaled in place. The next ``step()`` (with no ``grad_scale``) steps with them; it or
+        ``zero_grad()`` drops the masters' gradients. Returns ``master_params()``."""
+        from ..scaling import OverflowFlags, unscale_grads_  # noqa: PLC0415
+
+        lows, masters, own = [], [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if self.wants_master(p) and not self.keeps_remainder(p):
+                    state = self.state[p]
+                    if MASTER_KEY not in state:
+                        state[MASTER_KEY] = new_master(p)
+                    master = state[MASTER_KEY]
+                    master.grad = torch.empty_like(master)
+                    lows.append(p.grad)
+                    masters.append(master.grad)
+                else:
+                    own.append(p.grad)
+        inv = 1.0 if grad_scale is None else grad_scale.reciprocal()
+        unscale_grads_(lows, inv, OverflowFlags(), outputs=masters)
+        if grad_scale is not None:
+            unscale_grads_(own, inv, OverflowFlags())
+        return self.master_params()
+
+    def drop_master_grads(self) -> None:
+        """Drop the fp32 gradients ``give_master_grads`` gave the masters."""
+        for state in self.state.values():
+            master = state.get(MASTER_KEY)
+            if master is not None:
+                master.grad = None
+
     @property
-    def _wants_grad_norm(self) -> bool:
+    def clips_by_norm(self) -> bool:
         """Some group clips by the global gradient norm (``max_grad_norm > 0``)."""
         return any(g.get("max_grad_norm", 0.0) > 0 for g in self.param_groups)
 
     def _grad_read(self, p: Tensor) -> Tensor:
-        """The gradient the step reads for ``p``: its master's fp32 gradient when amp gave it one
-        (see ``_step_masters``), else ``p.grad``."""
+        """The gradient the step reads for ``p``: its master's fp32 gradient when
+        ``give_master_grads`` gave it one (see ``_step_masters``), else ``p.grad``."""
         state = self.state.get(p)
-        master = state.get("master_param") if state else None
+        master = state.get(MASTER_KEY) if state else None
         return master.grad if master is not None and master.grad is not None else p.grad
 
     @torch.no_grad()
-    def _global_grad_norm(self) -> Tensor | None:
+    def grad_norm(self) -> Tensor | None:
         """The L2 norm of every gradient of the optimizer (all groups and dtypes) as they are
         (scaled, if a scaler scaled them): one read pass per (device, dtype), combined on the
         first gradient's device, no host sync. inf/NaN in any gradient makes it non-finite."""
@@ -336,7 +353,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 f"{type(grad_norm).__name__}")
             self._step_grad_norm = grad_norm
         else:
-            self._step_grad_norm = self._global_grad_norm() if self._wants_grad_norm else None
+            self._step_grad_norm = self.grad_norm() if self.clips_by_norm else None
         for group in self.param_groups:
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in group["params"]:
@@ -399,9 +416,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         maybe clipped since): the masters are the weights stepped, with those gradients, then
         rounded into the model (as the kernel's own store would round them); the model's gradient
         becomes the one stepped. NOTE: [Fused master-weight step]."""
-        from .. import ops  # noqa: PLC0415
-
-        masters = [s["master_param"] for s in states]
+        masters = [s[MASTER_KEY] for s in states]
         grads = [m.grad for m in masters]
         store, self._step_store_grads = self._step_store_grads, False
         try:
@@ -409,10 +424,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         finally:
             self._step_store_grads = store
         # (A step skipped on the device left the masters, so their rounding is the model as is.)
-        flag = ops.new_found_inf(masters[0].device)
-        ops.multi_tensor_scale_(masters, params, 1.0, flag)
+        copy_to_model(masters, params)
         if store and found_inf is None:
-            ops.multi_tensor_scale_(grads, [p.grad for p in params], 1.0, flag)
+            copy_to_model(grads, [p.grad for p in params])
         for m in masters:
             m.grad = None
 
@@ -535,7 +549,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                           copy=True)
                 else:  # a Python number (older torch 'step', Apex's group step)
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
-            self._load_master(p, state, group, entries)
+            load_master(self, p, state, group, entries)
             self._complete_loaded_state(p, state)
 
     def _load_moment(self, p, state, group, key, value, scales) -> None:
@@ -559,28 +573,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             state[key] = value.to(device=p.device, dtype=want, copy=True)
 
-    def _load_master(self, p: Tensor, state: dict, group: dict, entries: dict) -> None:
-        """A saved master into this optimizer's form: a remainder as it is, or rebuilt into an
-        fp32 master with p's current (bf16) value, which must be the weight saved with it (load
-        the model's state_dict too); an fp32 master as it is, or split into p's rounding (ties
-        rounded up in magnitude, NOTE: [Remainder masters]) and a remainder."""
-        state.pop("master_param", None)
-        state.pop(REMAINDER_KEY, None)
-        master = entries.get("master_param")
-        remainder = entries.get(REMAINDER_KEY)
-        if remainder is not None:
-            remainder = remainder.to(device=p.device, dtype=torch.int16)
-            if self._wants_remainder(p, group):
-                state[REMAINDER_KEY] = remainder.clone()
-                return
-            master = join_remainder(p.detach(), remainder)
-        if master is None:
-            return  # _complete_loaded_state starts from the weights
-        if self._wants_remainder(p, group):
-            self._set_from_master(p, state, master)
-        elif self._wants_master(p):
-            state["master_param"] = master.to(device=p.device, dtype=torch.float32, copy=True)
-
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""
 
@@ -590,11 +582,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         if state["step"].dim() != 0:
             state["step"] = state["step"].reshape(())
-        if self._wants_remainder(p):
+        if self.keeps_remainder(p):
             if REMAINDER_KEY not in state:
                 state[REMAINDER_KEY] = torch.zeros_like(p, dtype=torch.int16)
-        elif self._wants_master(p) and "master_param" not in state:
-            state["master_param"] = p.detach().to(torch.float32, copy=True)
+        elif self.wants_master(p) and "master_param" not in state:
+            state[MASTER_KEY] = new_master(p)
 
 
 _MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with

@@ -14,9 +14,7 @@ import torch
 from torch import Tensor
 
 from ._quant import FORMATS, num_blocks, scale_key
-
-MASTER_KEY = "master_param"
-REMAINDER_KEY = "master_param_remainder"
+from .masters import MASTER_KEY, REMAINDER_KEY
 
 
 def check_loadable(optimizer, state_dict) -> None:

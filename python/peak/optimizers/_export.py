@@ -5,31 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._base import MOMENT_KEYS, REMAINDER_KEY, SCALE_KEYS, join_remainder
+from ._base import MOMENT_KEYS, SCALE_KEYS
 from ._quant import dequantize, scale_key
-
-
-def _masters_of(optimizer) -> dict[int, Tensor]:
-    """id(model parameter) -> its fp32 master, wherever the optimizer keeps them: a fused
-    optimizer's state, amp O2's masters (swapped into a torch optimizer's param_groups), or
-    FP16_Optimizer's."""
-    masters: dict[int, Tensor] = {}
-    pairs = []
-    if hasattr(optimizer, "fp32_from_fp16_groups"):  # FP16_Optimizer (it wraps a torch optimizer)
-        pairs += list(zip(optimizer.model_params, optimizer.master_params))
-    stash = getattr(optimizer, "_amp_stash", None)
-    if stash is not None:
-        pairs += list(zip(stash.model_low_params, stash.masters))
-    for p, m in pairs:
-        masters[id(p)] = m
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            st = optimizer.state.get(p, {})
-            if "master_param" in st:
-                masters[id(p)] = st["master_param"]
-            elif REMAINDER_KEY in st:  # the exact fp32 master, rebuilt from weight and remainder
-                masters[id(p)] = join_remainder(p.detach(), st[REMAINDER_KEY])
-    return masters
+from .masters import REMAINDER_KEY, join_remainder, masters_by_param
 
 
 def export_fp32_state_dict(model: torch.nn.Module, optimizer) -> dict:
@@ -37,7 +15,7 @@ def export_fp32_state_dict(model: torch.nn.Module, optimizer) -> dict:
     copy where it keeps one (exact fp32 weights, not the rounded model copy): a peak fused
     optimizer, an optimizer that ``amp.initialize`` gave master weights (O2), or
     ``FP16_Optimizer``. Tied parameters get the master under every name they have."""
-    masters = _masters_of(optimizer)
+    masters = masters_by_param(optimizer)
     by_name = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for name, value in model.state_dict(keep_vars=True).items():

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ._base import MOMENT_KEYS, REMAINDER_KEY
+from ._base import MOMENT_KEYS
+from .masters import REMAINDER_KEY
 
 PARTS = ("weights", "grads", "masters", "moments", "scales", "other")
 

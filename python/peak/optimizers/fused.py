@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..scaling import sum_flags
 from ._base import FusedOptimizer, _check_hyper, _check_moment_dtype
 
 # The kernel's scale-list arguments for 8-bit moments, and the state keys they come from.
@@ -468,9 +469,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             if grad_scale is not None or found_inf is not None:
                 raise ValueError("pass either grad_scaler or grad_scale/found_inf, not both")
             per_device = grad_scaler._check_inf_per_device(self)
-            flags = list(per_device.values())
             grad_scale = grad_scaler._get_scale_async()
-            if flags:
-                found_inf = sum(f.to(grad_scale.device, torch.float32) for f in flags)
+            if per_device:
+                found_inf = sum_flags(per_device.values(), grad_scale.device)
         return super().step(closure, grad_scale=grad_scale, found_inf=found_inf,
                             grad_norm=grad_norm)

@@ -1,0 +1,302 @@
+"""Master weights: the one owner of the fp32 weights that fp16/bf16 parameters are stepped
+through (docs/core.md, "Who owns the master weights").
+
+Two placements, one set of functions:
+
+- **in the optimizer's state** (peak's fused optimizers): ``state[p]["master_param"]`` (fp32) or
+  ``state[p]["master_param_remainder"]`` (the 16 bits a bf16 weight drops); the optimizer reads
+  the model's gradients, scaled or not, and writes the model weights itself;
+- **in place of the parameters** (a torch optimizer under amp O2, ``FP16_Optimizer``): a
+  :class:`MasterWeights` store puts fp32 master Parameters into the optimizer's ``param_groups``
+  (the view Apex scripts use), and its owner unscales the model's gradients into them.
+
+Both write one checkpoint entry per parameter, ``state[i]["master_param"]`` (a remainder:
+``"master_param_remainder"``), and both copy masters into the model with :func:`copy_to_model`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import ops
+from ..scaling import group_by_device_dtype
+
+__all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
+           "copy_to_model", "join_remainder", "split_master", "keep_as_remainder", "load_master",
+           "store_of", "master_of_param", "masters_by_param"]
+
+MASTER_KEY = "master_param"
+REMAINDER_KEY = "master_param_remainder"
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+# The checkpoint layout amp wrote before masters had one owner ({flat index: master}): still read.
+EARLIER_AMP_KEY = "amp_master_params"
+
+# optimizer (or the FP16_Optimizer wrapping it) -> its MasterWeights store.
+_stores = WeakIdKeyDictionary()
+# model parameter -> its master in some store (for a model's load_state_dict hook).
+_master_of_param = WeakIdKeyDictionary()
+
+
+def new_master(p: Tensor, original: Tensor | None = None) -> Tensor:
+    """The one way a master is made: the exact fp32 weights from before a cast when known
+    (``original``), else ``p`` widened exactly."""
+    if original is not None:
+        return original
+    return p.detach().to(torch.float32, copy=True)
+
+
+@torch.no_grad()
+def copy_to_model(masters: list[Tensor], params: list[Tensor]) -> None:
+    """The one master -> model copy: every master rounded to nearest even into its parameter's
+    dtype, one multi-tensor pass per (device, dtype) (NaN keeps the rule of NOTE: [Device
+    conversions]). A skipped step left the masters as they were: copying them again is exact."""
+    for device, _, _, (ins, outs) in group_by_device_dtype(masters, params):
+        ops.multi_tensor_scale_(ins, outs, 1.0, ops.new_found_inf(device))
+
+
+def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
+    """The fp32 master held as a bf16 ``weight`` and its int16 ``remainder`` (the low 16 bits; a
+    negative remainder means the weight was rounded up): NOTE: [Remainder masters]."""
+    high = weight.view(torch.int16).to(torch.int32) & 0xFFFF
+    low = remainder.to(torch.int32) & 0xFFFF
+    high = (high - (low >> 15)) & 0xFFFF
+    bits = (high.to(torch.int64) << 16) | low.to(torch.int64)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`join_remainder`: (bf16 weight, int16 remainder) with the weight the
+    master rounded half away from zero in magnitude (round to nearest, ties up in magnitude)."""
+    bits = master.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    bits = bits & 0xFFFFFFFF
+    low = bits & 0xFFFF
+    high = ((bits >> 16) + (low >> 15)) & 0xFFFF
+    as_int16 = lambda x: torch.where(x >= 2**15, x - 2**16, x).to(torch.int16)  # noqa: E731
+    return as_int16(high).view(torch.bfloat16), as_int16(low)
+
+
+def keep_as_remainder(p: Tensor, state: dict, master: Tensor) -> None:
+    """Keep an fp32 ``master`` as p's remainder, p its rounding (NOTE: [Remainder masters])."""
+    weight, remainder = split_master(master.to(p.device))
+    with torch.no_grad():
+        p.copy_(weight.view(p.shape))
+    state[REMAINDER_KEY] = torch.empty_like(p, dtype=torch.int16).copy_(remainder.view(p.shape))
+
+
+def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> None:
+    """A saved master (``entries``: one parameter's checkpoint state) into ``optimizer``'s form
+    for ``p``: a remainder as it is, or rebuilt into an fp32 master with p's current (bf16) value,
+    which must be the weight saved with it (load the model's state_dict too); an fp32 master as
+    it is, or split into p's rounding (ties rounded up in magnitude) and a remainder."""
+    state.pop(MASTER_KEY, None)
+    state.pop(REMAINDER_KEY, None)
+    master = entries.get(MASTER_KEY)
+    remainder = entries.get(REMAINDER_KEY)
+    if remainder is not None:
+        remainder = remainder.to(device=p.device, dtype=torch.int16)
+        if optimizer.keeps_remainder(p, group):
+            state[REMAINDER_KEY] = remainder.clone()
+            return
+        master = join_remainder(p.detach(), remainder)
+    if master is None:
+        return  # the optimizer starts it from the weights
+    if optimizer.keeps_remainder(p, group):
+        keep_as_remainder(p, state, master)
+    elif optimizer.wants_master(p):
+        state[MASTER_KEY] = master.to(device=p.device, dtype=torch.float32, copy=True)
+
+
+class MasterWeights:
+    """fp32 masters that stand in for fp16/bf16 parameters in a torch optimizer's
+    ``param_groups``: ``model_params[i]`` is stepped through ``masters[i]``.
+
+    ``add`` makes a master and returns what the param group holds instead of the parameter;
+    ``copy_to_model`` rounds every master into its parameter; ``attach(optimizer)`` makes the
+    optimizer's ``state_dict()`` carry the masters (``state[i]["master_param"]``) and its
+    ``load_state_dict`` restore them bit for bit (the earlier ``"amp_master_params"`` layout too).
+    """
+
+    def __init__(self) -> None:
+        self.model_params: list[Tensor] = []
+        self.masters: list[Tensor] = []
+        self.own_params: list[Tensor] = []  # stepped as they are (fp32), gradients unscaled in place
+        self._grad_stash: list | None = None
+        self._loaded: dict | None = None
+
+    def register(self, params, with_masters: bool, originals: dict | None = None) -> list:
+        """What a param group holds instead of ``params``: with ``with_masters``, every trainable
+        fp16/bf16 param's new master (from ``originals[id(p)]``, its fp32 weights from before a
+        cast, when there); the others as they are, own masters (frozen ones left out)."""
+        out = []
+        for p in params:
+            if with_masters and p.requires_grad and p.dtype in LOW_DTYPES:
+                out.append(self.add(p, originals.pop(id(p), None) if originals else None))
+            else:
+                if p.requires_grad or not with_masters:
+                    self.own_params.append(p)
+                out.append(p)
+        return out
+
+    def add(self, p: Tensor, original: Tensor | None = None) -> torch.nn.Parameter:
+        master = torch.nn.Parameter(new_master(p, original), requires_grad=True)
+        self.model_params.append(p)
+        self.masters.append(master)
+        _master_of_param[p] = master
+        return master
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.masters), len(self.own_params)
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        """Forget what was registered after ``mark()`` (a registration that failed)."""
+        for p in self.model_params[mark[0]:]:
+            _master_of_param.pop(p, None)
+        del self.model_params[mark[0]:], self.masters[mark[0]:], self.own_params[mark[1]:]
+
+    def holds(self, p: Tensor) -> bool:
+        return any(q is p for q in self.model_params)
+
+    def copy_to_model(self) -> None:
+        copy_to_model(self.masters, self.model_params)
+
+    def drop_grads(self) -> None:
+        for m in self.masters:
+            m.grad = None
+
+    # -- the scaled gradients: a backward pass writes the model's; the masters get them ----------
+    def set_grads_aside(self) -> None:
+        """Before a backward pass: the model's gradients go (the masters hold them unscaled), the
+        own params' are set aside, so that the pass's new ones can be told apart."""
+        for p in self.model_params:
+            p.grad = None
+        self._grad_stash = [p.grad for p in self.own_params]
+        for p in self.own_params:
+            p.grad = None
+
+    def restore_grads(self) -> None:
+        """Undo ``set_grads_aside`` (the backward pass raised)."""
+        if self._grad_stash is not None:
+            for p, g in zip(self.own_params, self._grad_stash):
+                p.grad = g
+        for p in self.model_params:
+            p.grad = None
+        self._grad_stash = None
+
+    @torch.no_grad()
+    def take_grads(self, scaler) -> None:
+        """After a backward pass: its gradients unscaled by ``scaler`` (``unscale(grads, outs)``,
+        ``unscale_with_stashed(grads, earlier, outs)``, flagging inf/NaN) into the masters'
+        gradients (own params: in place), added to those of earlier passes of the step."""
+        rows = []  # (new gradient, earlier gradient or None, output)
+        for p, m in zip(self.model_params, self.masters):
+            if p.grad is not None:
+                if m.grad is None:
+                    m.grad = torch.empty_like(m)
+                    rows.append((p.grad, None, m.grad))
+                else:
+                    rows.append((p.grad, m.grad, m.grad))
+        stash = self._grad_stash or [None] * len(self.own_params)
+        for p, g in zip(self.own_params, stash):
+            if p.grad is None:
+                p.grad = g
+            else:
+                rows.append((p.grad, g, p.grad))
+        new = [r for r in rows if r[1] is None]
+        acc = [r for r in rows if r[1] is not None]
+        if new:
+            scaler.unscale([r[0] for r in new], [r[2] for r in new])
+        if acc:
+            scaler.unscale_with_stashed(*([r[i] for r in acc] for i in range(3)))
+        self._grad_stash = None
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The model params' gradients, after the optimizer's ``zero_grad`` cleared the masters'."""
+        for p in self.model_params:
+            if p.grad is not None and set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_().zero_()
+        self._grad_stash = None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def attach(self, optimizer, hooks: bool = True) -> None:
+        """Register this store as ``optimizer``'s (``store_of``) and, with ``hooks``, make the
+        optimizer's state dicts carry the masters."""
+        _stores[optimizer] = self
+        if not hooks:
+            return
+        optimizer.register_state_dict_post_hook(self._save_hook)
+        optimizer.register_load_state_dict_pre_hook(self._take_hook)
+        optimizer.register_load_state_dict_post_hook(self._restore_hook)
+
+    def _save_hook(self, optimizer, state_dict: dict) -> dict:
+        masters = {id(m) for m in self.masters}
+        flat = [p for group in optimizer.param_groups for p in group["params"]]
+        state = state_dict["state"]
+        for i, p in enumerate(flat):
+            if id(p) in masters:
+                state[i] = dict(state.get(i, {}), **{MASTER_KEY: p})
+        return state_dict
+
+    def _take_hook(self, optimizer, state_dict: dict) -> dict:
+        state_dict = dict(state_dict)
+        loaded = dict(state_dict.pop(EARLIER_AMP_KEY, None) or {})
+        state = {}
+        for i, st in state_dict["state"].items():
+            if isinstance(st, dict) and MASTER_KEY in st:
+                loaded[i] = st[MASTER_KEY]
+                st = {k: v for k, v in st.items() if k != MASTER_KEY}
+                if not st:
+                    continue  # a master alone: no state of the torch optimizer's
+            state[i] = st
+        state_dict["state"] = state
+        self._loaded = loaded or None
+        return state_dict
+
+    def _restore_hook(self, optimizer) -> None:
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            return  # a checkpoint without masters: keep the masters derived from the model
+        flat = [p for group in optimizer.param_groups for p in group["params"]]
+        masters = {id(m) for m in self.masters}
+        with torch.no_grad():
+            for i, value in loaded.items():
+                target = flat[i] if 0 <= i < len(flat) else None
+                if target is None or id(target) not in masters or target.shape != value.shape:
+                    raise RuntimeError(
+                        f"optimizer.load_state_dict: the checkpoint has an fp32 master weight for "
+                        f"parameter {i} that this optimizer does not have a master for (shape or "
+                        "dtype differ). Restore with the same model, opt_level and "
+                        "keep_batchnorm_fp32 that wrote the checkpoint.")
+                target.copy_(value)
+        self.copy_to_model()
+
+
+def store_of(optimizer) -> MasterWeights | None:
+    """The :class:`MasterWeights` store of ``optimizer`` (amp O2 with a torch optimizer,
+    ``FP16_Optimizer``), or None."""
+    return _stores.get(optimizer)
+
+
+def master_of_param(p: Tensor) -> Tensor | None:
+    """The master a :class:`MasterWeights` store keeps for model parameter ``p``, or None."""
+    return _master_of_param.get(p)
+
+
+def masters_by_param(optimizer) -> dict[int, Tensor]:
+    """id(model parameter) -> its exact fp32 master, wherever ``optimizer`` keeps it: a store
+    (amp O2 with a torch optimizer, ``FP16_Optimizer``) or its state (peak's fused optimizers;
+    a remainder joined with its bf16 weight)."""
+    store = store_of(optimizer)
+    masters = {} if store is None else {id(p): m for p, m in zip(store.model_params,
+                                                                 store.masters)}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            if MASTER_KEY in st:
+                masters[id(p)] = st[MASTER_KEY]
+            elif REMAINDER_KEY in st:
+                masters[id(p)] = join_remainder(p.detach(), st[REMAINDER_KEY])
+    return masters
