@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -35,6 +36,8 @@ AMP_BUDGET = 3400  # issue 15's target for python/peak/amp + the scaling core
 # hand-written group loops replaced by the core's unscale_grads_: 3,400, so the ceiling is now the
 # target itself, which it may not go below: tests/build/test_structure.py.)
 AMP_CEILING = 3400
+# python/peak's size when issue 25 was filed, which its redesign should not exceed (printed).
+PACKAGE_LINES_BOUND = 6989
 # The scaling core counted with python/peak/amp: peak/scaling.py. FP16_Optimizer
 # (fp16_utils/fp16_optimizer.py) is one of its front doors, as GradScaler and LossScaler are (those
 # two are counted because they live in amp), not part of the core.
@@ -193,6 +196,7 @@ PRIVATE_ATTRIBUTE_ALLOWLIST = {
     "_get_scale_async": "torch's GradScaler method; Apex's step(closure, grad_scaler) calls it",
     "_enabled": "torch's GradScaler attribute; Apex's step(closure, grad_scaler) reads it",
     "_optimizer_state_dict_post_hooks": "torch's Optimizer attribute (set by its __init__)",
+    "_dtype": "torch's custom_fwd contract: ctx._dtype, which torch's custom_bwd reads",
 }
 
 
@@ -206,8 +210,9 @@ def _private_names_defined(tree: ast.AST) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            names.add(node.attr)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)  # (obj._x = ... on another's object is an access, not a definition)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
@@ -251,6 +256,36 @@ def private_attribute_accesses(modules: dict[str, Path]) -> tuple[list[str], lis
             where = f"{rel}:{node.lineno}: .{attr}"
             (allowed if attr in PRIVATE_ATTRIBUTE_ALLOWLIST else found).append(where)
     return found, allowed
+
+
+def ownership_measures() -> dict[str, list[str]]:
+    """Issue 25's measures of the master weights and the overflow flags, found in the source:
+
+    - makers of master weights: modules that call ``new_master(`` or build an ``nn.Parameter(``
+      (peak.optimizers.masters is the owner; fp16util's ``prep_param_lists`` is Apex's manual
+      recipe, which hands fp32 copies to the caller and keeps none);
+    - master -> model copies: calls of ``multi_tensor_scale_`` with a literal scale of 1.0 or
+      ``unscale_grads_(masters, 1.0, ..., outputs=...)``, and per-tensor ``model.copy_(master)``;
+    - flag merges: functions that sum overflow flags of several devices or optimizers into one
+      (Python and C++)."""
+    patterns = {
+        "makers of master weights": re.compile(r"new_master\(|nn\.Parameter\("),
+        "master -> model copies": re.compile(
+            r"multi_tensor_scale_\([^)]*,\s*1\.0\s*,|unscale_grads_\([^)]*1\.0[^)]*outputs=|"
+            r"\.copy_\(master\)"),
+        "flag merges": re.compile(r"^\s*def sum_flags\(|merged_found_inf\(at::TensorList|"
+                                  r"sum\(f\.to\(", re.M),
+    }
+    found: dict[str, list[str]] = {k: [] for k in patterns}
+    files = [p for d in (PACKAGE, ROOT / "csrc") for p in sorted(d.rglob("*"))
+             if p.is_file() and p.suffix in SOURCE_SUFFIXES]
+    for path in files:
+        text = path.read_text()
+        for key, pattern in patterns.items():
+            n = len(pattern.findall(text))
+            if n:
+                found[key].append(f"{path.relative_to(ROOT)} ({n})")
+    return found
 
 
 def line_count(path: Path) -> int:
@@ -329,6 +364,11 @@ def main(argv=None) -> int:
     for p in allowed:
         print("   allowed:", p)
     failed |= bool(accesses)
+
+    for key, where in ownership_measures().items():
+        print(f"{key}: in {len(where)} files: {', '.join(where)}")
+    total_lines = sum(line_count(p) for p in PACKAGE.rglob("*.py"))
+    print(f"python/peak: {total_lines} lines (issue 25's bound: {PACKAGE_LINES_BOUND})")
 
     long = long_files()
     print(f"files over {MAX_LINES} lines in python/peak and csrc: {len(long)}")

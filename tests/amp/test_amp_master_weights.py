@@ -238,3 +238,49 @@ def test_existing_optimizer_state_moves_to_masters():
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
     for m, buf in zip(amp.master_params(opt), momenta):
         assert torch.equal(opt.state[m]["momentum_buffer"], buf)
+
+
+def test_earlier_amp_layout_still_loads():
+    """amp wrote its masters as a top-level {flat index: master} ("amp_master_params") before
+    they had one owner: such a checkpoint restores the masters bit for bit."""
+    model, opt = _o2(torch.float16, torch.optim.Adam, lr=1e-2)
+    for step in range(2):
+        _step(model, opt, step)
+    sd = copy.deepcopy(opt.state_dict())
+    earlier = {"state": {}, "param_groups": sd["param_groups"], "amp_master_params": {}}
+    for i, st in sd["state"].items():
+        st = dict(st)
+        if "master_param" in st:
+            earlier["amp_master_params"][i] = st.pop("master_param")
+        earlier["state"][i] = st
+    assert earlier["amp_master_params"]
+    model2, opt2 = _o2(torch.float16, torch.optim.Adam, seed=3, lr=1e-2)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(earlier)
+    H.assert_bitwise_equal(H.snapshot(model2, opt2), H.snapshot(model, opt))
+
+
+@pytest.mark.parametrize("direction", ["fused_to_torch", "torch_to_fused"])
+def test_one_layout_cross_loads_between_fused_and_torch_optimizers(direction):
+    """peak's fused optimizers and amp over a torch optimizer write the same layout
+    (state[i]["master_param"] beside the moments): each loads the other's, masters bit for bit."""
+    from peak.optimizers import FusedAdam
+
+    src_cls, dst_cls = ((FusedAdam, torch.optim.Adam) if direction == "fused_to_torch"
+                        else (torch.optim.Adam, FusedAdam))
+    model, opt = _o2(torch.float16, src_cls, lr=1e-2)
+    for step in range(2):
+        _step(model, opt, step)
+    sd = copy.deepcopy(opt.state_dict())
+    saved = {i: st["master_param"] for i, st in sd["state"].items() if "master_param" in st}
+    assert saved and all(
+        {"exp_avg", "exp_avg_sq", "step"} <= set(sd["state"][i]) for i in saved)
+    model2, opt2 = _o2(torch.float16, dst_cls, seed=3, lr=1e-2)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(sd)
+    sd2 = opt2.state_dict()
+    for i, master in saved.items():
+        H.assert_bitwise_equal(sd2["state"][i]["master_param"], master)
+        H.assert_bitwise_equal(sd2["state"][i]["exp_avg"], sd["state"][i]["exp_avg"])
+    _step(model2, opt2, 2)  # and it steps
+    assert all(torch.isfinite(p).all() for p in model2.parameters())

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..optimizers.masters import copy_to_model
+
 __all__ = ["tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
            "FP16Model", "prep_param_lists", "model_grads_to_master_grads",
            "master_params_to_model_params", "to_python_float", "clip_grad_norm"]
@@ -143,13 +145,11 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
 def master_params_to_model_params(model_params, master_params, flat_master: bool = False) -> None:
     """Copies the (fp32) masters into the model's parameters, rounding to their dtype."""
     if flat_master:
-        pieces = _unflatten_dense_tensors(master_params[0], model_params)
-        for model, master in zip(model_params, pieces):
-            model.copy_(master)
+        copy_to_model(list(_unflatten_dense_tensors(master_params[0], model_params)),
+                      list(model_params))
         return
     _check_pairs(model_params, master_params)
-    for model, master in zip(model_params, master_params):
-        model.copy_(master)
+    copy_to_model(list(master_params), list(model_params))
 
 
 def _check_pairs(model_params, master_params) -> None:

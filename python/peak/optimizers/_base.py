@@ -14,8 +14,8 @@ from torch import Tensor
 from .._dtypes import MOMENT_STORAGE, parse_dtype
 from ._checkpoint_check import check_loadable
 from ._quant import dequantize, new_state, quantize, scale_key
-from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_remainder, keep_as_remainder,
-                      load_master, new_master)
+from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_remainder, load_master,
+                      master_in_state)
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
 # Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
@@ -207,15 +207,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "remainders and the state is not leaner. Cast the model to bfloat16 (or use "
                 "amp.initialize(..., opt_level='O2', cast_model_type=torch.bfloat16)) before the "
                 "first step", stacklevel=4)
-        if self.keeps_remainder(p, group):
-            if REMAINDER_KEY not in state:
-                master = state.pop("master_param", None)  # (amp O2's exact fp32 original)
-                if master is None:
-                    state[REMAINDER_KEY] = torch.zeros_like(p, dtype=torch.int16)
-                else:
-                    keep_as_remainder(p, state, master)
-        elif self.wants_master(p) and "master_param" not in state:
-            state[MASTER_KEY] = new_master(p)
+        master_in_state(self, p, state, group)
         return state
 
     @staticmethod
@@ -238,8 +230,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     # norm clipping uses; give_master_grads(grad_scale): fp32 master gradients to clip, which the
     # next step() reads; step(grad_scale=, found_inf=, grad_norm=): the step, skipped on the device.
     def set_master(self, p: Tensor, master: Tensor) -> None:
-        if self.wants_master(p):
-            self.state[p][MASTER_KEY] = new_master(p, master)
+        master_in_state(self, p, self.state[p], original=master)
 
     def master_of(self, p: Tensor) -> Tensor | None:
         state = self.state.get(p) or {}
@@ -269,10 +260,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if self.wants_master(p) and not self.keeps_remainder(p):
-                    state = self.state[p]
-                    if MASTER_KEY not in state:
-                        state[MASTER_KEY] = new_master(p)
-                    master = state[MASTER_KEY]
+                    master = master_in_state(self, p, self.state[p])
                     master.grad = torch.empty_like(master)
                     lows.append(p.grad)
                     masters.append(master.grad)
@@ -582,11 +570,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         if state["step"].dim() != 0:
             state["step"] = state["step"].reshape(())
-        if self.keeps_remainder(p):
-            if REMAINDER_KEY not in state:
-                state[REMAINDER_KEY] = torch.zeros_like(p, dtype=torch.int16)
-        elif self.wants_master(p) and "master_param" not in state:
-            state[MASTER_KEY] = new_master(p)
+        master_in_state(self, p, state)
 
 
 _MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with

@@ -24,6 +24,7 @@ from ..scaling import group_by_device_dtype
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
            "copy_to_model", "join_remainder", "split_master", "keep_as_remainder", "load_master",
+           "master_in_state",
            "store_of", "master_of_param", "masters_by_param"]
 
 MASTER_KEY = "master_param"
@@ -83,6 +84,24 @@ def keep_as_remainder(p: Tensor, state: dict, master: Tensor) -> None:
     with torch.no_grad():
         p.copy_(weight.view(p.shape))
     state[REMAINDER_KEY] = torch.empty_like(p, dtype=torch.int16).copy_(remainder.view(p.shape))
+
+
+def master_in_state(optimizer, p: Tensor, state: dict, group: dict | None = None,
+                    original: Tensor | None = None) -> Tensor | None:
+    """Give ``p`` its master in ``state`` (a peak fused optimizer's) unless it has one: a
+    remainder where the optimizer keeps remainders (``original``, or an fp32 master already there,
+    split; else zeros: the weight is its master), else an fp32 master (``new_master``). Returns
+    the fp32 master, if that is the form."""
+    if optimizer.keeps_remainder(p, group):
+        if REMAINDER_KEY not in state:
+            master = state.pop(MASTER_KEY, original)  # (amp O2's exact fp32 original)
+            if master is None:
+                state[REMAINDER_KEY] = torch.zeros_like(p, dtype=torch.int16)
+            else:
+                keep_as_remainder(p, state, master)
+    elif optimizer.wants_master(p) and (MASTER_KEY not in state or original is not None):
+        state[MASTER_KEY] = new_master(p, original)
+    return state.get(MASTER_KEY)
 
 
 def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from peak import ops as _ops
+from peak.optimizers.masters import copy_to_model
 
 __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
            "multi_tensor_unscale_l2norm", "update_scale_hysteresis", "multi_tensor_sgd",
@@ -143,8 +144,7 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum
         maximize=False, grad_scale=_scalar(1.0 / float(scale), device), found_inf=flag,
         chunk_size=chunk_size)
     if copies is not None:  # (a skipped step left the weights, so this rewrites the same bits)
-        _ops.multi_tensor_scale_(weights, copies, 1.0, torch.zeros(1, device=device),
-                                 chunk_size=chunk_size)
+        copy_to_model(weights, copies)
 
 
 def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
