@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peak.scaling import (LossScale, OverflowFlags, group_by_device_dtype, optimizer_gradients,
-                          sum_flags, unscale_grads_)
+                          merge_flags, unscale_grads_)
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -40,11 +40,13 @@ def test_overflow_flags_per_device_and_clear():
     assert OverflowFlags((), first=own).for_device(torch.device("cpu")) is own
 
 
-def test_sum_flags():
-    assert sum_flags([], torch.device("cpu"), (1,)).tolist() == [0.0]
-    a, b = torch.tensor([1.0]), torch.tensor([1.0])
-    total = sum_flags([a, b], torch.device("cpu"))
-    assert total.item() == 2.0 and total is not a and a.item() == 1.0  # a new tensor
+def test_merge_flags_is_any_not_sum():
+    """Merged flags are 0 or 1 (torch's fused optimizers skip only on a flag of exactly 1)."""
+    assert merge_flags([], torch.device("cpu"), (1,)).tolist() == [0.0]
+    a, b, c = torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor(0.0)
+    merged = merge_flags([a, b, c], torch.device("cpu"))
+    assert merged.shape == () and merged.item() == 1.0 and a.item() == 1.0  # a new tensor
+    assert merge_flags([c, c.reshape(1)], torch.device("cpu"), (1,)).tolist() == [0.0]
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])

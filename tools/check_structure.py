@@ -274,7 +274,7 @@ def ownership_measures() -> dict[str, list[str]]:
             r"multi_tensor_scale_\([^)]*,\s*1\.0\s*,|unscale_grads_\([^)]*1\.0[^)]*outputs=|"
             r"\.copy_\(master\)"),
         "flag merges": re.compile(r"^\s*def sum_flags\(|merged_found_inf\(at::TensorList|"
-                                  r"sum\(f\.to\(", re.M),
+                                  r"merge_found_infs\(at::TensorList|sum\(f\.to\(", re.M),
     }
     found: dict[str, list[str]] = {k: [] for k in patterns}
     files = [p for d in (PACKAGE, ROOT / "csrc") for p in sorted(d.rglob("*"))

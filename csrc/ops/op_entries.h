@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "../core/loss_scale_update.h"
+#include "found_inf_merge.h"
 #include "multi_tensor_ops.h"
 #include "optimizer_ops_impl.h"
 
@@ -60,16 +61,11 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_entry(at::TensorList tens
   return multi_tensor_l2norm(exec, staged.tensors, per_tensor, chunk_size);
 }
 
-// The overflow flags of one step (one per device and optimizer) summed on the scale's device,
-// as torch's GradScaler.update sums them (the C++ side's merge; scaling.sum_flags is the Python
-// side's, for callers that hand one flag on).
-inline at::Tensor merged_found_inf(at::TensorList found_infs, const at::Tensor& scale) {
+// The step's overflow flag on the scale's device: a lone flag there as it is, else merged
+// (NOTE: [Merging overflow flags]).
+inline at::Tensor found_inf_for_update(at::TensorList found_infs, const at::Tensor& scale) {
   if (found_infs.size() == 1 && found_infs[0].device() == scale.device()) return found_infs[0];
-  at::Tensor total = at::zeros({1}, scale.options());
-  for (const at::Tensor& f : found_infs) {
-    total.add_(f.reshape({1}).to(scale.device(), at::kFloat, /*non_blocking=*/true));
-  }
-  return total;
+  return merge_found_infs(found_infs, scale.device(), {1});
 }
 
 template <typename Exec>
@@ -87,7 +83,7 @@ void update_scale_entry(const at::Tensor& scale, const at::Tensor& growth_tracke
               " device; keep the scale and its trackers on the device type of the flags (or pass "
               "the flags on the scale's device)");
   const typename Exec::Guard guard(scale.device());
-  const at::Tensor found_inf = merged_found_inf(found_infs, scale);
+  const at::Tensor found_inf = found_inf_for_update(found_infs, scale);
   Exec::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int>(),
                      hysteresis_tracker ? hysteresis_tracker->data_ptr<int>() : nullptr,
                      found_inf.data_ptr<float>(),

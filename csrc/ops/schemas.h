@@ -49,6 +49,11 @@ inline constexpr const char* kUpdateScaleSchema =
     "Tensor[] found_infs, *, float growth_factor, float backoff_factor, int growth_interval, "
     "int hysteresis, float min_scale, float max_scale) -> ()";
 
+// NOTE: [Merging overflow flags] in found_inf_merge.h. One backend-agnostic kernel
+// (CompositeExplicitAutograd); its fake kernel is in ops.py, as every op's.
+inline constexpr const char* kMergeFoundInfsSchema =
+    "merge_found_infs(Tensor[] found_infs, *, Device device, int[] shape) -> Tensor";
+
 inline constexpr const char* kFusedAdamSchema =
     "fused_adam_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "

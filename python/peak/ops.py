@@ -21,6 +21,7 @@ __all__ = [
     "multi_tensor_axpby_",
     "multi_tensor_l2norm",
     "update_scale_",
+    "merge_found_infs",
     "multi_tensor_check_finite_",
     "fused_adam_",
     "fused_sgd_",
@@ -42,6 +43,7 @@ _axpby_op = torch.ops.peak.multi_tensor_axpby_.default
 _l2norm_op = torch.ops.peak.multi_tensor_l2norm.default
 _check_finite_op = torch.ops.peak.multi_tensor_check_finite_.default
 _update_scale_op = torch.ops.peak.update_scale_.default
+_merge_op = torch.ops.peak.merge_found_infs.default
 
 
 def _list(name: str, tensors) -> list[Tensor]:
@@ -143,7 +145,7 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Seq
     """The dynamic loss-scale update, in place and on the state's device (no host sync).
 
     ``found_inf``: the step's overflow flag, or a list of them (one per device and optimizer,
-    on any devices): the op sums them on the scale's device, so callers never merge flags.
+    on any devices): the op merges them on the scale's device, so callers never merge flags.
     On overflow (any flag ``!= 0``) the hysteresis tracker counts down; when it reaches 0 the
     scale becomes ``max(scale * backoff_factor, min_scale)``; the growth tracker resets. Otherwise
     the growth tracker counts up and the hysteresis tracker refills; after ``growth_interval``
@@ -180,6 +182,20 @@ def _(tensors, *, per_tensor=False, chunk_size=DEFAULT_CHUNK_SIZE):
     total = first.new_empty((1,), dtype=torch.float32)
     per = first.new_empty((len(tensors) if per_tensor else 0,), dtype=torch.float32)
     return total, per
+
+
+def merge_found_infs(found_infs: Sequence[Tensor], device: torch.device | str,
+                     shape: Sequence[int] = ()) -> Tensor:
+    """Overflow flags of any devices merged into a new float32 tensor of ``shape`` on
+    ``device``: 1.0 where some flag is set, else 0.0 (NOTE: [Merging overflow flags]). One
+    kernel for every backend, written with ATen ops."""
+    return _merge_op(_list("found_infs", found_infs), device=torch.device(device),
+                     shape=list(shape))
+
+
+@torch.library.register_fake("peak::merge_found_infs")
+def _(found_infs, *, device, shape):
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 @torch.library.register_fake("peak::update_scale_")

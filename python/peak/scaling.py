@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["group_by_device_dtype", "OverflowFlags", "sum_flags", "LossScale",
+__all__ = ["group_by_device_dtype", "OverflowFlags", "merge_flags", "LossScale",
            "unscale_grads_", "core_attribute", "optimizer_gradients", "agree_on_overflow"]
 
 
@@ -65,20 +65,15 @@ class OverflowFlags(dict):
     def any_(self) -> bool:
         """Host read: whether any flag is set (one sync: the flags meet on the first device)."""
         flags = list(self.values())
-        flag = flags[0] if len(flags) == 1 else sum_flags(flags, flags[0].device, self.shape)
+        flag = flags[0] if len(flags) == 1 else merge_flags(flags, flags[0].device, self.shape)
         return bool(flag.item() != 0)
 
 
-def sum_flags(flags, device: torch.device, shape: tuple[int, ...] = ()) -> Tensor:
-    """Overflow flags (any devices) summed on ``device`` as a new tensor, zero when there are
-    none: for a caller that hands one flag on (torch's fused optimizers) or reads it."""
-    flags = list(flags)
-    if not flags:
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    total = flags[0].to(device, non_blocking=True, copy=True)
-    for flag in flags[1:]:
-        total = total + flag.to(device, non_blocking=True)
-    return total
+def merge_flags(flags, device: torch.device, shape: tuple[int, ...] = ()) -> Tensor:
+    """Overflow flags (any devices) merged on ``device`` into a new tensor of ``shape``: 1 where
+    some flag is set, else 0 (also when there are none), without a host sync -- the one merge,
+    ``peak.ops.merge_found_infs`` (NOTE: [Merging overflow flags])."""
+    return ops.merge_found_infs(list(flags), device, shape)
 
 
 def unscale_grads_(grads: list[Tensor], inv_scale: Tensor | float, found_inf: OverflowFlags, *,

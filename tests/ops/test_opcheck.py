@@ -111,3 +111,11 @@ def test_grad_scaler_unscales_meta_gradients():
     for scaler in (torch.amp.GradScaler("cpu"), amp.GradScaler("cpu")):
         scaler.scale(torch.ones((), device="meta"))
         scaler.unscale_(opt)
+
+
+def test_opcheck_merge_found_infs():
+    flags = [torch.tensor([1.0]), torch.tensor(0.0), torch.tensor([0.0])]
+    opcheck_op(torch.ops.peak.merge_found_infs.default, (flags,),
+               dict(device=torch.device("cpu"), shape=[1]))
+    opcheck_op(torch.ops.peak.merge_found_infs.default, ([],),
+               dict(device=torch.device("cpu"), shape=[]))

@@ -15,7 +15,7 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .. import _C
-from ..scaling import (LossScale, OverflowFlags, core_attribute, optimizer_gradients, sum_flags,
+from ..scaling import (LossScale, OverflowFlags, core_attribute, optimizer_gradients, merge_flags,
                        unscale_grads_)
 from ..scaling import agree_on_overflow as _agree_on_overflow
 from .overflow_report import OverflowAttribution, OverflowReport
@@ -221,7 +221,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
 
     def _combined_found_inf(self, optimizer_state) -> torch.Tensor:
         """The optimizer's overflow flags summed on the scale's device (a new tensor)."""
-        return sum_flags(optimizer_state["found_inf_per_device"].values(), self._scale.device)
+        return merge_flags(optimizer_state["found_inf_per_device"].values(), self._scale.device)
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         """Run ``optimizer.step`` unless a gradient held inf/NaN: the one host read of a non-fused

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from peak import ops
-from peak.scaling import (LossScale, core_attribute, group_by_device_dtype, sum_flags,
+from peak.scaling import (LossScale, core_attribute, group_by_device_dtype, merge_flags,
                           unscale_grads_)
 
 from . import _caster
@@ -97,9 +97,7 @@ class LossScaler:
     def found_inf_on(self, device: torch.device) -> torch.Tensor:
         """The overflow flags merged into a new 0/1 flag of shape (1,) on ``device`` (no host
         read): what a step that skips on the device takes."""
-        flags = list(self._core.found_inf.values())
-        merged = sum_flags(flags, device, (1,)).reshape(1)
-        return merged.clamp_(max=1) if len(flags) > 1 else merged
+        return merge_flags(self._core.found_inf.values(), device, (1,))
 
     def clear_overflow_state(self) -> None:
         self._core.found_inf.zero_()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..scaling import sum_flags
+from ..scaling import merge_flags
 from ._base import FusedOptimizer, _check_hyper, _check_moment_dtype
 
 # The kernel's scale-list arguments for 8-bit moments, and the state keys they come from.
@@ -471,6 +471,6 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             per_device = grad_scaler._check_inf_per_device(self)
             grad_scale = grad_scaler._get_scale_async()
             if per_device:
-                found_inf = sum_flags(per_device.values(), grad_scale.device)
+                found_inf = merge_flags(per_device.values(), grad_scale.device)
         return super().step(closure, grad_scale=grad_scale, found_inf=found_inf,
                             grad_norm=grad_norm)
