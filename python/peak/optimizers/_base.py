@@ -146,6 +146,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- state -----------------------------------------------------------------------------------
     def wants_master(self, p: Tensor) -> bool:
+        """``p`` is stepped through an fp32 master (fp16/bf16 ``p``, unless master_weights=False)."""
         if p.dtype == torch.float32:
             return False
         if p.dtype not in (torch.float16, torch.bfloat16):
@@ -230,9 +231,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     # norm clipping uses; give_master_grads(grad_scale): fp32 master gradients to clip, which the
     # next step() reads; step(grad_scale=, found_inf=, grad_norm=): the step, skipped on the device.
     def set_master(self, p: Tensor, master: Tensor) -> None:
+        """Make the fp32 ``master`` p's master (amp O2: the weights from before its cast)."""
         master_in_state(self, p, self.state[p], original=master)
 
     def master_of(self, p: Tensor) -> Tensor | None:
+        """p's exact fp32 master (a remainder joined with its weight), or None."""
         state = self.state.get(p) or {}
         if REMAINDER_KEY in state:
             return join_remainder(p.detach(), state[REMAINDER_KEY])
