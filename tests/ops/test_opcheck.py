@@ -109,8 +109,10 @@ def test_grad_scaler_unscales_meta_gradients():
     p.grad = torch.empty(4, device="meta")
     opt = torch.optim.SGD([p], lr=0.1)
     for scaler in (torch.amp.GradScaler("cpu"), amp.GradScaler("cpu")):
-        scaler.scale(torch.ones((), device="meta"))
+        scaled = scaler.scale(torch.ones((), device="meta"))
         scaler.unscale_(opt)
+        assert scaled.device.type == "meta" and p.grad.device.type == "meta"
+        assert p.grad.shape == (4,)
 
 
 def test_opcheck_merge_found_infs():

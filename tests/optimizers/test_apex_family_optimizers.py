@@ -578,6 +578,7 @@ def test_fake_kernels_take_the_schema_defaults():
                                        lr=torch.ones(1), beta1=0.9, beta2=0.99, eps=1e-8,
                                        weight_decay=0.0, grad_averaging=True,
                                        reg_inside_moment=False, bias_correction=True)
+        assert p[0].shape == (5,) and st[0].shape == ()  # (in place: the fakes change nothing)
 
 
 def _call(ns, family, params, grads, masters, state, lr, found_inf, chunk):

@@ -1,0 +1,160 @@
+"""The master-weight protocol of peak.optimizers, tested directly (docs/core.md, "Who owns the
+master weights"): the MasterWeights store, the one maker and the one copy of masters, and a fused
+optimizer's public methods that amp and GradScaler use."""
+import pytest
+import torch
+
+from peak.optimizers import FusedAdam, FusedSGD, MasterWeights
+from peak.optimizers.masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_remainder,
+                                     master_in_state, masters_by_param, new_master, store_of)
+from peak.scaling import LossScale
+from peak_testing import assert_bitwise_equal
+
+LOWS = [torch.float16, torch.bfloat16]
+
+
+def fp32_weights(seed=0, shapes=((5, 3), (7,), (300,))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+@pytest.mark.parametrize("low", LOWS)
+def test_new_master_is_the_original_or_the_exact_widening(low):
+    w = fp32_weights()[0]
+    p = w.to(low)
+    assert new_master(p, w) is w
+    assert new_master(p).dtype == torch.float32 and torch.equal(new_master(p), p.float())
+
+
+@pytest.mark.parametrize("low", LOWS)
+def test_copy_to_model_rounds_to_nearest_even_like_torch(low):
+    masters = fp32_weights(1) + [torch.tensor([float("inf"), -0.0, 65504.0 * 1.01])]
+    params = [torch.empty_like(m, dtype=low) for m in masters]
+    copy_to_model(masters, params)
+    for m, p in zip(masters, params):
+        assert_bitwise_equal(p, m.to(low))
+
+
+def test_store_register_take_grads_and_copy_back():
+    """register swaps low params for fp32 masters (frozen ones left out), take_grads unscales a
+    backward's gradients into them (flagging inf), accumulates a second pass, copy_to_model
+    rounds the masters back."""
+    w = fp32_weights(2)
+    low = [torch.nn.Parameter(x.to(torch.float16)) for x in w[:2]]
+    own = torch.nn.Parameter(w[2].clone())
+    frozen = torch.nn.Parameter(w[0].to(torch.float16), requires_grad=False)
+    store = MasterWeights()
+    group = store.register(low + [own, frozen], True, {id(low[0]): w[0]})
+    assert group[0] is store.masters[0] and torch.equal(group[0], w[0])  # the exact original
+    assert torch.equal(group[1], low[1].float()) and group[2] is own and group[3] is frozen
+    assert store.own_params == [own] and store.holds(low[1]) and not store.holds(own)
+    assert store.mark() == (2, 1)
+
+    scale = LossScale(1024.0, device="cpu")
+
+    class Scaler:  # what take_grads asks of a scaler (amp's LossScaler has these two)
+        def unscale(self, grads, outs):
+            scale.unscale_(grads, outputs=outs)
+
+        def unscale_with_stashed(self, grads, earlier, outs):
+            for g, e, o in zip(grads, earlier, outs):
+                o.copy_(g.float() / 1024.0 + e)
+
+    grads = [torch.randn_like(p, dtype=torch.float32) for p in low + [own]]
+    for backward in range(2):
+        store.set_grads_aside()
+        for p, g in zip(low + [own], grads):
+            p.grad = (g * 1024.0).to(p.dtype)
+        store.take_grads(Scaler())
+    for m, p, g in zip(store.masters + [own], low + [own], grads):
+        expected = 2 * ((g * 1024.0).to(p.dtype).float() / 1024.0)
+        torch.testing.assert_close(m.grad, expected, rtol=0, atol=1e-6)
+    assert not scale.found_inf.any_()
+    with torch.no_grad():
+        store.masters[1].add_(0.5)
+    store.copy_to_model()
+    assert_bitwise_equal(low[1].detach(), store.masters[1].detach().to(torch.float16))
+    store.rollback((1, 0))
+    assert len(store.masters) == 1 and store.own_params == [] and not store.holds(low[1])
+
+
+def test_store_checkpoint_entry_and_earlier_layout():
+    """attach: state_dict() carries each master as state[i]["master_param"] (the layout peak's
+    fused optimizers write); load_state_dict takes it, or the earlier "amp_master_params"."""
+    w = fp32_weights(3)
+    low = [torch.nn.Parameter(x.to(torch.bfloat16)) for x in w]
+    store = MasterWeights()
+    opt = torch.optim.SGD(store.register(low, True, {id(p): x for p, x in zip(low, w)}), lr=0.1)
+    store.attach(opt)
+    assert store_of(opt) is store
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1, 2]
+    assert all(sd["state"][i][MASTER_KEY] is store.masters[i] for i in range(3))
+    assert opt.state == {}  # the entries are the state dict's, not the optimizer's state
+    saved = [m.detach().clone() for m in store.masters]
+
+    for layout in ("one", "earlier"):
+        other = MasterWeights()
+        low2 = [torch.nn.Parameter(x.to(torch.bfloat16)) for x in fp32_weights(4)]
+        opt2 = torch.optim.SGD(other.register(low2, True), lr=0.1)
+        other.attach(opt2)
+        loaded = {"param_groups": sd["param_groups"], "state": sd["state"]}
+        if layout == "earlier":
+            loaded = {"param_groups": sd["param_groups"], "state": {},
+                      "amp_master_params": {i: st[MASTER_KEY] for i, st in sd["state"].items()}}
+        opt2.load_state_dict(loaded)
+        assert_bitwise_equal([m.detach() for m in other.masters], saved)
+        assert_bitwise_equal([p.detach() for p in low2], [m.to(torch.bfloat16) for m in saved])
+        assert opt2.state == {}
+
+
+@pytest.mark.parametrize("low", LOWS)
+def test_fused_optimizer_protocol(low):
+    w = fp32_weights(5)
+    params = [torch.nn.Parameter(x.to(low)) for x in w[:2]] + [torch.nn.Parameter(w[2].clone())]
+    opt = FusedAdam(params, lr=1e-2, max_grad_norm=1.0)
+    assert [opt.wants_master(p) for p in params] == [True, True, False]
+    assert not any(opt.keeps_remainder(p) for p in params)
+    assert opt.clips_by_norm and not FusedAdam(params, lr=1e-2).clips_by_norm
+    opt.set_master(params[0], w[0])
+    assert opt.master_of(params[0]) is w[0] and opt.master_of(params[2]) is None
+    grads = [torch.randn_like(x) for x in w]
+    for p, g in zip(params, grads):
+        p.grad = (g * 256).to(p.dtype)
+    norm = opt.grad_norm()  # of the gradients as they are (scaled)
+    reference = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    torch.testing.assert_close(norm.double().reshape(()), reference, rtol=1e-6, atol=0)
+    stepped = list(opt.give_master_grads(torch.tensor([256.0])))
+    assert stepped[0] is w[0] and stepped[2] is params[2]
+    for m, p, g in zip(stepped, params, grads):
+        expected = (g * 256).to(p.dtype).float() / 256  # exact for a power-of-two scale
+        assert_bitwise_equal(m.grad.float(), expected)
+    opt.zero_grad()
+    assert all(m.grad is None for m in stepped)
+
+
+def test_remainder_masters_through_the_protocol():
+    w = fp32_weights(6)[0]
+    p = torch.nn.Parameter(w.to(torch.bfloat16))
+    opt = FusedAdam([p], lr=1e-2, store_param_remainders=True)
+    assert opt.wants_master(p) and opt.keeps_remainder(p)
+    opt.set_master(p, w)  # kept as p's rounding and the 16 bits it drops
+    st = opt.state[p]
+    assert MASTER_KEY not in st and REMAINDER_KEY in st
+    assert_bitwise_equal(opt.master_of(p), w)
+    assert_bitwise_equal(join_remainder(p.detach(), st[REMAINDER_KEY]), w)
+    assert master_in_state(opt, p, st) is None  # already there: nothing changes
+    assert_bitwise_equal(masters_by_param(opt)[id(p)], w)
+
+
+def test_masters_by_param_sees_every_placement():
+    w = fp32_weights(7)
+    fused_p = torch.nn.Parameter(w[0].to(torch.float16))
+    fused = FusedSGD([fused_p], lr=0.1)
+    fused.set_master(fused_p, w[0])
+    assert masters_by_param(fused)[id(fused_p)] is w[0]
+    low = torch.nn.Parameter(w[1].to(torch.float16))
+    store = MasterWeights()
+    opt = torch.optim.SGD(store.register([low], True, {id(low): w[1]}), lr=0.1)
+    store.attach(opt, hooks=False)
+    assert masters_by_param(opt)[id(low)] is store.masters[0]
