@@ -2,7 +2,8 @@
 peak.amp.GradScaler and with amp O1/O3; amp O2 with ZeRO is an explained error.  FSDP2
 ``fully_shard`` (DTensor gradient shards) with GradScaler: an inf/NaN written into ONE rank's local
 gradient shard skips the step on both ranks (GradScaler all-reduces the overflow flag for sharded
-gradients); without that all-reduce the ranks disagree (the control)."""
+gradients), with torch's Adam and with peak's FusedAdam stepping the shards; without that
+all-reduce the ranks disagree (the control)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import ddp_worker
 import zero_worker
 from dist_helpers import WORLD_SIZE, run_ranks
 
-RUNS = [*zero_worker.CONFIGS, "zero-amp-O1-bf16", "zero-amp-O3-f16", "fsdp2-scaler-autocast-bf16"]
+RUNS = [*zero_worker.CONFIGS, "zero-amp-O1-bf16", "zero-amp-O3-f16", "fsdp2-scaler-autocast-bf16",
+        "fsdp2-scaler-autocast-bf16-FusedAdam"]
 POISONED = [s in ddp_worker.POISON for s in range(ddp_worker.STEPS)]
 
 
@@ -29,7 +31,8 @@ def _reference(name):
     if name.startswith("zero-amp-"):
         level, low = name.split("-")[2], {"bf16": torch.bfloat16, "f16": torch.float16}[name.split("-")[3]]
         return zero_worker.run_amp(None, level, low)
-    return zero_worker.run_fsdp2(None, torch.bfloat16)
+    return zero_worker.run_fsdp2(None, torch.bfloat16,
+                                 "FusedAdam" if name.endswith("FusedAdam") else "Adam")
 
 
 @pytest.mark.parametrize("name", RUNS)
@@ -87,7 +90,8 @@ def test_amp_o2_with_zero_is_an_explained_error(ranks):
         assert dtype == torch.float32 and not stashed  # nothing changed
 
 
-def test_fused_optimizer_on_fsdp2_params_is_an_explained_error(ranks):
+def test_lamb_on_fsdp2_params_is_an_explained_error(ranks):
     for r in range(WORLD_SIZE):
-        msg = ranks[r]["fsdp2-fused-error"]
-        assert msg is not None and "DTensor parameters (FSDP2's fully_shard)" in msg and "torch.optim.AdamW" in msg
+        msg = ranks[r]["fsdp2-lamb-error"]
+        assert msg is not None and "DTensor parameters (FSDP2's fully_shard)" in msg
+        assert "FusedAdam" in msg and "peak.amp.GradScaler" in msg

@@ -101,7 +101,7 @@ def amp_o2_error(rank):
     return None
 
 
-def run_fsdp2(rank, low):
+def run_fsdp2(rank, low, optimizer="Adam"):
     """FSDP2 ``fully_shard`` (parameters and gradients are DTensor shards) with GradScaler and
     autocast; the poison is written into rank 1's local gradient shard after the backward (so only
     that rank's shard sees it); ``rank=None``: one process, poisoned gradient, no sharding."""
@@ -113,7 +113,7 @@ def run_fsdp2(rank, low):
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = resolve(optimizer)(model.parameters(), lr=1e-2)
     scaler = amp.GradScaler("cpu")
     scales, skipped = [], []
     for step in range(STEPS):
@@ -141,16 +141,17 @@ def run_fsdp2(rank, low):
             "local_state": state}
 
 
-def fsdp2_fused_optimizer_error(rank):
-    """peak's fused optimizers on FSDP2's DTensor parameters: the explained error, when the
-    optimizer is built (not at its first step, after a forward and backward)."""
+def fsdp2_lamb_error(rank):
+    """A fused optimizer that needs whole tensors (LAMB's trust ratio) on FSDP2's DTensor
+    parameters: the explained error, when the optimizer is built (not at its first step, after a
+    forward and backward)."""
     import peak.optimizers
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
     fully_shard(model)
     try:
-        peak.optimizers.FusedAdam(model.parameters(), lr=1e-2)
+        peak.optimizers.FusedLAMB(model.parameters(), lr=1e-2)
     except NotImplementedError as e:
         return str(e)
     return None
@@ -181,7 +182,7 @@ def resolve(cls):
         import peak.optimizers
 
         return peak.optimizers.FusedAdam
-    return cls
+    return getattr(torch.optim, cls) if isinstance(cls, str) else cls
 
 
 def worker(rank, world_size):
@@ -190,7 +191,8 @@ def worker(rank, world_size):
            "zero-amp-O2-error": amp_o2_error(rank),
            "fsdp2-scaler-autocast-bf16": run_fsdp2(rank, torch.bfloat16),
            "fsdp2-without-agreement": run_fsdp2_without_agreement(rank),
-           "fsdp2-fused-error": fsdp2_fused_optimizer_error(rank)}
+           "fsdp2-scaler-autocast-bf16-FusedAdam": run_fsdp2(rank, torch.bfloat16, "FusedAdam"),
+           "fsdp2-lamb-error": fsdp2_lamb_error(rank)}
     for name, (mdt, low, cls) in CONFIGS.items():
         out[name] = run_zero_scaler(rank, mdt, low, resolve(cls))
     reset_amp()

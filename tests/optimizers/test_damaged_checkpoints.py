@@ -192,12 +192,18 @@ def test_state_an_option_starts_mid_run_is_not_required():
             opt.load_state_dict(sd)
 
 
-def test_named_dtensor_parameters_are_refused_at_construction():
-    """torch's named parameters ((name, tensor) pairs) are unwrapped before the DTensor check."""
+def test_named_dtensor_parameters_are_checked_at_construction():
+    """torch's named parameters ((name, tensor) pairs) are unwrapped before the DTensor check
+    (what peak cannot step on shards is refused there: tests/distributed/test_sharded_fused.py)."""
+    import types
+
     p = torch.nn.Parameter(torch.ones(2))
-    p.device_mesh = object()  # what marks a DTensor (FSDP2's parameters) for the check
+    # what marks a DTensor (FSDP2's parameters) for the check: a mesh and placements
+    p.device_mesh, p.placements = types.SimpleNamespace(ndim=2), ()
     for params in ([p], [("w", p)], [{"params": [("w", p)]}]):
-        with pytest.raises(NotImplementedError, match="DTensor parameters"):
+        with pytest.raises(NotImplementedError, match="DTensor parameters sharded over a one-"):
             FusedAdam(params, lr=0.1)
+        with pytest.raises(NotImplementedError, match="does not step DTensor parameters"):
+            FusedLAMB(params, lr=0.1)
     with pytest.raises(TypeError):
         FusedAdam([torch.nn.Parameter(torch.ones(2))]).add_param_group([p])  # not a dict

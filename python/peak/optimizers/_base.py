@@ -14,6 +14,8 @@ from torch import Tensor
 from .._dtypes import MOMENT_STORAGE, parse_dtype
 from ._checkpoint_check import check_loadable
 from ._quant import dequantize, new_state, quantize, scale_key
+from ._sharded import (agree, check_sharded_group, count_empty_steps, is_sharded, local,
+                       local_states, reduce_sumsq)
 from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_remainder, load_master,
                       master_in_state)
 
@@ -64,6 +66,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     # GradScaler hands grad_scale/found_inf to step() instead of unscaling and syncing.
     _step_supports_amp_scaling = True
     _state_keys: tuple[str, ...] = ()
+    steps_shards = False  # elementwise: steps DTensor shards (NOTE: [Sharded steps])
 
     def __init__(self, params, defaults, master_weights: bool | None = None,
                  stochastic_rounding: bool = False, set_grad_none: bool = True,
@@ -125,16 +128,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._group_keys = tuple(self.defaults)
 
     def add_param_group(self, param_group: dict) -> None:
-        """As torch's; DTensor parameters (FSDP2) are refused here, before any forward."""
-        params = param_group["params"] if isinstance(param_group, dict) else set()  # (torch's
-        if not isinstance(params, set):  # errors for a non-dict and for a set of parameters)
+        """As torch's; what peak does not step on DTensor parameters (FSDP2) is refused here,
+        before any forward (NOTE: [Sharded steps])."""
+        if isinstance(param_group, dict) and not isinstance(param_group["params"], set):
+            params = param_group["params"]  # (torch's errors for a non-dict and a set of params)
             params = param_group["params"] = [params] if isinstance(params, Tensor) else [*params]
-            if any(hasattr(p[1] if isinstance(p, tuple) else p, "device_mesh") for p in params):
-                raise NotImplementedError(
-                    f"{type(self).__name__} does not support DTensor parameters (FSDP2's "
-                    "fully_shard) yet: its kernels take whole local tensors. Use a torch optimizer "
-                    "(e.g. torch.optim.AdamW) with peak.amp.GradScaler under FSDP2; see "
-                    "docs/distributed.md.")
+            unwrapped = [p[1] if isinstance(p, tuple) else p for p in params]
+            check_sharded_group(self, {**self.defaults, **param_group, "params": unwrapped})
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -302,16 +302,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         from .. import ops  # noqa: PLC0415 (ops imports the extension)
         from ..scaling import group_by_device_dtype  # noqa: PLC0415 (so does the core)
 
-        grads = [self._grad_read(p) for group in self.param_groups for p in group["params"]
-                 if p.grad is not None and not p.grad.is_sparse]
-        if not grads:
+        params = [p for group in self.param_groups for p in group["params"]
+                  if p.grad is not None and not p.grad.is_sparse]
+        grads = [g for g in (local(self._grad_read(p)) for p in params) if g.numel()]
+        if not params:
             return None
-        groups = group_by_device_dtype(grads)
-        device = groups[0][0]
+        device = local(params[0]).device
         sumsq = torch.zeros(1, dtype=torch.float32, device=device)
-        for _, _, _, (group,) in groups:
+        for _, _, _, (group,) in group_by_device_dtype(grads):
             norm, _ = ops.multi_tensor_l2norm(group)  # slices go through a dense copy in C++
             sumsq += norm.to(device) ** 2
+        if any(is_sharded(p) for p in params):  # each rank holds its shards' part
+            reduce_sumsq(sumsq, params)
         return sumsq.sqrt()
 
     @torch.no_grad()
@@ -336,6 +338,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         self._check_stochastic_rounding()
+        sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
+        if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
+            agree(found_inf, [p for g in self.param_groups for p in g["params"]])  # flag too
         self._step_store_grads = grad_scale is not None and getattr(self, "store_unscaled_grads", True)
         if grad_norm is not None:
             if not isinstance(grad_norm, Tensor) or grad_norm.numel() != 1:
@@ -370,14 +375,23 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if kind is _MASTER_GRADS:
                     self._step_masters(group, params, states, lr_t, gs, fi)
                     continue
-                grads = [self._grad_like_param(p) for p in params]
+                given = [p.grad for p in params]
+                if sharded:  # the kernels step the local shards (NOTE: [Sharded steps])
+                    keep = [local(p).numel() > 0 for p in params]
+                    count_empty_steps([s for s, k in zip(states, keep) if not k], fi)
+                    states = local_states([s for s, k in zip(states, keep) if k])
+                    given = [local(g) for g, k in zip(given, keep) if k]
+                    params = [local(p) for p, k in zip(params, keep) if k]
+                    if not params:
+                        continue
+                grads = [self._grad_like(p, g) for p, g in zip(params, given)]
                 self._launch(group, params, grads,
                              [self._master_list_entry(s) for s in states] if kind else [],
                              states, lr_t, gs, fi)
                 if self._step_store_grads:
-                    for p, g in zip(params, grads):
-                        if g is not p.grad:  # a re-laid-out copy was stepped
-                            p.grad.copy_(g)
+                    for g0, g in zip(given, grads):
+                        if g is not g0:  # a re-laid-out copy was stepped
+                            g0.copy_(g)
         return loss
 
     @staticmethod
@@ -468,9 +482,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         return {"grad_norm": self._on(self._step_grad_norm, device), "max_grad_norm": max_norm}
 
     @staticmethod
-    def _grad_like_param(p: Tensor) -> Tensor:
+    def _grad_like(p: Tensor, g: Tensor) -> Tensor:
         # The kernels walk a parameter and its gradient in the same memory order.
-        g = p.grad
         if g.stride() == p.stride():
             return g
         return torch.empty_like(p).copy_(g)

@@ -34,6 +34,8 @@ class FusedSGD(FusedOptimizer):
     ``store_param_remainders``, ``momentum_dtype`` (the buffer's storage) and ``moment_rounding``
     as :class:`FusedAdam`'s lean options."""
 
+    steps_shards = True  # elementwise: DTensor shards step as they are
+
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
                  set_grad_none=True, *, maximize=False, master_weights=None,
@@ -113,6 +115,8 @@ class FusedAdam(FusedOptimizer):
     small-float map for ``exp_avg``, one of ``sqrt(exp_avg_sq)`` for ``exp_avg_sq``. With a bf16
     model and remainders: 10 bytes per parameter for weights, gradients and optimizer state with
     bf16 moments, ~8.03 with 8-bit ones, against 16 for fp32 state."""
+
+    steps_shards = True  # elementwise: DTensor shards step as they are
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
@@ -269,6 +273,8 @@ class FusedAdagrad(FusedOptimizer):
     ``torch.optim.Adagrad`` without it. ``lr_decay`` and ``initial_accumulator_value`` (keywords)
     are torch.optim.Adagrad's. State: ``sum`` (fp32) and ``step`` per parameter, as torch's, so a
     torch.optim.Adagrad checkpoint loads. ``master_weights`` as for :class:`FusedSGD`."""
+
+    steps_shards = True  # elementwise: DTensor shards step as they are
 
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,
                  adagrad_w_mode=False, *, lr_decay=0.0, initial_accumulator_value=0.0,

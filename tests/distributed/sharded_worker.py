@@ -1,0 +1,202 @@
+"""peak's fused optimizers stepping DTensor shards (NOTE: [Sharded steps]), run in gloo ranks.
+
+Each config builds the same parameters on every rank, shards them with distribute_tensor
+(Shard(0), what FSDP2's fully_shard makes) and hands every rank the same full gradients, sharded
+alike, so that the result can be compared with one process stepping the whole tensors
+(``rank=None``). Poisoned steps put an inf into ONE rank's local gradient shard only."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from peak.optimizers import FusedAdagrad, FusedAdam, FusedSGD
+
+STEPS = 6
+POISON_STEP = 3  # rank 1's shard (or, in one process, the same element) gets an inf
+# Shapes: rows split over 2 and 4 ranks, a row count smaller than the world (empty shards on
+# some ranks), a vector.
+SHAPES = [(8, 5), (3, 4), (1, 6), (10,)]
+
+CONFIGS = {
+    # name: (model dtype, optimizer class, options)
+    "adamw-fp32": (torch.float32, FusedAdam, dict(adam_w_mode=True, weight_decay=0.01)),
+    "adam-bf16-masters": (torch.bfloat16, FusedAdam, {}),
+    "adam-bf16-lean": (torch.bfloat16, FusedAdam,
+                       dict(store_param_remainders=True, exp_avg_dtype=torch.bfloat16,
+                            exp_avg_sq_dtype=torch.bfloat16, moment_rounding="nearest")),
+    "sgd-bf16": (torch.bfloat16, FusedSGD, dict(momentum=0.9)),
+    "adagrad-fp32": (torch.float32, FusedAdagrad, {}),
+}
+# Clipping by the global norm: each rank's part of the sum of squares is summed over the mesh,
+# another summation order than one process's, so the norm (and what it scales) may differ in the
+# last bits: compared within a tolerance.
+CLIPPED = {
+    "adam-fp16-masters-clip": (torch.float16, FusedAdam, dict(max_grad_norm=0.5)),
+    "sgd-bf16-clip": (torch.bfloat16, FusedSGD, dict(momentum=0.9, max_grad_norm=0.1)),
+}
+# Stochastic rounding draws its bits from each element's position in its tensor; a shard's
+# positions differ from the whole tensor's, so these compare within a tolerance, not bits.
+STOCHASTIC = {
+    "adam-bf16-sr": (torch.bfloat16, FusedAdam, dict(master_weights=False,
+                                                     stochastic_rounding=True)),
+    "adam-bf16-lean-sr-moments": (torch.bfloat16, FusedAdam,
+                                  dict(store_param_remainders=True,
+                                       exp_avg_dtype=torch.bfloat16,
+                                       exp_avg_sq_dtype=torch.bfloat16)),
+}
+
+
+def full_tensors(seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+
+
+def run(rank, name, scaled=True):
+    """Steps config ``name``; rank=None: one process on the whole tensors. Returns the full
+    weights, masters and moments after every step (gathered from the shards)."""
+    dtype, cls, options = {**CONFIGS, **CLIPPED, **STOCHASTIC}[name]
+    torch.manual_seed(0)  # the stochastic rounding key
+    weights = full_tensors(0, dtype)
+    if rank is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+        def shard(t):
+            return distribute_tensor(t, mesh, [Shard(0)])
+    else:
+        def shard(t):
+            return t
+    params = [torch.nn.Parameter(shard(w)) for w in weights]
+    opt = cls(params, lr=1e-2, **options)
+    grad_scale = torch.tensor([1024.0]) if scaled else None
+    history, skipped = [], []
+    for step in range(STEPS):
+        grads = full_tensors(100 + step, torch.float32)
+        for p, g in zip(params, grads):
+            p.grad = shard((g * 1024.0 if scaled else g).to(dtype))
+        found_inf = torch.zeros(1)
+        if step == POISON_STEP:
+            if rank is None:
+                params[0].grad.view(-1)[-1] = float("inf")
+            elif rank == 1:
+                params[0].grad.to_local().view(-1)[-1] = float("inf")
+            if rank in (None, 1):
+                found_inf.fill_(1.0)  # this rank's own check found it; the step agrees
+        opt.step(grad_scale=grad_scale, found_inf=found_inf)
+        skipped.append(float(found_inf.item()))
+        history.append(_full_state(params, opt))
+    return {"history": history, "skipped": skipped}
+
+
+def _full(t):
+    """The whole tensor of a DTensor (16-bit ones gathered through float32, exactly: gloo has
+    no 16-bit collectives)."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.dtype in (torch.int16, torch.bfloat16, torch.float16):
+        return t.to(torch.float32).full_tensor().to(t.dtype)
+    return t.full_tensor()
+
+
+def _full_state(params, opt):
+    out = [_full(p.detach()).clone() for p in params]
+    for p in params:
+        st = opt.state.get(p, {})
+        for key in sorted(st):
+            out.append(_full(st[key]).detach().clone())
+    return out
+
+
+def worker(rank, world_size):
+    results = {name: run(rank, name) for name in {**CONFIGS, **CLIPPED, **STOCHASTIC}}
+    results["state_dict_round_trip"] = state_dict_round_trip(rank)
+    results["refusals"] = refusals()
+    results["placements"] = placements(rank)
+    return results
+
+
+def state_dict_round_trip(rank):
+    """Saved and loaded on the same mesh (torch's optimizer state dict, DTensor entries): the
+    continued run matches the uninterrupted one bit for bit."""
+    name = "adam-bf16-lean"
+    dtype, cls, options = CONFIGS[name]
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+    def build():
+        params = [torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+                  for w in full_tensors(0, dtype)]
+        return params, cls(params, lr=1e-2, **options)
+
+    def steps(params, opt, start, stop):
+        for step in range(start, stop):
+            for p, g in zip(params, full_tensors(100 + step, torch.float32)):
+                p.grad = distribute_tensor(g.to(dtype), mesh, [Shard(0)])
+            opt.step()
+
+    params, opt = build()
+    steps(params, opt, 0, 4)
+    saved_weights = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict())  # (torch's state dict holds the live tensors)
+    steps(params, opt, 4, 6)
+    uninterrupted = _full_state(params, opt)
+    params2, opt2 = build()
+    with torch.no_grad():
+        for p, w in zip(params2, saved_weights):
+            p.copy_(w)
+    opt2.load_state_dict(saved)
+    steps(params2, opt2, 4, 6)
+    return uninterrupted, _full_state(params2, opt2)
+
+
+def placements(rank):
+    """Every state tensor but the step count is a DTensor placed like its parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    dtype, cls, options = CONFIGS["adam-bf16-lean"]
+    params = [torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]))
+              for w in full_tensors(0, dtype)]
+    opt = cls(params, lr=1e-2, **options)
+    for p in params:
+        p.grad = distribute_tensor(torch.ones(p.shape, dtype=dtype), mesh, [Shard(0)])
+    opt.step()
+    out = []
+    for p in params:
+        for key, value in sorted(opt.state[p].items()):
+            out.append((key, hasattr(value, "placements") and value.placements == p.placements
+                        and value.shape == p.shape, hasattr(value, "placements")))
+    return out
+
+
+def refusals():
+    """What peak does not step on shards is refused when the optimizer is built."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from peak.optimizers import FusedLAMB, FusedNovoGrad
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    sharded = [torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))]
+    replicated = [torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Replicate()]))]
+    messages = {}
+    for name, build in {
+        "lamb": lambda: FusedLAMB(sharded),
+        "novograd": lambda: FusedNovoGrad(sharded),
+        "8bit": lambda: FusedAdam(sharded, exp_avg_dtype=torch.uint8,
+                                  exp_avg_sq_dtype=torch.uint8),
+        "replicated": lambda: FusedAdam(replicated),
+    }.items():
+        try:
+            build()
+            messages[name] = None
+        except NotImplementedError as e:
+            messages[name] = str(e)
+    return messages

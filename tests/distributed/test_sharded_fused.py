@@ -1,0 +1,85 @@
+"""peak's fused optimizers step DTensor shards (FSDP2's fully_shard parameters): 2 and 4 gloo
+ranks against one process given the same full gradients (NOTE: [Sharded steps]).
+
+- every layout (fp32 weights; fp16/bf16 with fp32 masters; remainders + bf16 moments; SGD with
+  momentum; Adagrad) gives the one-process bits on every shard, steps included;
+- clipping by the global norm reduces the norm over the mesh (summed rank by rank: close to one
+  process's, not bitwise);
+- an inf in ONE rank's gradient shard skips the step on every rank (the flag agreed in the step);
+- shards of a tensor with fewer rows than ranks are empty on some ranks, which still count steps;
+- stochastic rounding (weights, moments) draws from the shard's positions: close, not bitwise;
+- the state is DTensor placed like its parameter (step counts plain tensors); a state dict saved
+  and loaded on the same mesh continues bit for bit;
+- LAMB, NovoGrad, 8-bit moments and replicated placements are refused at construction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sharded_worker as W
+from dist_helpers import run_ranks
+from peak_testing import assert_bitwise_equal
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def ranks(request, tmp_path_factory):
+    return run_ranks(W.worker, tmp_path_factory.mktemp(f"sharded{request.param}"),
+                     world_size=request.param)
+
+
+@pytest.mark.parametrize("name", list(W.CONFIGS))
+def test_shards_step_like_one_process_bit_for_bit(ranks, name):
+    reference = W.run(None, name)
+    for r in ranks:
+        got = r[name]
+        assert got["skipped"] == [1.0 if s == W.POISON_STEP else 0.0 for s in range(W.STEPS)]
+        for step, (a, b) in enumerate(zip(got["history"], reference["history"], strict=True)):
+            assert_bitwise_equal(a, b, f"{name} step {step}")
+    # the poisoned step changed nothing, on every rank
+    assert_bitwise_equal(ranks[0][name]["history"][W.POISON_STEP],
+                         ranks[0][name]["history"][W.POISON_STEP - 1])
+
+
+@pytest.mark.parametrize("name", list(W.CLIPPED))
+def test_clipping_takes_the_norm_over_the_mesh(ranks, name):
+    """The norm is summed rank by rank, so the bits may differ from one process's in the last
+    place; an unclipped run would differ by the clipping factor (here far below 1)."""
+    reference = W.run(None, name)
+    for r in ranks:
+        assert r[name]["skipped"] == reference["skipped"]
+        for a, b in zip(r[name]["history"][-1], reference["history"][-1], strict=True):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(W.STOCHASTIC))
+def test_stochastic_rounding_on_shards_is_close_not_bitwise(ranks, name):
+    reference = W.run(None, name)["history"][-1]
+    got = ranks[0][name]["history"][-1]
+    for a, b in zip(got, reference, strict=True):
+        if a.is_floating_point():
+            torch.testing.assert_close(a.double(), b.double(), rtol=2e-2, atol=2e-3)
+    for r in ranks[1:]:  # every rank gathers the same tensors
+        assert_bitwise_equal(r[name]["history"][-1], got)
+
+
+def test_state_is_placed_like_its_parameter(ranks):
+    for key, placed_alike, is_dtensor in ranks[0]["placements"]:
+        if key == "step":
+            assert not is_dtensor
+        else:
+            assert placed_alike, key
+
+
+def test_state_dict_round_trip_on_the_same_mesh(ranks):
+    for r in ranks:
+        uninterrupted, resumed = r["state_dict_round_trip"]
+        assert_bitwise_equal(resumed, uninterrupted)
+
+
+def test_unsupported_sharded_configurations_are_refused_at_construction(ranks):
+    messages = ranks[0]["refusals"]
+    assert "FusedAdam" in messages["lamb"] and "per-tensor norms" in messages["lamb"]
+    assert "per-tensor norms" in messages["novograd"]
+    assert "bf16 moments" in messages["8bit"] and "torch.uint8" in messages["8bit"]
+    assert "fully_shard" in messages["replicated"] and "Replicate" in messages["replicated"]
