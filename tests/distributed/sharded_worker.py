@@ -200,3 +200,95 @@ def refusals():
         except NotImplementedError as e:
             messages[name] = str(e)
     return messages
+
+
+# ---- torch.distributed.checkpoint: saved on one number of ranks, resumed on another ---------------
+RESHARD_CONFIGS = ["adamw-fp32", "adam-bf16-masters", "adam-bf16-lean", "sgd-bf16"]
+SAVE_AT = 3
+
+
+def _module(rank, name):
+    """The config's parameters as a module (DCP names state by parameter FQN), sharded over
+    every rank (rank=None: one process, whole tensors), and its optimizer."""
+    dtype, cls, options = CONFIGS[name]
+    weights = full_tensors(0, dtype)
+    module = torch.nn.Module()
+    if rank is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        weights = [distribute_tensor(w, mesh, [Shard(0)]) for w in weights]
+    for i, w in enumerate(weights):
+        module.register_parameter(f"w{i}", torch.nn.Parameter(w))
+    return module, cls(list(module.parameters()), lr=1e-2, **options)
+
+
+def _steps(module, opt, start, stop):
+    from torch.distributed.tensor import distribute_tensor
+
+    dtype = next(module.parameters()).dtype
+    for step in range(start, stop):
+        for p, g in zip(module.parameters(), full_tensors(100 + step, torch.float32)):
+            g = g.to(dtype)
+            p.grad = (distribute_tensor(g, p.device_mesh, p.placements)
+                      if hasattr(p, "device_mesh") else g)
+        opt.step()
+
+
+def dcp_save(rank, world_size, directory):
+    """Steps every config SAVE_AT times and saves model and optimizer with DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    for name in RESHARD_CONFIGS:
+        module, opt = _module(rank, name)
+        _steps(module, opt, 0, SAVE_AT)
+        model_sd, optim_sd = get_state_dict(module, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{directory}/{name}")
+    return True
+
+
+def dcp_resume(rank, world_size, directory):
+    """Loads every config from DCP into fresh objects on this world size and steps on to STEPS;
+    returns the full state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out = {}
+    for name in RESHARD_CONFIGS:
+        module, opt = _module(rank, name)
+        model_sd, optim_sd = get_state_dict(module, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=f"{directory}/{name}")
+        set_state_dict(module, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        _steps(module, opt, SAVE_AT, STEPS)
+        out[name] = _full_state(list(module.parameters()), opt)
+    return out
+
+
+def uninterrupted(name):
+    module, opt = _module(None, name)
+    _steps(module, opt, 0, STEPS)
+    return _full_state(list(module.parameters()), opt)
+
+
+def full_state_dict(rank, world_size, name):
+    """The whole (unsharded) model and optimizer state dict, for export: StateDictOptions(
+    full_state_dict=True) gathers every DTensor entry (rank 0 holds it, on the CPU)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    module, opt = _module(rank, name)
+    _steps(module, opt, 0, STEPS)
+    model_sd, optim_sd = get_state_dict(
+        module, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": model_sd, "optim": optim_sd["state"]} if rank == 0 else None
+
+
+def one_process_state_dict(name):
+    module, opt = _module(None, name)
+    _steps(module, opt, 0, STEPS)
+    names = dict(zip(map(id, module.parameters()), (n for n, _ in module.named_parameters())))
+    return {"model": {n: p.detach() for n, p in module.named_parameters()},
+            "optim": {names[id(p)]: st for p, st in opt.state.items()}}

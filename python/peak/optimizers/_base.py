@@ -498,6 +498,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError  # each fused optimizer defines its kernel call
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """As torch's, with storage dtypes in param_groups by name ("bfloat16"), which every
+        checkpointer takes (torch.distributed.checkpoint's gather does not take torch.dtype)."""
+        sd = super().state_dict()
+        sd["param_groups"] = [{k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype)
+                               else v for k, v in g.items()} for g in sd["param_groups"]]
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch's, except that fp32 state (moments, step counts, master weights) stays fp32
         and is copied bit for bit, and a torch.optim state dict of the same family loads too."""
