@@ -12,8 +12,13 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["group_by_device_dtype", "OverflowFlags", "merge_flags", "LossScale",
+__all__ = ["local_shard", "group_by_device_dtype", "OverflowFlags", "merge_flags", "LossScale",
            "unscale_grads_", "core_attribute", "optimizer_gradients", "agree_on_overflow"]
+
+
+def local_shard(t):
+    """A DTensor's (FSDP2's) local shard (same storage): what the kernels walk; others as is."""
+    return t._local_tensor if getattr(t, "device_mesh", None) is not None else t
 
 
 def group_by_device_dtype(*lists: Sequence[Tensor]) -> list:
@@ -21,6 +26,8 @@ def group_by_device_dtype(*lists: Sequence[Tensor]) -> list:
     dtype per list): ``[(device, dtype, indices, [list0, list1, ...])]``, with the first list's
     device and dtype, groups in first-seen order, rows in their order inside a group."""
     groups: dict = {}
+    if any(getattr(t, "device_mesh", None) is not None for t in lists[0][:1]):
+        lists = tuple([local_shard(t) for t in column] for column in lists)
     if len(lists) == 1:  # the hot path (GradScaler): a cheaper key
         for i, t in enumerate(lists[0]):
             key = (t.device, t.dtype)
@@ -230,8 +237,7 @@ def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:
             grad = param.grad
             if grad is None:
                 continue
-            if hasattr(grad, "device_mesh") and getattr(grad, "_local_tensor", None) is not None:
-                grad = grad._local_tensor  # a DTensor (FSDP2): its local shard, same storage
+            grad = local_shard(grad)  # a DTensor (FSDP2): its local shard, same storage
             if grad.is_sparse:
                 if grad.dtype in (torch.float16, torch.bfloat16):
                     param.grad = grad = grad.coalesce()

@@ -1,4 +1,6 @@
 """Bad input: every error says what to do, and nothing is left half-patched."""
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -209,3 +211,21 @@ def test_same_optimizer_twice_in_scale_loss_counts_once():
                 scaled.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     H.assert_bitwise_equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_backward_that_reaches_no_parameter_warns_once(level):
+    """A step that would change nothing (the optimizer holds parameters the backward did not
+    reach, e.g. replaced by FSDP2's fully_shard after initialize) is said, once."""
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    free = torch.ones((), requires_grad=True)
+    with pytest.warns(UserWarning, match="gave none of the optimizer's parameters a gradient"):
+        with amp.scale_loss(free * 2, opt) as scaled:
+            scaled.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp.scale_loss(free * 2, opt) as scaled:  # once
+            scaled.backward()
+        with amp.scale_loss(model(torch.randn(4, 6)).float().sum(), opt) as scaled:
+            scaled.backward()

@@ -15,7 +15,7 @@ import zero_worker
 from dist_helpers import WORLD_SIZE, run_ranks
 
 RUNS = [*zero_worker.CONFIGS, "zero-amp-O1-bf16", "zero-amp-O3-f16", "fsdp2-scaler-autocast-bf16",
-        "fsdp2-scaler-autocast-bf16-FusedAdam"]
+        "fsdp2-scaler-autocast-bf16-FusedAdam", "fsdp2-amp-O1-f16-FusedAdam", "fsdp2-amp-O1-f16-AdamW"]
 POISONED = [s in ddp_worker.POISON for s in range(ddp_worker.STEPS)]
 
 
@@ -31,6 +31,8 @@ def _reference(name):
     if name.startswith("zero-amp-"):
         level, low = name.split("-")[2], {"bf16": torch.bfloat16, "f16": torch.float16}[name.split("-")[3]]
         return zero_worker.run_amp(None, level, low)
+    if name.startswith("fsdp2-amp-"):
+        return zero_worker.run_fsdp2_amp(None, name.split("-")[-1])
     return zero_worker.run_fsdp2(None, torch.bfloat16,
                                  "FusedAdam" if name.endswith("FusedAdam") else "Adam")
 
@@ -88,6 +90,19 @@ def test_amp_o2_with_zero_is_an_explained_error(ranks):
         msg, dtype, stashed = ranks[r]["zero-amp-O2-error"]
         assert "ZeroRedundancyOptimizer" in msg and "master weights" in msg and "GradScaler" in msg
         assert dtype == torch.float32 and not stashed  # nothing changed
+
+
+def test_amp_o2_over_fsdp2_is_an_explained_error(ranks):
+    for r in range(WORLD_SIZE):
+        msg, dtype = ranks[r]["fsdp2-amp-O2-error"]
+        assert msg is not None and "fully_shard" in msg and "opt_level='O1'" in msg
+        assert "GradScaler" in msg and dtype == torch.float32  # nothing was cast
+
+
+def test_fully_shard_after_amp_o2_is_not_silent(ranks):
+    for r in range(WORLD_SIZE):
+        for name, messages in ranks[r]["fsdp2-after-amp-o2"].items():
+            assert len(messages) == 1 and "fully_shard" in messages[0], name
 
 
 def test_lamb_on_fsdp2_params_is_an_explained_error(ranks):

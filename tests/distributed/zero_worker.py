@@ -141,6 +141,87 @@ def run_fsdp2(rank, low, optimizer="Adam"):
             "local_state": state}
 
 
+def run_fsdp2_amp(rank, optimizer):
+    """FSDP2 with amp's Apex dialect at O1 (fp32 shards, fp16 casts per op, dynamic scaling):
+    ``scale_loss`` unscales the local gradient shards and all-reduces its overflow flag, so the
+    poison in rank 1's shard skips every rank -- on the device with a fused optimizer, on the
+    host with a plain one."""
+    from peak import amp
+
+    reset_amp()
+    model = make_model()
+    if rank is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    opt = resolve(optimizer)(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O1", low_precision_dtype=torch.float16,
+                                verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    scales, skipped = [], []
+    for step in range(STEPS):
+        x, y, _ = _data(step, rank, False)
+        opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        with amp.scale_loss(torch.nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+            if step in POISON and rank in (None, 1):
+                grad = list(model.parameters())[2].grad
+                local = grad.to_local() if rank is not None else grad
+                local.view(-1)[-1] = float("inf") if POISON[step] == "loss_inf" else float("nan")
+        opt.step()
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        scales.append(scaler.loss_scale())
+    params = [p.full_tensor() if rank is not None else p.detach() for p in model.parameters()]
+    state = [v.to_local() if hasattr(v, "to_local") else v
+             for p in model.parameters() for k, v in sorted(opt.state.get(p, {}).items())]
+    return {"params": [t.detach().clone() for t in params], "scales": scales, "skipped": skipped,
+            "local_state": [t.detach().clone() for t in state]}
+
+
+def fsdp2_amp_o2_error(rank):
+    """amp O2 over a model already under fully_shard: the explained error, nothing changed."""
+    from peak import amp
+    from torch.distributed.fsdp import fully_shard
+
+    reset_amp()
+    model = make_model()
+    fully_shard(model)
+    try:
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                       verbosity=0)
+    except RuntimeError as e:
+        return str(e), next(model.parameters()).dtype
+    return None, None
+
+
+def fsdp2_after_amp_o2_warns(rank):
+    """amp O2 first, then fully_shard: FSDP2 replaces the parameters, so the optimizer holds the
+    old ones and no step would change the model; scale_loss says so (a warning) instead of
+    training silently standing still."""
+    import warnings
+
+    from peak import amp
+    from peak.optimizers import FusedAdam
+    from torch.distributed.fsdp import fully_shard
+
+    reset_amp()
+    out = {}
+    for name, make in (("FusedAdam", FusedAdam), ("SGD", torch.optim.SGD)):
+        reset_amp()
+        model = make_model()
+        model, opt = amp.initialize(model, make(model.parameters(), lr=0.1), opt_level="O2",
+                                    low_precision_dtype=torch.bfloat16, verbosity=0)
+        fully_shard(model)
+        x, y, _ = _data(0, rank, False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with amp.scale_loss(torch.nn.functional.mse_loss(model(x).float(), y), opt) as s:
+                s.backward()
+        out[name] = [str(w.message) for w in caught if "none of the optimizer" in str(w.message)]
+    return out
+
+
 def fsdp2_lamb_error(rank):
     """A fused optimizer that needs whole tensors (LAMB's trust ratio) on FSDP2's DTensor
     parameters: the explained error, when the optimizer is built (not at its first step, after a
@@ -192,6 +273,10 @@ def worker(rank, world_size):
            "fsdp2-scaler-autocast-bf16": run_fsdp2(rank, torch.bfloat16),
            "fsdp2-without-agreement": run_fsdp2_without_agreement(rank),
            "fsdp2-scaler-autocast-bf16-FusedAdam": run_fsdp2(rank, torch.bfloat16, "FusedAdam"),
+           "fsdp2-amp-O1-f16-FusedAdam": run_fsdp2_amp(rank, "FusedAdam"),
+           "fsdp2-amp-O1-f16-AdamW": run_fsdp2_amp(rank, "AdamW"),
+           "fsdp2-amp-O2-error": fsdp2_amp_o2_error(rank),
+           "fsdp2-after-amp-o2": fsdp2_after_amp_o2_warns(rank),
            "fsdp2-lamb-error": fsdp2_lamb_error(rank)}
     for name, (mdt, low, cls) in CONFIGS.items():
         out[name] = run_zero_scaler(rank, mdt, low, resolve(cls))

@@ -271,6 +271,48 @@ def amp_load_other_num_losses():
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}})
 
 
+def amp_o2_over_fully_shard():
+    from torch.distributed.fsdp import fully_shard
+
+    with _OneRankGroup():
+        model = _model()
+        fully_shard(model)
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                       verbosity=0)
+
+
+def fully_shard_after_amp_o2():
+    from torch.distributed.fsdp import fully_shard
+
+    with _OneRankGroup():
+        model = _model()
+        model, opt = amp.initialize(model, FusedAdam(model.parameters()), opt_level="O2",
+                                    low_precision_dtype=torch.bfloat16, verbosity=0)
+        fully_shard(model)
+        with amp.scale_loss(_loss(model), opt) as scaled:
+            scaled.backward()
+
+
+def lamb_on_fsdp2_shards():
+    from torch.distributed.fsdp import fully_shard
+
+    from peak.optimizers import FusedLAMB
+
+    with _OneRankGroup():
+        model = _model()
+        fully_shard(model)
+        FusedLAMB(model.parameters())
+
+
+def eight_bit_moments_on_fsdp2_shards():
+    from torch.distributed.fsdp import fully_shard
+
+    with _OneRankGroup():
+        model = _model()
+        fully_shard(model)
+        FusedAdam(model.parameters(), exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+
+
 MISUSES = {name.replace("_", "-"): fn for name, fn in list(globals().items())
            if callable(fn) and not name.startswith("_") and fn.__module__ == __name__
            and name not in ("rows",)}

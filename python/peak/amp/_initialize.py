@@ -106,10 +106,21 @@ def check_inputs(models, optimizers):
     return models_list, optimizers_list
 
 
-def check_sharded_optimizers(optimizers_list, properties) -> None:
+def check_sharded_optimizers(optimizers_list, properties, models_list=()) -> None:
     """Master weights live in the optimizer's ``param_groups``; ``ZeroRedundancyOptimizer`` steps
     an inner optimizer with its own groups (this rank's shard) and broadcasts the model's
-    parameters, so the masters would never be stepped and training would silently stand still."""
+    parameters, so the masters would never be stepped and training would silently stand still.
+    A model already under FSDP2's ``fully_shard`` (DTensor parameters) cannot be cast or given
+    masters by amp: O1 (fp32 weights, casts per op) is what amp does over it."""
+    if properties.master_weights or properties.cast_model_type in LOW_DTYPES:
+        for i, model in enumerate(models_list):
+            if any(getattr(p, "device_mesh", None) is not None for p in model.parameters()):
+                raise RuntimeError(
+                    f"models[{i}] has DTensor parameters (FSDP2's fully_shard), which "
+                    f"opt_level={properties.opt_level!r} would cast and give fp32 masters in the "
+                    "optimizer's groups; FSDP2 replaced the parameters, so neither can happen. "
+                    "Use opt_level='O1', or peak.amp.GradScaler with a peak.optimizers fused "
+                    "optimizer built after fully_shard (docs/distributed.md).")
     if not properties.master_weights:
         return
     # Not imported (that scripts torch's functional optimizers: slow, and fails under O1): no

@@ -1,18 +1,8 @@
-"""What ``amp.initialize`` does to optimizers: ``optimizer._amp_stash`` and instance-level
-``step``, ``zero_grad`` and ``add_param_group``. The master weights belong to peak.optimizers
-(``peak.optimizers.masters``); a stash is one of two kinds, by who reads the scaled gradients:
-
-- ``ScaledGradsState``: a peak fused optimizer with master weights (not inside a wrapper) keeps
-  its masters and reads the model's scaled gradients; amp hands its step ``grad_scale``,
-  ``found_inf`` and the gradient norm;
-- ``UnscaledGradsState``: any other optimizer; amp unscales into the masters of a
-  ``MasterWeights`` store (O2) or in place.
-
-The skip: when the step takes ``found_inf`` (peak's fused optimizers, torch's ``fused=True``) it
-is decided on the device, and the "Gradient overflow" message comes from a non-blocking copy
-(docs/amp_api.md, "The skip on overflow"); otherwise one host read at ``scale_loss`` exit decides,
-as torch's GradScaler does for non-fused optimizers.
-"""
+"""What ``amp.initialize`` does to optimizers: ``optimizer._amp_stash`` (``ScaledGradsState``: a
+peak fused optimizer that owns its masters reads the scaled gradients; ``UnscaledGradsState``: a
+``peak.optimizers.MasterWeights`` store takes them) and instance-level ``step``, ``zero_grad`` and
+``add_param_group``. A step that takes ``found_inf`` skips on the device; otherwise one host read
+at ``scale_loss`` exit decides (docs/amp_api.md, "The skip on overflow")."""
 
 from __future__ import annotations
 
@@ -64,12 +54,15 @@ class AmpOptimizerState:
         # The step takes found_inf and skips on the device (torch's protocol attribute).
         self.device_skip = (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
                             and not isinstance(optimizer, torch.optim.LBFGS))
+        self.sharded = any(getattr(p, "device_mesh", None) is not None  # FSDP2's DTensors
+                           for group in optimizer.param_groups for p in group["params"])
         self.found_inf = None  # device skip: the flag the next step() hands over
         self.pending_skip = None  # host skip: (loss_id, scaler) of an overflow
-        self.reports: list = []  # device skip: (loss_id, [flag, new scale]) for the message
-        self.in_flight: list = []  # (step, loss_id, host copy, event) of reports being copied
+        # device skip: (step, loss_id, [flag, new scale] on the host, copy event) for the message
+        self.in_flight: list = []
         self.step_count = 0  # step() calls since initialize, skipped ones included (log line)
         self.warned_no_master_grads = False
+        self.warned_no_grads = False
         self.orig_step = optimizer.step
         self.orig_zero_grad = optimizer.zero_grad
         self.orig_add_param_group = optimizer.add_param_group
@@ -79,33 +72,22 @@ class AmpOptimizerState:
         return self.pending_skip is not None
 
     def note_overflow(self, loss_id: int, scaler) -> None:
-        """A ``scale_loss`` exit of a dynamic scaler (device skip): keep its flag for step()."""
-        flag = scaler.found_inf_on(self.device)
+        """A ``scale_loss`` exit of a dynamic scaler (device skip): keep its flag for step(), and
+        start a copy of [flag, new scale] to the host for the message (no wait)."""
+        device = next((p.device for g in self.optimizer.param_groups for p in g["params"]),
+                      torch.device("cpu"))
+        flag = scaler.found_inf_on(device)
         if self.found_inf is None:
             self.found_inf = flag
         else:
             torch.maximum(self.found_inf, flag, out=self.found_inf)
         if _amp_state.verbosity > 0 or logger.isEnabledFor(logging.INFO):
-            self.reports.append((loss_id, torch.cat([flag, scaler.scale.to(flag.device)])))
-
-    @property
-    def device(self) -> torch.device:
-        return next((p.device for g in self.optimizer.param_groups for p in g["params"]),
-                    torch.device("cpu"))
-
-    def send_reports(self, step_index: int) -> None:
-        """Start the copies of this step's overflow reports to the host (no wait)."""
-        for loss_id, report in self.reports:
-            event = None
-            if report.device.type == "cuda":
-                host = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
-                host.copy_(report, non_blocking=True)
+            report, event = torch.cat([flag, scaler.scale.to(device)]), None
+            if device.type == "cuda":
+                report = torch.empty(2, pin_memory=True).copy_(report, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-            else:
-                host = report
-            self.in_flight.append((step_index, loss_id, host, event))
-        self.reports = []
+            self.in_flight.append((self.step_count, loss_id, report, event))
 
     def print_reports(self) -> None:
         """The messages of skipped steps whose reports have arrived (one per step)."""
@@ -202,8 +184,9 @@ class ScaledGradsState(AmpOptimizerState):
                 p.grad = g
             self.set_aside = None
 
-    def post_backward(self, scaler) -> None:
+    def post_backward(self, scaler) -> bool:
         self.grad_norm = None
+        got_grads = any(p.grad is not None for p in self.params)
         with torch.no_grad():
             if self.set_aside is None and self.optimizer.clips_by_norm:
                 # The optimizer clips: the global norm's pass is the inf/NaN check as well (a
@@ -221,6 +204,7 @@ class ScaledGradsState(AmpOptimizerState):
                     self._add_back_set_aside(scaler)
         self.grad_scale = scaler.scale.clone()  # taken before the scale is updated
         self.scale_is_one = scaler.is_static_one()
+        return got_grads
 
     def _add_back_set_aside(self, scaler) -> None:
         params, olds, old_scale = self.set_aside
@@ -237,7 +221,8 @@ class ScaledGradsState(AmpOptimizerState):
             ratio = (scaler.scale.to(device) / old_scale.to(device)).reshape(1)
             ops.multi_tensor_axpby_(news, olds_, news, 1.0, ratio, ops.new_found_inf(device),
                                     check="none")
-        _rescale_(only_old, scaler.scale, old_scale)
+        ratio = scaler.scale / old_scale.to(scaler.scale.device)
+        unscale_grads_(only_old, ratio, OverflowFlags(ratio.shape), float64=True)
 
     def master_params(self):
         """The fp32 weights the optimizer steps, their gradients unscaled into fp32 for clipping
@@ -304,8 +289,8 @@ class UnscaledGradsState(AmpOptimizerState):
     def abort_backward(self) -> None:
         self.store.restore_grads()
 
-    def post_backward(self, scaler) -> None:
-        self.store.take_grads(scaler)
+    def post_backward(self, scaler) -> bool:
+        return self.store.take_grads(scaler)
 
     def run_step(self, args, found_inf):
         opt = self.optimizer
@@ -325,13 +310,6 @@ class UnscaledGradsState(AmpOptimizerState):
 
     def drop_pending(self) -> None:
         self.store.drop_grads()
-
-
-def _rescale_(grads, new_scale: torch.Tensor, old_scale: torch.Tensor) -> None:
-    """Bring gradients that carry ``old_scale`` to ``new_scale`` (device tensors)."""
-    with torch.no_grad():
-        ratio = new_scale / old_scale.to(new_scale.device)
-        unscale_grads_(grads, ratio, OverflowFlags(ratio.shape), float64=True)
 
 
 def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool = False) -> None:
@@ -393,7 +371,6 @@ def _step(self, closure=None):
     stash.before_step()
     found_inf, stash.found_inf = stash.found_inf, None
     result = stash.run_step(args, found_inf)
-    stash.send_reports(step_index)
     stash.print_reports()  # at once where the report needs no copy (the CPU)
     return loss if closure is not None and not args else result
 

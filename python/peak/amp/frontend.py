@@ -223,7 +223,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
     # Validate the models and optimizers completely before changing anything.
     models_list, optimizers_list = _initialize.check_inputs(models, optimizers)
-    _initialize.check_sharded_optimizers(optimizers_list, properties)
+    _initialize.check_sharded_optimizers(optimizers_list, properties, models_list)
 
     _reset_global_state()
     _amp_state.opt_properties = properties

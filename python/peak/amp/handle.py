@@ -14,8 +14,8 @@ from typing import Sequence
 import torch
 
 from peak import ops
-from peak.scaling import (LossScale, core_attribute, group_by_device_dtype, merge_flags,
-                          unscale_grads_)
+from peak.scaling import (LossScale, agree_on_overflow, core_attribute, group_by_device_dtype,
+                          merge_flags, unscale_grads_)
 
 from . import _caster
 from ._amp_state import _amp_state
@@ -278,11 +278,21 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
             stash.params_have_scaled_gradients = True
         return
     scaler.clear_overflow_state()
+    got_grads = False
     for stash in stashes:
-        stash.post_backward(scaler)
+        got_grads |= stash.post_backward(scaler)
         stash.params_have_scaled_gradients = False
+    if not got_grads and not stashes[0].warned_no_grads:
+        stashes[0].warned_no_grads = True
+        warnings.warn("amp.scale_loss: the backward pass gave none of the optimizer's parameters "
+                      "a gradient, so step() changes nothing. Parameters replaced after "
+                      "amp.initialize (as FSDP2's fully_shard does) are not the optimizer's: "
+                      "fully_shard first, then opt_level='O1' (docs/distributed.md)", stacklevel=3)
     if delay_overflow_check:
         return
+    if scaler.dynamic and any(stash.sharded for stash in stashes):
+        # FSDP2's gradient shards: one rank's inf must skip every rank (flags all-reduced, MAX)
+        agree_on_overflow(next(s for s in stashes if s.sharded).optimizer, scaler._core.found_inf)
     if all(stash.device_skip for stash in stashes):
         # Every step takes found_inf: the skip is decided on the device, no host read.
         scaler.update()

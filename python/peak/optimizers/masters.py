@@ -204,10 +204,11 @@ class MasterWeights:
         self._grad_stash = None
 
     @torch.no_grad()
-    def take_grads(self, scaler) -> None:
+    def take_grads(self, scaler) -> bool:
         """After a backward pass: its gradients unscaled by ``scaler`` (``unscale(grads, outs)``,
         ``unscale_with_stashed(grads, earlier, outs)``, flagging inf/NaN) into the masters'
-        gradients (own params: in place), added to those of earlier passes of the step."""
+        gradients (own params: in place), added to those of earlier passes of the step. Returns
+        whether the pass gave any of them a gradient."""
         rows = []  # (new gradient, earlier gradient or None, output)
         for p, m in zip(self.model_params, self.masters):
             if p.grad is not None:
@@ -229,6 +230,7 @@ class MasterWeights:
         if acc:
             scaler.unscale_with_stashed(*([r[i] for r in acc] for i in range(3)))
         self._grad_stash = None
+        return bool(rows)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The model params' gradients, after the optimizer's ``zero_grad`` cleared the masters'."""
