@@ -111,8 +111,39 @@ def _full_state(params, opt):
     return out
 
 
+ACCUMULATE = ["adam-bf16-masters", "adam-bf16-lean", "sgd-bf16"]
+
+
+def run_accumulated(rank, name, micro=3):
+    """fp32 gradient accumulation over ``micro`` micro-batches per step on the shards (bf16
+    gradients, as FSDP2 hands bf16 shards): accumulate_grads() after each, then step()."""
+    dtype, cls, options = CONFIGS[name]
+    weights = full_tensors(0, dtype)
+    if rank is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+        def shard(t):
+            return distribute_tensor(t, mesh, [Shard(0)])
+    else:
+        def shard(t):
+            return t
+    params = [torch.nn.Parameter(shard(w)) for w in weights]
+    opt = cls(params, lr=1e-2, **options)
+    for step in range(3):
+        for m in range(micro):
+            for p, g in zip(params, full_tensors(100 + 10 * step + m, torch.float32)):
+                p.grad = shard((g * 10.0 ** (m - 1)).to(dtype))
+            opt.accumulate_grads()
+        opt.step()
+    return _full_state(params, opt)
+
+
 def worker(rank, world_size):
     results = {name: run(rank, name) for name in {**CONFIGS, **CLIPPED, **STOCHASTIC}}
+    results["accumulated"] = {name: run_accumulated(rank, name) for name in ACCUMULATE}
     results["state_dict_round_trip"] = state_dict_round_trip(rank)
     results["refusals"] = refusals()
     results["placements"] = placements(rank)

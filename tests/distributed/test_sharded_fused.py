@@ -63,6 +63,15 @@ def test_stochastic_rounding_on_shards_is_close_not_bitwise(ranks, name):
         assert_bitwise_equal(r[name]["history"][-1], got)
 
 
+@pytest.mark.parametrize("name", W.ACCUMULATE)
+def test_fp32_accumulation_on_shards_is_one_process_bit_for_bit(ranks, name):
+    """accumulate_grads() on bf16 shards (fp32 sums placed like the parameter) steps what one
+    process steps."""
+    expected = W.run_accumulated(None, name)
+    for r in ranks:
+        assert_bitwise_equal(r["accumulated"][name], expected, name)
+
+
 def test_state_is_placed_like_its_parameter(ranks):
     for key, placed_alike, is_dtensor in ranks[0]["placements"]:
         if key == "step":

@@ -11,13 +11,13 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from .._dtypes import MOMENT_STORAGE, parse_dtype
+from ._arguments import check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import check_loadable
 from ._quant import dequantize, new_state, quantize, scale_key
 from ._sharded import (agree, check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_sumsq)
-from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_remainder, load_master,
-                      master_in_state)
+from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, join_remainder,
+                      load_master, master_in_state, take_fp32_sums)
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
 # Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
@@ -29,35 +29,6 @@ FP32_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_
                    "sum", "master_param", "master_param_remainder") + SCALE_KEYS
 LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
              "moment_rounding")
-
-
-def _check_moment_dtype(name, value):
-    """A moment storage argument as a dtype: torch.float32, torch.bfloat16 or torch.uint8
-    (8-bit block-quantized), or one of their strings ("fp32", "bf16", "8bit"...)."""
-    return parse_dtype(value, name, MOMENT_STORAGE, allow_none=False)
-
-
-def _check_moment_rounding(value):
-    if value not in ("stochastic", "nearest"):
-        raise ValueError(f"moment_rounding must be 'stochastic' (bf16 moments rounded up or down "
-                         f"at random, in proportion; the default) or 'nearest', got {value!r}")
-
-
-def _check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
-                             f"{tuple(value.shape)}")
-        value = value.item()  # checked once, at construction, as torch does
-    ok = True
-    if lo is not None:
-        ok &= value > lo if lo_open else value >= lo
-    if hi is not None:
-        ok &= value < hi if hi_open else value <= hi
-    if not ok:
-        lo_s = ("(" if lo_open else "[") + str(lo) if lo is not None else "(-inf"
-        hi_s = str(hi) + (")" if hi_open else "]") if hi is not None else "inf)"
-        raise ValueError(f"Invalid {name}: {value} (must be in {lo_s}, {hi_s})")
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -111,14 +82,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                                  "master_weights=None (or True)")
             for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
                 if key in lean:
-                    lean[key] = _check_moment_dtype(key, lean[key])
+                    lean[key] = check_moment_dtype(key, lean[key])
             q8 = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if lean.get(k) == torch.uint8]
             if len(q8) == 1:
                 other = ({"exp_avg_dtype", "exp_avg_sq_dtype"} - set(q8)).pop()
                 raise ValueError(f"{q8[0]}=torch.uint8 (8-bit block-quantized moments) needs "
                                  f"{other}=torch.uint8 as well: both moments are 8-bit or "
                                  "neither")
-            _check_moment_rounding(lean.get("moment_rounding", "stochastic"))
+            check_moment_rounding(lean.get("moment_rounding", "stochastic"))
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
                         stochastic_rounding_seed=torch.initial_seed() % 2**32,
                         capturable=capturable, **lean)
@@ -275,6 +246,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             unscale_grads_(own, inv, OverflowFlags())
         return self.master_params()
 
+    def accumulate_grads(self) -> None:
+        """Add every fp16/bf16 gradient into an fp32 sum and drop it (after each micro-batch's
+        backward): the next ``step()`` steps the exact sum (NOTE: [fp32 gradient accumulation]
+        in masters.py)."""
+        with torch.no_grad():
+            accumulate_fp32(self)
+
     def drop_master_grads(self) -> None:
         """Drop the fp32 gradients ``give_master_grads`` gave the masters."""
         for state in self.state.values():
@@ -337,6 +315,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        take_fp32_sums(self, grad_scale)
         self._check_stochastic_rounding()
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
@@ -350,6 +329,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._step_grad_norm = grad_norm
         else:
             self._step_grad_norm = self.grad_norm() if self.clips_by_norm else None
+        stepped_master_grads = False
         for group in self.param_groups:
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in group["params"]:
@@ -372,18 +352,20 @@ class FusedOptimizer(torch.optim.Optimizer):
                 gs = self._on(grad_scale, device)
                 fi = self._on(found_inf, device)
                 states = [self.state[p] for p in params]
-                if kind is _MASTER_GRADS:
-                    self._step_masters(group, params, states, lr_t, gs, fi)
-                    continue
                 given = [p.grad for p in params]
+                mgrads = [s[MASTER_KEY].grad for s in states] if kind is _MASTER_GRADS else []
+                stepped_master_grads |= kind is _MASTER_GRADS
                 if sharded:  # the kernels step the local shards (NOTE: [Sharded steps])
                     keep = [local(p).numel() > 0 for p in params]
                     count_empty_steps([s for s, k in zip(states, keep) if not k], fi)
                     states = local_states([s for s, k in zip(states, keep) if k])
-                    given = [local(g) for g, k in zip(given, keep) if k]
-                    params = [local(p) for p, k in zip(params, keep) if k]
+                    given, params, mgrads = ([local(t) for t, k in zip(ts, keep) if k]
+                                             for ts in (given, params, mgrads))
                     if not params:
                         continue
+                if kind is _MASTER_GRADS:
+                    self._step_masters(group, params, states, mgrads, given, lr_t, gs, fi)
+                    continue
                 grads = [self._grad_like(p, g) for p, g in zip(params, given)]
                 self._launch(group, params, grads,
                              [self._master_list_entry(s) for s in states] if kind else [],
@@ -392,6 +374,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     for g0, g in zip(given, grads):
                         if g is not g0:  # a re-laid-out copy was stepped
                             g0.copy_(g)
+        if stepped_master_grads:
+            self.drop_master_grads()  # (the step used them)
         return loss
 
     @staticmethod
@@ -416,13 +400,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "and change it in place between replays")
         return lr.to(device=device, dtype=torch.float32).reshape(1)
 
-    def _step_masters(self, group, params, states, lr, grad_scale, found_inf) -> None:
+    def _step_masters(self, group, params, states, grads, given, lr, grad_scale,
+                      found_inf) -> None:
         """Step parameters whose fp32 masters were given fp32 gradients (``amp.master_params``,
         maybe clipped since): the masters are the weights stepped, with those gradients, then
         rounded into the model (as the kernel's own store would round them); the model's gradient
         becomes the one stepped. NOTE: [Fused master-weight step]."""
         masters = [s[MASTER_KEY] for s in states]
-        grads = [m.grad for m in masters]
         store, self._step_store_grads = self._step_store_grads, False
         try:
             self._launch(group, masters, grads, [], states, lr, grad_scale, found_inf)
@@ -431,9 +415,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # (A step skipped on the device left the masters, so their rounding is the model as is.)
         copy_to_model(masters, params)
         if store and found_inf is None:
-            copy_to_model(grads, [p.grad for p in params])
-        for m in masters:
-            m.grad = None
+            copy_to_model(grads, given)
 
     def _check_stochastic_rounding(self) -> None:
         """Before any group steps: stochastic rounding is defined for bf16 weights only."""

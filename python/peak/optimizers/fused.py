@@ -8,7 +8,8 @@ import torch
 
 from .. import ops
 from ..scaling import merge_flags
-from ._base import FusedOptimizer, _check_hyper, _check_moment_dtype
+from ._arguments import check_hyper, check_moment_dtype
+from ._base import FusedOptimizer
 
 # The kernel's scale-list arguments for 8-bit moments, and the state keys they come from.
 _ADAM_SCALES = {"exp_avg_scales": "exp_avg", "exp_avg_sq_scales": "exp_avg_sq"}
@@ -50,10 +51,10 @@ class FusedSGD(FusedOptimizer):
                 "algorithm (weight decay added to the gradient before momentum). Leave "
                 "wd_after_momentum=False")
         _check_materialize(materialize_master_grads)
-        _check_hyper("learning rate", lr, lo=0.0)
-        _check_hyper("momentum value", momentum, lo=0.0)
-        _check_hyper("weight_decay value", weight_decay, lo=0.0)
-        _check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+        check_hyper("learning rate", lr, lo=0.0)
+        check_hyper("momentum value", momentum, lo=0.0)
+        check_hyper("weight_decay value", weight_decay, lo=0.0)
+        check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -125,19 +126,19 @@ class FusedAdam(FusedOptimizer):
                  store_unscaled_grads=True, store_param_remainders=False,
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  moment_rounding="stochastic"):
-        _check_hyper("learning rate", lr, lo=0.0)
-        _check_hyper("epsilon value", eps, lo=0.0)
-        _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
-        _check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
-        _check_hyper("weight_decay value", weight_decay, lo=0.0)
-        _check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+        check_hyper("learning rate", lr, lo=0.0)
+        check_hyper("epsilon value", eps, lo=0.0)
+        check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
+        check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
+        check_hyper("weight_decay value", weight_decay, lo=0.0)
+        check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, maximize=maximize,
                         max_grad_norm=float(max_grad_norm))
         _check_materialize(materialize_master_grads)
-        exp_avg_dtype = _check_moment_dtype("exp_avg_dtype", exp_avg_dtype)
-        exp_avg_sq_dtype = _check_moment_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
+        exp_avg_dtype = check_moment_dtype("exp_avg_dtype", exp_avg_dtype)
+        exp_avg_sq_dtype = check_moment_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
         if amsgrad and (exp_avg_dtype != torch.float32 or exp_avg_sq_dtype != torch.float32):
             raise ValueError("amsgrad=True keeps fp32 moments: leave exp_avg_dtype and "
                              "exp_avg_sq_dtype at torch.float32, or set amsgrad=False (bf16 "
@@ -212,12 +213,12 @@ class FusedLAMB(FusedOptimizer):
                              "available here")
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        _check_hyper("learning rate", lr, lo=0.0)
-        _check_hyper("epsilon value", eps, lo=0.0)
-        _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
-        _check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
-        _check_hyper("weight_decay value", weight_decay, lo=0.0)
-        _check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+        check_hyper("learning rate", lr, lo=0.0)
+        check_hyper("epsilon value", eps, lo=0.0)
+        check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
+        check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
+        check_hyper("weight_decay value", weight_decay, lo=0.0)
+        check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
@@ -280,11 +281,11 @@ class FusedAdagrad(FusedOptimizer):
                  adagrad_w_mode=False, *, lr_decay=0.0, initial_accumulator_value=0.0,
                  master_weights=None, capturable=False, materialize_master_grads=True,
                  store_unscaled_grads=True):
-        _check_hyper("learning rate", lr, lo=0.0)
-        _check_hyper("epsilon value", eps, lo=0.0)
-        _check_hyper("weight_decay value", weight_decay, lo=0.0)
-        _check_hyper("lr_decay", lr_decay, lo=0.0)
-        _check_hyper("initial_accumulator_value", initial_accumulator_value, lo=0.0)
+        check_hyper("learning rate", lr, lo=0.0)
+        check_hyper("epsilon value", eps, lo=0.0)
+        check_hyper("weight_decay value", weight_decay, lo=0.0)
+        check_hyper("lr_decay", lr_decay, lo=0.0)
+        check_hyper("initial_accumulator_value", initial_accumulator_value, lo=0.0)
         if not isinstance(adagrad_w_mode, bool):
             raise ValueError(f"adagrad_w_mode must be True or False, got {adagrad_w_mode!r}")
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
@@ -343,11 +344,11 @@ class FusedNovoGrad(FusedOptimizer):
         if norm_type not in (0, 2) or isinstance(norm_type, bool):
             raise ValueError(f"norm_type must be 2 (L2 norm) or 0 (infinity norm), got "
                              f"{norm_type!r}")
-        _check_hyper("learning rate", lr, lo=0.0)
-        _check_hyper("epsilon value", eps, lo=0.0)
-        _check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
-        _check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
-        _check_hyper("weight_decay value", weight_decay, lo=0.0)
+        check_hyper("learning rate", lr, lo=0.0)
+        check_hyper("epsilon value", eps, lo=0.0)
+        check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
+        check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
+        check_hyper("weight_decay value", weight_decay, lo=0.0)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                         grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)

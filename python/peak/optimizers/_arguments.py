@@ -1,0 +1,35 @@
+"""The fused optimizers' argument checks: hyperparameter ranges and lean-state options."""
+from __future__ import annotations
+
+from torch import Tensor
+
+from .._dtypes import MOMENT_STORAGE, parse_dtype
+
+
+def check_moment_dtype(name, value):
+    """A moment storage argument as a dtype: torch.float32, torch.bfloat16 or torch.uint8
+    (8-bit block-quantized), or one of their strings ("fp32", "bf16", "8bit"...)."""
+    return parse_dtype(value, name, MOMENT_STORAGE, allow_none=False)
+
+
+def check_moment_rounding(value):
+    if value not in ("stochastic", "nearest"):
+        raise ValueError(f"moment_rounding must be 'stochastic' (bf16 moments rounded up or down "
+                         f"at random, in proportion; the default) or 'nearest', got {value!r}")
+
+
+def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}")
+        value = value.item()  # checked once, at construction, as torch does
+    ok = True
+    if lo is not None:
+        ok &= value > lo if lo_open else value >= lo
+    if hi is not None:
+        ok &= value < hi if hi_open else value <= hi
+    if not ok:
+        lo_s = ("(" if lo_open else "[") + str(lo) if lo is not None else "(-inf"
+        hi_s = str(hi) + (")" if hi_open else "]") if hi is not None else "inf)"
+        raise ValueError(f"Invalid {name}: {value} (must be in {lo_s}, {hi_s})")

@@ -1,0 +1,91 @@
+"""fp32 gradient accumulation beside fp16/bf16 parameters (NOTE: [fp32 gradient accumulation]):
+accumulate_grads() after each micro-batch, then step() steps the exact fp32 sum -- an fp32
+master with no rounding at all, a remainder-kept weight with the sum rounded once -- where
+autograd's own accumulation in bf16 rounds every partial sum."""
+import pytest
+import torch
+
+from peak.optimizers import FusedAdam, FusedSGD
+from peak_testing import assert_bitwise_equal
+
+MICRO = 8
+
+
+def setup(seed=0, n=4096):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g)
+    # micro-batch gradients of mixed magnitudes: their bf16 partial sums lose bits
+    grads = [(torch.randn(n, generator=g) * (10.0 ** (i % 3 - 1))).to(torch.bfloat16)
+             for i in range(MICRO)]
+    return w, grads
+
+
+def fp32_sum(grads):
+    total = grads[0].float()
+    for g in grads[1:]:
+        total = total + g.float()  # the order accumulate_grads adds in
+    return total
+
+
+def test_fp32_master_steps_the_exact_sum():
+    w, grads = setup()
+    p = torch.nn.Parameter(w.to(torch.bfloat16))
+    opt = FusedAdam([p], lr=1e-2)
+    opt.set_master(p, w.clone())
+    for g in grads:
+        p.grad = g.clone()
+        opt.accumulate_grads()
+        assert p.grad is None
+    opt.step()
+    # reference: the fp32 master stepped as an fp32 weight with the fp32 sum
+    ref = torch.nn.Parameter(w.clone())
+    ref_opt = FusedAdam([ref], lr=1e-2)
+    ref.grad = fp32_sum(grads)
+    ref_opt.step()
+    assert_bitwise_equal(opt.master_of(p), ref.detach())
+    assert_bitwise_equal(p.detach(), ref.detach().to(torch.bfloat16))
+    assert opt.state[p]["master_param"].grad is None  # the step used and dropped it
+
+
+def test_bf16_accumulation_is_what_it_improves_on():
+    """The same micro-batches accumulated by autograd in bf16: the stepped gradient is farther
+    from the float64 sum than the fp32 accumulation's (so the test above can fail)."""
+    w, grads = setup()
+    exact = torch.stack([g.double() for g in grads]).sum(0)
+    in_bf16 = grads[0].clone()
+    for g in grads[1:]:
+        in_bf16 += g
+    assert (fp32_sum(grads).double() - exact).abs().max() < (in_bf16.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD])
+def test_remainder_weights_step_the_sum_rounded_once(cls):
+    w, grads = setup(1)
+    p = torch.nn.Parameter(w.to(torch.bfloat16))
+    q = torch.nn.Parameter(w.to(torch.bfloat16))
+    kw = dict(lr=1e-2, store_param_remainders=True)
+    opt, ref_opt = cls([p], **kw), cls([q], **kw)
+    for g in grads[:-1]:
+        p.grad = g.clone()
+        opt.accumulate_grads()
+    p.grad = grads[-1].clone()  # the last micro-batch's gradient, not accumulated: added too
+    opt.step()
+    q.grad = fp32_sum(grads).to(torch.bfloat16)
+    ref_opt.step()
+    assert_bitwise_equal(p.detach(), q.detach())
+    assert_bitwise_equal(opt.state[p]["master_param_remainder"],
+                         ref_opt.state[q]["master_param_remainder"])
+    assert_bitwise_equal(p.grad, q.grad)  # the model's view: the sum, rounded once
+
+
+def test_fp32_accumulation_refuses_loss_scaling():
+    w, grads = setup(2, n=16)
+    p = torch.nn.Parameter(w.to(torch.bfloat16))
+    opt = FusedAdam([p], lr=1e-2)
+    p.grad = grads[0]
+    opt.accumulate_grads()
+    with pytest.raises(ValueError, match="accumulate_grads.*without loss scaling"):
+        opt.step(grad_scale=torch.tensor([1024.0]), found_inf=torch.zeros(1))
+    assert p.grad is None and not opt.state  # nothing changed: the sum is still pending
+    opt.step()
+    assert_bitwise_equal(p.grad, grads[0])  # ...and steps
