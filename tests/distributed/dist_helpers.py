@@ -4,6 +4,7 @@ ranks are spawned processes: they get the parent's sys.path (tests/ with peak_te
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import sys
@@ -15,6 +16,7 @@ import torch.multiprocessing as mp
 from peak_testing import make_mlp, regression_batch
 
 WORLD_SIZE = 2
+RANK_TIMEOUT_S = 120
 
 
 def free_port() -> int:
@@ -27,7 +29,10 @@ def _entry(rank, world_size, port, fn, out_dir, args):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # The watchdog: a collective that waits longer (a rank that died or took another path) raises
+    # on every rank instead of hanging the suite.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
