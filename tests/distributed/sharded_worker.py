@@ -272,11 +272,17 @@ def dcp_save(rank, world_size, directory):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from peak import amp
+
     for name in RESHARD_CONFIGS:
         module, opt = _module(rank, name)
         _steps(module, opt, 0, SAVE_AT)
         model_sd, optim_sd = get_state_dict(module, opt)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{directory}/{name}")
+    scaler = amp.GradScaler("cpu", init_scale=2.0 ** 10)  # the loss scaler's state travels too
+    scaler.scale(torch.ones(()))
+    scaler.update(128.0)
+    dcp.save({"scaler": scaler.state_dict()}, checkpoint_id=f"{directory}/scaler")
     return True
 
 
@@ -296,6 +302,13 @@ def dcp_resume(rank, world_size, directory):
                        optim_state_dict=state["optim"])
         _steps(module, opt, SAVE_AT, STEPS)
         out[name] = _full_state(list(module.parameters()), opt)
+    from peak import amp
+
+    scaler = amp.GradScaler("cpu")
+    state = {"scaler": scaler.state_dict()}
+    dcp.load(state, checkpoint_id=f"{directory}/scaler")
+    scaler.load_state_dict(state["scaler"])
+    out["scaler_scale"] = scaler.get_scale()
     return out
 
 

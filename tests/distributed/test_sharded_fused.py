@@ -109,6 +109,7 @@ def test_dcp_checkpoint_reshards(tmp_path, saved_on, loaded_on):
         expected = W.uninterrupted(name)
         for r in resumed:
             assert_bitwise_equal(r[name], expected, name)
+    assert all(r["scaler_scale"] == 128.0 for r in resumed)  # GradScaler's state in DCP too
 
 
 @pytest.mark.parametrize("name", ["adamw-fp32", "adam-bf16-masters"])
