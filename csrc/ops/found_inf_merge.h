@@ -17,8 +17,9 @@ inline at::Tensor merge_found_infs(at::TensorList found_infs, at::Device device,
   for (const at::Tensor& flag : found_infs) {
     TORCH_CHECK(flag.numel() == 1, "merge_found_infs: every flag must have one element, got ",
                 "shape ", flag.sizes(), "; pass the found_inf tensors the kernels write");
-    at::maximum_out(merged, merged,
-                    flag.reshape(shape).to(device, at::kFloat, /*non_blocking=*/true));
+    // Onto the CPU the copy must land before it is read: non-blocking only to a device.
+    at::maximum_out(merged, merged, flag.reshape(shape).to(device, at::kFloat,
+                                                           /*non_blocking=*/!device.is_cpu()));
   }
   return merged;
 }

@@ -284,3 +284,17 @@ def test_one_layout_cross_loads_between_fused_and_torch_optimizers(direction):
         H.assert_bitwise_equal(sd2["state"][i]["exp_avg"], sd["state"][i]["exp_avg"])
     _step(model2, opt2, 2)  # and it steps
     assert all(torch.isfinite(p).all() for p in model2.parameters())
+
+
+def test_loading_new_model_weights_refreshes_a_fused_optimizers_masters():
+    """amp O2 + a peak fused optimizer keeps the masters in the optimizer's state: a model
+    reloaded after initialize (without an optimizer checkpoint) re-derives them, as a store's, so
+    the first step starts from the loaded weights instead of undoing the load."""
+    from peak.optimizers import FusedAdam
+
+    model, opt = _o2(torch.float16, FusedAdam, lr=1e-3)
+    other = H.make_cnn(seed=7)
+    model.load_state_dict(other.state_dict())
+    _step(model, opt, 0)
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.allclose(p.float(), q.detach(), atol=5e-2), "the step undid the load"

@@ -182,3 +182,105 @@ def test_device_and_host_decisions_train_the_same(opt_name):
             one_step(model, opt, step, poison=step == 2)
         return [p.detach().clone() for p in model.parameters()]
     assert_bitwise_equal(run(True), run(False))
+
+
+def test_accumulated_gradients_that_overflow_only_as_a_sum_skip_and_back_off():
+    """Two passes whose fp16 gradients are finite alone but overflow once added: the sum is
+    checked, the step skipped, the scale backed off (the earlier gradients were set aside)."""
+    amp._amp_state.reset()
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.float16,
+                                loss_scale="dynamic", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._loss_scale = 1.0
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):  # two backward passes whose gradients are 40000 each (fp16 max: 65504)
+        out = (model.weight.float() * 0).sum()
+        with amp.scale_loss(out, opt) as s:
+            s.backward()
+            model.weight.grad = torch.full_like(model.weight, 40000.0)
+    opt.step()
+    assert torch.equal(model.weight.detach(), before[0])
+    assert scaler.loss_scale() == 0.5
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_torch_fused_sgd_first_step_overflow_decided_on_the_host(level):
+    """torch's fused SGD makes its momentum buffers (empty_like) in its first step: a skipped
+    first step must not leave them uninitialised -- that step is decided on the host."""
+    amp._amp_state.reset()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=torch.float16,
+                                verbosity=0)
+    stash = opt._amp_stash
+    assert stash.device_skip and not stash.skips_on_device()
+    for step in range(4):
+        one_step(model, opt, step, poison=step == 0)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert stash.skips_on_device()  # the buffers exist: later steps skip on the device
+    assert all(torch.isfinite(st["momentum_buffer"]).all() for st in opt.state.values())
+
+
+def test_already_patched_reads_the_device_flag_when_asked():
+    model, opt = setup("FusedAdam", "O2", torch.float16, "dynamic")
+    x, y = batch(0)
+    with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as s:
+        s.backward()
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    assert opt._amp_stash.already_patched  # (a host read, made because it is asked)
+    opt.step()
+    assert not opt._amp_stash.already_patched
+
+
+def test_a_step_that_raises_keeps_its_scale_and_flag():
+    """A failed step (here the optimizer raises once) leaves the pending gradients' scale and
+    the overflow flag in place: the retried step is the step that would have run."""
+    def run(fail):
+        model, opt = setup("FusedAdam", "O2", torch.float16, "dynamic")
+        x, y = batch(0)
+        with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as s:
+            s.backward()
+        if fail:
+            stash = opt._amp_stash
+            real = stash.orig_step
+
+            def raise_once(*args, **kwargs):
+                stash.orig_step = real
+                raise RuntimeError("transient")
+            stash.orig_step = raise_once
+            with pytest.raises(RuntimeError, match="transient"):
+                opt.step()
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    assert_bitwise_equal(run(True), run(False))
+
+
+def test_a_host_skip_clears_the_device_flag_too():
+    """One optimizer in a device-path scale_loss (an overflow: its flag kept for step) and in a
+    host-path one (with a plain optimizer beside it): the skipped step drops the device flag, so
+    the next clean step runs."""
+    amp._amp_state.reset()
+    model_a, model_b = make_model(0), make_model(1)
+    fused = FusedAdam(model_a.parameters(), lr=1e-2)
+    plain = torch.optim.SGD(model_b.parameters(), lr=1e-2)
+    [model_a, model_b], [fused, plain] = amp.initialize(
+        [model_a, model_b], [fused, plain], opt_level="O1", low_precision_dtype=torch.float16,
+        verbosity=0, num_losses=2)
+    x, y = batch(0)
+    with amp.scale_loss(F.mse_loss(model_a(x).float(), y), fused, loss_id=0) as s:
+        s.backward()
+        next(model_a.parameters()).grad.view(-1)[0] = float("inf")
+    with amp.scale_loss(F.mse_loss((model_a(x) + model_b(x)).float(), y), [fused, plain],
+                        loss_id=1) as s:
+        s.backward()
+        next(model_b.parameters()).grad.view(-1)[0] = float("inf")
+    fused.step()
+    plain.step()
+    before = [p.detach().clone() for p in model_a.parameters()]
+    fused.zero_grad()
+    with amp.scale_loss(F.mse_loss(model_a(x).float(), y), fused, loss_id=0) as s:
+        s.backward()
+    fused.step()  # clean: it must step
+    assert any(not torch.equal(a, b) for a, b in zip(before, model_a.parameters()))

@@ -89,3 +89,16 @@ def test_fp32_accumulation_refuses_loss_scaling():
     assert p.grad is None and not opt.state  # nothing changed: the sum is still pending
     opt.step()
     assert_bitwise_equal(p.grad, grads[0])  # ...and steps
+
+
+def test_zero_grad_drops_the_sums():
+    """A discarded micro-batch does not leak into the next step: zero_grad() drops the sums."""
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = FusedSGD([p], lr=1.0)
+    p.grad = torch.full_like(p, 100.0)
+    opt.accumulate_grads()
+    opt.zero_grad()
+    p.grad = torch.ones_like(p)
+    opt.accumulate_grads()
+    opt.step()
+    assert torch.equal(p.detach(), torch.full_like(p, -1.0))

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import LOW_DTYPES, MasterWeights
+from peak.optimizers.masters import LOW_DTYPES, MasterWeights, register_owner
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -68,8 +68,17 @@ class AmpOptimizerState:
         self.orig_add_param_group = optimizer.add_param_group
 
     @property
-    def already_patched(self) -> bool:  # Apex name: a skip is pending
-        return self.pending_skip is not None
+    def already_patched(self) -> bool:  # Apex's "a skip is pending" (a host read when asked)
+        return self.pending_skip is not None or (self.found_inf is not None
+                                                 and bool(self.found_inf.any()))
+
+    def skips_on_device(self) -> bool:
+        """Not torch's fused SGD before its momentum buffers exist: its first step makes them with
+        empty_like, which a skip on the device would leave uninitialised."""
+        opt = self.optimizer
+        return self.device_skip and not (isinstance(opt, torch.optim.SGD) and any(
+            g["momentum"] and opt.state.get(p, {}).get("momentum_buffer") is None
+            for g in opt.param_groups for p in g["params"]))
 
     def note_overflow(self, loss_id: int, scaler) -> None:
         """A ``scale_loss`` exit of a dynamic scaler (device skip): keep its flag for step(), and
@@ -77,10 +86,7 @@ class AmpOptimizerState:
         device = next((p.device for g in self.optimizer.param_groups for p in g["params"]),
                       torch.device("cpu"))
         flag = scaler.found_inf_on(device)
-        if self.found_inf is None:
-            self.found_inf = flag
-        else:
-            torch.maximum(self.found_inf, flag, out=self.found_inf)
+        self.found_inf = flag if self.found_inf is None else torch.maximum(self.found_inf, flag)
         if _amp_state.verbosity > 0 or logger.isEnabledFor(logging.INFO):
             report, event = torch.cat([flag, scaler.scale.to(device)]), None
             if device.type == "cuda":
@@ -89,8 +95,7 @@ class AmpOptimizerState:
                 event.record()
             self.in_flight.append((self.step_count, loss_id, report, event))
 
-    def print_reports(self) -> None:
-        """The messages of skipped steps whose reports have arrived (one per step)."""
+    def print_reports(self) -> None:  # of skipped steps whose reports arrived (one per step)
         printed = set()
         while self.in_flight and (self.in_flight[0][3] is None or self.in_flight[0][3].query()):
             step_index, loss_id, host, _ = self.in_flight.pop(0)
@@ -126,15 +131,12 @@ class ScaledGradsState(AmpOptimizerState):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.params: list[torch.Tensor] = []
-        self.grad_scale: torch.Tensor | None = None  # the scale the pending grads carry
-        # ...is a static 1 (known on the host): step() then neither unscales nor stores them back.
-        self.scale_is_one = False
-        # Their global norm, when the optimizer clips (taken by the inf/NaN check's pass).
-        self.grad_norm: torch.Tensor | None = None
-        # Gradients set aside while a later pass runs: (params, grads, their scale).
-        self.set_aside: tuple | None = None
-        # amp.master_params gave the masters fp32 gradients, which the step reads instead.
-        self.master_grads_given = False
+        # The pending grads' scale (a static 1: step() neither unscales nor stores them back),
+        # their global norm when the optimizer clips (the check's pass), the grads set aside while
+        # a later pass runs ((params, grads, scale)), and whether amp.master_params gave the masters
+        # fp32 gradients (which the step then reads).
+        self.grad_scale = self.grad_norm = self.set_aside = None
+        self.scale_is_one = self.master_grads_given = False
 
     def register_params(self, params, fp32_originals=None) -> list:
         """The params stay in the group; the exact fp32 weights from before the cast become the
@@ -143,6 +145,7 @@ class ScaledGradsState(AmpOptimizerState):
             original = fp32_originals.pop(id(p), None) if fp32_originals else None
             if original is not None and p.dtype in LOW_DTYPES:
                 self.optimizer.set_master(p, original)
+            register_owner(p, self.optimizer)  # (the model's load hook refreshes its master)
             self.params.append(p)
         return list(params)
 
@@ -223,10 +226,20 @@ class ScaledGradsState(AmpOptimizerState):
                                     check="none")
         ratio = scaler.scale / old_scale.to(scaler.scale.device)
         unscale_grads_(only_old, ratio, OverflowFlags(ratio.shape), float64=True)
+        # Sums may overflow where neither part did: charged to this pass's scaler, unless the
+        # earlier gradients held the inf themselves (already charged, to their own pass).
+        if not scaler.dynamic or self.pending_skip is not None:
+            return
+        sums = OverflowFlags()
+        unscale_grads_(both_new + only_old, 1.0, sums, check_only=True)
+        for device, flag in sums.items():
+            charged = scaler.found_inf_for(device)
+            if self.found_inf is not None:
+                flag = flag * (1 - self.found_inf.to(device).reshape(flag.shape))
+            torch.maximum(charged, flag.reshape(charged.shape), out=charged)
 
     def master_params(self):
-        """The fp32 weights the optimizer steps, their gradients unscaled into fp32 for clipping
-        (the optimizer's ``give_master_grads``), which the step then reads."""
+        """The fp32 weights stepped, given fp32 gradients to clip (which the step then reads)."""
         if not self.master_grads_given:
             self.optimizer.give_master_grads(self.grad_scale)
             if self.grad_scale is not None:
@@ -236,11 +249,16 @@ class ScaledGradsState(AmpOptimizerState):
         yield from self.optimizer.master_params()
 
     def run_step(self, args, found_inf):
+        kept = self.grad_scale, self.grad_norm  # (a step that raises keeps them)
         unit = self.scale_is_one and not self.master_grads_given
         grad_scale, self.grad_scale = (None if unit else self.grad_scale), None
         grad_norm, self.grad_norm = self.grad_norm, None
-        result = self.orig_step(*args, grad_scale=grad_scale, found_inf=found_inf,
-                                grad_norm=grad_norm)
+        try:
+            result = self.orig_step(*args, grad_scale=grad_scale, found_inf=found_inf,
+                                    grad_norm=grad_norm)
+        except BaseException:
+            self.grad_scale, self.grad_norm = kept
+            raise
         self.master_grads_given = False  # the step used and dropped them
         return result
 
@@ -266,31 +284,31 @@ class UnscaledGradsState(AmpOptimizerState):
     def register_params(self, params, fp32_originals=None) -> list:
         return self.store.register(params, self.master_weights, fp32_originals)
 
-    def holds(self, p) -> bool:
-        return self.store.holds(p)
-
-    def mark(self):
-        return self.store.mark()
-
-    def rollback(self, mark) -> None:
-        self.store.rollback(mark)
+    # What the store does itself (peak.optimizers.masters.MasterWeights).
+    holds = property(lambda self: self.store.holds)
+    mark = property(lambda self: self.store.mark)
+    rollback = property(lambda self: self.store.rollback)
+    abort_backward = property(lambda self: self.store.restore_grads)
+    post_backward = property(lambda self: self.store.take_grads)
 
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
         self.store.zero_grad(set_to_none)
 
     def before_step(self) -> None:
-        if self.store.masters and not self.warned_no_master_grads:
-            _warn_if_backward_bypassed_amp(self)
+        """O2 steps the fp32 masters, whose gradients only ``scale_loss`` fills: a plain
+        ``loss.backward()`` leaves them empty and the step changes nothing (in Apex too)."""
+        if not self.warned_no_master_grads and self.store.bypassed():
+            self.warned_no_master_grads = True
+            warnings.warn(
+                f"{type(self.optimizer).__name__}.step(): the model's fp16/bf16 parameters have "
+                "gradients but their fp32 master weights (stepped under O2) have none, so this "
+                "step leaves those weights unchanged: run the backward pass as `with "
+                "amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`.",
+                UserWarning, stacklevel=3)
 
     def prepare_backward(self, scaler) -> None:
         self.store.set_grads_aside()
-
-    def abort_backward(self) -> None:
-        self.store.restore_grads()
-
-    def post_backward(self, scaler) -> bool:
-        return self.store.take_grads(scaler)
 
     def run_step(self, args, found_inf):
         opt = self.optimizer
@@ -364,31 +382,19 @@ def _step(self, closure=None):
     stash.print_reports()  # earlier steps' skips whose reports have arrived
     if stash.pending_skip is not None:
         loss_id, scaler = stash.pending_skip
-        stash.pending_skip = None
+        stash.pending_skip = stash.found_inf = None
         stash.print_skip(step_index, loss_id, scaler.loss_scale())
         stash.drop_pending()
         return loss
     stash.before_step()
     found_inf, stash.found_inf = stash.found_inf, None
-    result = stash.run_step(args, found_inf)
+    try:
+        result = stash.run_step(args, found_inf)
+    except BaseException:  # a step that raises keeps what it was handed
+        stash.found_inf = found_inf
+        raise
     stash.print_reports()  # at once where the report needs no copy (the CPU)
     return loss if closure is not None and not args else result
-
-
-def _warn_if_backward_bypassed_amp(stash) -> None:
-    """O2 steps the fp32 masters, whose gradients only ``scale_loss`` fills: a plain
-    ``loss.backward()`` leaves them empty and the step changes nothing (in Apex too)."""
-    if (any(m.grad is not None for m in stash.masters)
-            or not any(p.grad is not None for p in stash.store.model_params)):
-        return
-    stash.warned_no_master_grads = True
-    warnings.warn(
-        f"{type(stash.optimizer).__name__}.step(): the model's fp16/bf16 parameters have "
-        "gradients but their fp32 master weights, which this optimizer steps under "
-        "master_weights=True (O2), have none, so this step leaves those weights unchanged. The "
-        "backward pass ran outside amp: run it as `with amp.scale_loss(loss, optimizer) as "
-        "scaled_loss: scaled_loss.backward()`.",
-        UserWarning, stacklevel=3)
 
 
 def _zero_grad(self, set_to_none: bool = True):

@@ -220,7 +220,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         return norm
 
     def _combined_found_inf(self, optimizer_state) -> torch.Tensor:
-        """The optimizer's overflow flags summed on the scale's device (a new tensor)."""
+        """The optimizer's overflow flags merged ("any") on the scale's device (a new tensor)."""
         return merge_flags(optimizer_state["found_inf_per_device"].values(), self._scale.device)
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):

@@ -95,8 +95,7 @@ class LossScaler:
         return self._core.found_inf.for_device(device)
 
     def found_inf_on(self, device: torch.device) -> torch.Tensor:
-        """The overflow flags merged into a new 0/1 flag of shape (1,) on ``device`` (no host
-        read): what a step that skips on the device takes."""
+        """The flags merged into a new 0/1 flag on ``device`` (no host read), for a step."""
         return merge_flags(self._core.found_inf.values(), device, (1,))
 
     def clear_overflow_state(self) -> None:
@@ -293,7 +292,7 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
     if scaler.dynamic and any(stash.sharded for stash in stashes):
         # FSDP2's gradient shards: one rank's inf must skip every rank (flags all-reduced, MAX)
         agree_on_overflow(next(s for s in stashes if s.sharded).optimizer, scaler._core.found_inf)
-    if all(stash.device_skip for stash in stashes):
+    if all(stash.skips_on_device() for stash in stashes):
         # Every step takes found_inf: the skip is decided on the device, no host read.
         scaler.update()
         if scaler.dynamic:

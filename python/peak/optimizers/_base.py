@@ -14,7 +14,8 @@ from torch import Tensor
 from ._arguments import check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import check_loadable
 from ._quant import dequantize, new_state, quantize, scale_key
-from ._sharded import (agree, check_sharded_group, count_empty_steps, is_sharded, local,
+from ..scaling import agree_on_overflow
+from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_sumsq)
 from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, join_remainder,
                       load_master, master_in_state, take_fp32_sums)
@@ -114,6 +115,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             set_to_none = getattr(self, "set_grad_none", True)
         super().zero_grad(set_to_none)
         self.drop_master_grads()
+        self.__dict__.pop("_fp32_grad_sums", None)  # (accumulate_grads' sums are gradients too)
 
     # -- state -----------------------------------------------------------------------------------
     def wants_master(self, p: Tensor) -> bool:
@@ -319,7 +321,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._check_stochastic_rounding()
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
-            agree(found_inf, [p for g in self.param_groups for p in g["params"]])  # flag too
+            agree_on_overflow(self, {found_inf.device: found_inf})  # flag too
         self._step_store_grads = grad_scale is not None and getattr(self, "store_unscaled_grads", True)
         if grad_norm is not None:
             if not isinstance(grad_norm, Tensor) or grad_norm.numel() != 1:

@@ -91,15 +91,6 @@ def reduce_sumsq(sumsq: Tensor, params) -> Tensor:
     return sumsq
 
 
-def agree(found_inf: Tensor, params) -> None:
-    """Every rank's overflow flag becomes their maximum (one rank's inf skips every rank)."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    for mesh in _meshes(params):
-        for dim in range(mesh.ndim):
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-
-
 def _meshes(params) -> list:
     meshes = {}
     for p in params:

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
-from ..scaling import group_by_device_dtype
+from ..scaling import group_by_device_dtype, local_shard
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
            "copy_to_model", "join_remainder", "split_master", "keep_as_remainder", "load_master",
@@ -37,6 +37,7 @@ EARLIER_AMP_KEY = "amp_master_params"
 _stores = WeakIdKeyDictionary()
 # model parameter -> its master in some store (for a model's load_state_dict hook).
 _master_of_param = WeakIdKeyDictionary()
+_owner_of_param = WeakIdKeyDictionary()  # model parameter -> the fused optimizer holding it
 
 
 def new_master(p: Tensor, original: Tensor | None = None) -> Tensor:
@@ -225,6 +226,12 @@ class MasterWeights:
         for m in self.masters:
             m.grad = None
 
+    def bypassed(self) -> bool:
+        """The model's params have gradients but no master has one: a backward pass that did not
+        go through ``take_grads``."""
+        return (bool(self.masters) and not any(m.grad is not None for m in self.masters)
+                and any(p.grad is not None for p in self.model_params))
+
     # -- the scaled gradients: a backward pass writes the model's; the masters get them ----------
     def set_grads_aside(self) -> None:
         """Before a backward pass: the model's gradients go (the masters hold them unscaled), the
@@ -264,6 +271,8 @@ class MasterWeights:
                 p.grad = g
             else:
                 rows.append((p.grad, g, p.grad))
+        # (FSDP2: every DTensor to its local shard, one by one: some parameters may not be sharded)
+        rows = [tuple(None if t is None else local_shard(t) for t in row) for row in rows]
         new = [r for r in rows if r[1] is None]
         acc = [r for r in rows if r[1] is not None]
         if new:
@@ -343,8 +352,19 @@ def store_of(optimizer) -> MasterWeights | None:
 
 
 def master_of_param(p: Tensor) -> Tensor | None:
-    """The master a :class:`MasterWeights` store keeps for model parameter ``p``, or None."""
-    return _master_of_param.get(p)
+    """The fp32 master of model parameter ``p``: a :class:`MasterWeights` store's, or that of the
+    fused optimizer registered as holding ``p`` (``register_owner``); None otherwise (no master,
+    or a remainder)."""
+    master = _master_of_param.get(p)
+    if master is None and p in _owner_of_param:  # a fused optimizer's own fp32 master
+        master = _owner_of_param[p].state.get(p, {}).get(MASTER_KEY)
+    return master
+
+
+def register_owner(p: Tensor, optimizer) -> None:
+    """``optimizer`` (a peak fused optimizer) keeps p's master in its state: master_of_param
+    finds it (amp's model load hook re-derives it from a reloaded weight)."""
+    _owner_of_param[p] = optimizer
 
 
 def masters_by_param(optimizer) -> dict[int, Tensor]:
