@@ -15,6 +15,8 @@ Both write one checkpoint entry per parameter, ``state[i]["master_param"]`` (a r
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -356,15 +358,16 @@ def master_of_param(p: Tensor) -> Tensor | None:
     fused optimizer registered as holding ``p`` (``register_owner``); None otherwise (no master,
     or a remainder)."""
     master = _master_of_param.get(p)
-    if master is None and p in _owner_of_param:  # a fused optimizer's own fp32 master
-        master = _owner_of_param[p].state.get(p, {}).get(MASTER_KEY)
+    owner = _owner_of_param[p]() if master is None and p in _owner_of_param else None
+    if owner is not None:  # a fused optimizer's own fp32 master
+        master = owner.state.get(p, {}).get(MASTER_KEY)
     return master
 
 
 def register_owner(p: Tensor, optimizer) -> None:
     """``optimizer`` (a peak fused optimizer) keeps p's master in its state: master_of_param
     finds it (amp's model load hook re-derives it from a reloaded weight)."""
-    _owner_of_param[p] = optimizer
+    _owner_of_param[p] = weakref.ref(optimizer)  # (the model does not keep the optimizer alive)
 
 
 def masters_by_param(optimizer) -> dict[int, Tensor]:
