@@ -298,3 +298,43 @@ def test_loading_new_model_weights_refreshes_a_fused_optimizers_masters():
     _step(model, opt, 0)
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.allclose(p.float(), q.detach(), atol=5e-2), "the step undid the load"
+
+
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first", "model_only"])
+def test_remainder_masters_after_a_model_reload(order):
+    """Remainder-kept masters (bf16 + FusedAdam(store_param_remainders=True)) after
+    model.load_state_dict: a checkpoint of model and optimizer restores the exact masters in
+    either order; a model alone (new weights, no optimizer state) re-splits them from the loaded
+    fp32 values, exactly, so the first step starts from the loaded weights."""
+    from peak.optimizers import FusedAdam
+
+    def build(seed):
+        model = H.make_cnn(seed)
+        opt = FusedAdam(model.parameters(), lr=1e-2, store_param_remainders=True)
+        amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+        return model, opt
+
+    model, opt = build(0)
+    for step in range(3):
+        _step(model, opt, step)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    exact = {n: opt.master_of(p).clone() for n, p in model.named_parameters()
+             if opt.master_of(p) is not None}
+    model2, opt2 = build(1)
+    _step(model2, opt2, 0)  # (its own remainders, which a reload must not keep)
+    if order == "model_first":
+        model2.load_state_dict(ckpt["model"])
+        opt2.load_state_dict(ckpt["opt"])
+    elif order == "optimizer_first":
+        opt2.load_state_dict(ckpt["opt"])
+        model2.load_state_dict(ckpt["model"])
+    if order != "model_only":
+        for n, p in model2.named_parameters():
+            if n in exact:
+                H.assert_bitwise_equal(opt2.master_of(p), exact[n], n)
+        return
+    other = H.make_cnn(seed=7)  # fp32 weights
+    model2.load_state_dict(other.state_dict())
+    for (n, p), q in zip(model2.named_parameters(), other.parameters()):
+        if p.dtype == torch.bfloat16 and "master_param_remainder" in opt2.state.get(p, {}):
+            H.assert_bitwise_equal(opt2.master_of(p), q.detach(), n)  # the loaded fp32, exactly

@@ -215,6 +215,8 @@ def test_torch_fused_sgd_first_step_overflow_decided_on_the_host(level):
     model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=torch.float16,
                                 verbosity=0)
     stash = opt._amp_stash
+    x, y = batch(0)
+    F.mse_loss(model(x).float(), y).backward()  # gradients, and no momentum buffer yet
     assert stash.device_skip and not stash.skips_on_device()
     for step in range(4):
         one_step(model, opt, step, poison=step == 0)
@@ -284,3 +286,20 @@ def test_a_host_skip_clears_the_device_flag_too():
         s.backward()
     fused.step()  # clean: it must step
     assert any(not torch.equal(a, b) for a, b in zip(before, model_a.parameters()))
+
+
+def test_torch_fused_sgd_with_a_frozen_parameter_goes_back_to_the_device():
+    """A frozen parameter never gets a momentum buffer: only parameters with a gradient count."""
+    amp._amp_state.reset()
+    model = make_model()
+    model[2].bias.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O1", low_precision_dtype=torch.float16,
+                                verbosity=0)
+    one_step(model, opt, 0)
+    x, y = batch(1)
+    opt.zero_grad()
+    with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as s:
+        s.backward()
+    assert opt._amp_stash.skips_on_device()
+    opt.step()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from peak.optimizers.masters import master_of_param
+from peak.optimizers.masters import note_load_hook, refresh_after_load_hook
 
 from . import _caster
 from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
@@ -174,10 +174,11 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
         output_dtype = (cast_model_outputs or torch.float32) if cast_type else cast_model_outputs
         if input_dtype is not None or output_dtype is not None or o1:
             patch_forward(model, input_dtype, output_dtype)
-        if properties.master_weights:
+        if properties.master_weights:  # NOTE: [Masters after a model reload]
             for module in model.modules():
                 if module._parameters:
-                    module.register_load_state_dict_post_hook(_refresh_masters_hook)
+                    module.register_load_state_dict_pre_hook(note_load_hook)
+                    module.register_load_state_dict_post_hook(refresh_after_load_hook)
         _initialized_models.add(model)
 
     for optimizer in optimizers:
@@ -256,17 +257,6 @@ def _upcast_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
         if (isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
                 and t.dtype in LOW_DTYPES):
             state_dict[key] = t.float()
-
-
-def _refresh_masters_hook(module, incompatible_keys) -> None:
-    """After ``model.load_state_dict``: a master weight that no longer rounds to its model weight
-    is re-derived from it; one that still does is kept, so loading the model and the optimizer
-    (which restores the exact masters) is bit-for-bit in either order."""
-    with torch.no_grad():
-        for p in module._parameters.values():
-            master = master_of_param(p) if p is not None else None
-            if master is not None and not torch.equal(master.to(p.dtype), p):
-                master.copy_(p)
 
 
 class _ForwardConfig(NamedTuple):

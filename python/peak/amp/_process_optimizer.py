@@ -75,9 +75,10 @@ class AmpOptimizerState:
     def skips_on_device(self) -> bool:
         """Not torch's fused SGD before its momentum buffers exist: its first step makes them with
         empty_like, which a skip on the device would leave uninitialised."""
-        opt = self.optimizer
+        opt = self.optimizer  # (a parameter with a gradient and no buffer yet makes one)
         return self.device_skip and not (isinstance(opt, torch.optim.SGD) and any(
-            g["momentum"] and opt.state.get(p, {}).get("momentum_buffer") is None
+            g.get("momentum") and p.grad is not None
+            and "momentum_buffer" not in opt.state.get(p, {})
             for g in opt.param_groups for p in g["params"]))
 
     def note_overflow(self, loss_id: int, scaler) -> None:

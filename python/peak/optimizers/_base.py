@@ -18,7 +18,7 @@ from ..scaling import agree_on_overflow
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_sumsq)
 from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, join_remainder,
-                      load_master, master_in_state, take_fp32_sums)
+                      load_master, master_in_state, take_fp32_sums, weights_settled)
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
 # Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
@@ -318,6 +318,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         take_fp32_sums(self, grad_scale)
+        weights_settled()
         self._check_stochastic_rounding()
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's

@@ -120,6 +120,7 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
         remainder = remainder.to(device=p.device, dtype=torch.int16)
         if optimizer.keeps_remainder(p, group):
             state[REMAINDER_KEY] = remainder.clone()
+            _awaiting_weight[p] = True  # (its weight comes with the model's state_dict)
             return
         master = join_remainder(p.detach(), remainder)
     if master is None:
@@ -362,6 +363,47 @@ def master_of_param(p: Tensor) -> Tensor | None:
     if owner is not None:  # a fused optimizer's own fp32 master
         master = owner.state.get(p, {}).get(MASTER_KEY)
     return master
+
+
+# NOTE: [Masters after a model reload] model.load_state_dict under amp (its hooks below): a
+# master that no longer rounds to its reloaded weight is re-derived from it; one that still does
+# is kept, so the model and optimizer checkpoints restore exactly in either order. A remainder
+# joins any weight, so that test cannot tell: a remainder is re-split from the loaded value when
+# the load changes the weight, unless the optimizer's own load_state_dict just restored it for
+# the weight arriving now (the optimizer loaded first).
+_loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
+_awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loaded before its weight
+
+
+def note_load_hook(module, state_dict, prefix, *args) -> None:
+    """``module.load_state_dict`` pre-hook: what each parameter is about to be given."""
+    for name, p in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if p is not None and isinstance(value, Tensor) and value.shape == p.shape:
+            _loading[p] = (value, not torch.equal(value.to(p.dtype), p.detach()))
+
+
+@torch.no_grad()
+def refresh_after_load_hook(module, incompatible_keys) -> None:
+    """``module.load_state_dict`` post-hook (NOTE: [Masters after a model reload])."""
+    for p in module._parameters.values():
+        if p is None:
+            continue
+        value, changed = _loading.pop(p, (None, False))
+        master = master_of_param(p)
+        if master is not None and not torch.equal(master.to(p.dtype), p):
+            master.copy_(p)
+        owner = _owner_of_param[p]() if p in _owner_of_param else None
+        state = owner.state.get(p, {}) if owner is not None else {}
+        if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
+            keep_as_remainder(p, state, value.to(torch.float32))
+
+
+def weights_settled() -> None:
+    """A step: remainders loaded before their weights wait no longer (the weights are what the
+    step starts from)."""
+    if _awaiting_weight:
+        _awaiting_weight.clear()
 
 
 def register_owner(p: Tensor, optimizer) -> None:
