@@ -215,9 +215,10 @@ def test_torch_fused_sgd_first_step_overflow_decided_on_the_host(level):
     model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=torch.float16,
                                 verbosity=0)
     stash = opt._amp_stash
-    x, y = batch(0)
-    F.mse_loss(model(x).float(), y).backward()  # gradients, and no momentum buffer yet
-    assert stash.device_skip and not stash.skips_on_device()
+    if level == "O1":  # (O2: the masters get their gradients at scale_loss exit)
+        x, y = batch(0)
+        F.mse_loss(model(x).float(), y).backward()  # gradients, and no momentum buffer yet
+        assert stash.device_skip and not stash.skips_on_device()
     for step in range(4):
         one_step(model, opt, step, poison=step == 0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
