@@ -12,7 +12,7 @@ from peak.amp import _caster
 from peak.optimizers import FusedAdam, FusedSGD
 
 import amp_helpers as H
-from peak_testing import (DEVICES, HostReads, assert_poisoned_steps_skipped, make_mlp, no_host_sync,
+from peak_testing import (DEVICES, assert_poisoned_steps_skipped, make_mlp, no_host_sync,
                           snapshot)
 
 

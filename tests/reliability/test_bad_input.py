@@ -3,7 +3,6 @@ documented exception type (or warning) with the documented text in its message."
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import warnings
