@@ -53,23 +53,24 @@ def full_tensors(seed, dtype):
     return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
 
 
+def sharder(rank):
+    """t -> t as a Shard(0) DTensor over every rank (rank=None: one process, t itself)."""
+    if rank is None:
+        return lambda t: t
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    return lambda t: distribute_tensor(t, mesh, [Shard(0)])
+
+
 def run(rank, name, scaled=True):
     """Steps config ``name``; rank=None: one process on the whole tensors. Returns the full
     weights, masters and moments after every step (gathered from the shards)."""
     dtype, cls, options = {**CONFIGS, **CLIPPED, **STOCHASTIC}[name]
     torch.manual_seed(0)  # the stochastic rounding key
     weights = full_tensors(0, dtype)
-    if rank is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-
-        def shard(t):
-            return distribute_tensor(t, mesh, [Shard(0)])
-    else:
-        def shard(t):
-            return t
+    shard = sharder(rank)
     params = [torch.nn.Parameter(shard(w)) for w in weights]
     opt = cls(params, lr=1e-2, **options)
     grad_scale = torch.tensor([1024.0]) if scaled else None
@@ -119,17 +120,7 @@ def run_accumulated(rank, name, micro=3):
     gradients, as FSDP2 hands bf16 shards): accumulate_grads() after each, then step()."""
     dtype, cls, options = CONFIGS[name]
     weights = full_tensors(0, dtype)
-    if rank is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-
-        def shard(t):
-            return distribute_tensor(t, mesh, [Shard(0)])
-    else:
-        def shard(t):
-            return t
+    shard = sharder(rank)
     params = [torch.nn.Parameter(shard(w)) for w in weights]
     opt = cls(params, lr=1e-2, **options)
     for step in range(3):
@@ -244,12 +235,7 @@ def _module(rank, name):
     dtype, cls, options = CONFIGS[name]
     weights = full_tensors(0, dtype)
     module = torch.nn.Module()
-    if rank is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        weights = [distribute_tensor(w, mesh, [Shard(0)]) for w in weights]
+    weights = [sharder(rank)(w) for w in weights]
     for i, w in enumerate(weights):
         module.register_parameter(f"w{i}", torch.nn.Parameter(w))
     return module, cls(list(module.parameters()), lr=1e-2, **options)

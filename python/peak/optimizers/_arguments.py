@@ -33,3 +33,13 @@ def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
         lo_s = ("(" if lo_open else "[") + str(lo) if lo is not None else "(-inf"
         hi_s = str(hi) + (")" if hi_open else "]") if hi is not None else "inf)"
         raise ValueError(f"Invalid {name}: {value} (must be in {lo_s}, {hi_s})")
+
+
+def check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm) -> None:
+    """The Adam family's ranges (FusedAdam, FusedLAMB), with torch's messages."""
+    check_hyper("learning rate", lr, lo=0.0)
+    check_hyper("epsilon value", eps, lo=0.0)
+    check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
+    check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
+    check_hyper("weight_decay value", weight_decay, lo=0.0)
+    check_hyper("max_grad_norm", max_grad_norm, lo=0.0)

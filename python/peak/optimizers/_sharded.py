@@ -56,14 +56,6 @@ def check_sharded_group(optimizer, group: dict) -> None:
                 f"{tuple(p.placements)}. Use fully_shard over one mesh dimension.")
 
 
-def like(p, value: Tensor):
-    """``value`` (a local tensor shaped like p's shard) as a DTensor placed like ``p``."""
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
-
-
 def local_states(states: list[dict]) -> list[dict]:
     """The states with every DTensor entry replaced by its local shard (the kernels' view)."""
     return [{k: local(v) for k, v in st.items()} for st in states]

@@ -8,7 +8,7 @@ import torch
 
 from .. import ops
 from ..scaling import merge_flags
-from ._arguments import check_hyper, check_moment_dtype
+from ._arguments import check_adam_hypers, check_hyper, check_moment_dtype
 from ._base import FusedOptimizer
 
 # The kernel's scale-list arguments for 8-bit moments, and the state keys they come from.
@@ -126,12 +126,7 @@ class FusedAdam(FusedOptimizer):
                  store_unscaled_grads=True, store_param_remainders=False,
                  exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                  moment_rounding="stochastic"):
-        check_hyper("learning rate", lr, lo=0.0)
-        check_hyper("epsilon value", eps, lo=0.0)
-        check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
-        check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
-        check_hyper("weight_decay value", weight_decay, lo=0.0)
-        check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+        check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, adam_w_mode=adam_w_mode,
                         bias_correction=bias_correction, maximize=maximize,
@@ -213,12 +208,7 @@ class FusedLAMB(FusedOptimizer):
                              "available here")
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        check_hyper("learning rate", lr, lo=0.0)
-        check_hyper("epsilon value", eps, lo=0.0)
-        check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
-        check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
-        check_hyper("weight_decay value", weight_decay, lo=0.0)
-        check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+        check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
