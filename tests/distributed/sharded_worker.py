@@ -138,7 +138,29 @@ def worker(rank, world_size):
     results["state_dict_round_trip"] = state_dict_round_trip(rank)
     results["refusals"] = refusals()
     results["placements"] = placements(rank)
+    results["reloaded"] = {name: reload_without_optimizer_state(rank, name) for name in RELOAD}
     return results
+
+
+RELOAD = ["adam-bf16-masters", "adam-bf16-lean"]
+
+
+def reload_without_optimizer_state(rank, name):
+    """The model reloaded through torch.distributed.checkpoint's set_model_state_dict (a full
+    state dict, spread over the shards), the optimizer not: the masters follow the loaded
+    weights (NOTE: [Masters after a model reload]) on the shards as in one process."""
+    module, opt = _module(rank, name)
+    _steps(module, opt, 0, 3)
+    loaded = {f"w{i}": w for i, w in enumerate(full_tensors(7, CONFIGS[name][0]))}
+    if rank is None:
+        module.load_state_dict(loaded)
+    else:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_model_state_dict)
+
+        set_model_state_dict(module, loaded, options=StateDictOptions(full_state_dict=True))
+    _steps(module, opt, 3, 5)
+    return _full_state(list(module.parameters()), opt)
 
 
 def state_dict_round_trip(rank):

@@ -86,6 +86,18 @@ def test_state_dict_round_trip_on_the_same_mesh(ranks):
         assert_bitwise_equal(resumed, uninterrupted)
 
 
+@pytest.mark.parametrize("name", W.RELOAD)
+def test_masters_follow_a_model_reloaded_without_its_optimizer_state(ranks, name):
+    """Two Adam steps of lr 1e-2 from the loaded weights move each by about 2e-2; stale masters
+    would put the old weights back (O(1) away)."""
+    expected = W.reload_without_optimizer_state(None, name)
+    loaded = W.full_tensors(7, W.CONFIGS[name][0])
+    for w, l in zip(expected, loaded):
+        assert (w.float() - l.float()).abs().max() < 0.05
+    for r in ranks:
+        assert_bitwise_equal(r["reloaded"][name], expected, name)
+
+
 def test_unsupported_sharded_configurations_are_refused_at_construction(ranks):
     messages = ranks[0]["refusals"]
     assert "FusedAdam" in messages["lamb"] and "per-tensor norms" in messages["lamb"]

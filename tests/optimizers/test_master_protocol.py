@@ -1,6 +1,8 @@
 """The master-weight protocol of peak.optimizers, tested directly (docs/core.md, "Who owns the
 master weights"): the MasterWeights store, the one maker and the one copy of masters, and a fused
 optimizer's public methods that amp and GradScaler use."""
+import copy
+
 import pytest
 import torch
 
@@ -158,3 +160,93 @@ def test_masters_by_param_sees_every_placement():
     opt = torch.optim.SGD(store.register([low], True, {id(low): w[1]}), lr=0.1)
     store.attach(opt, hooks=False)
     assert masters_by_param(opt)[id(low)] is store.masters[0]
+
+
+# -- a model reloaded without its optimizer state (NOTE: [Masters after a model reload]) ---------
+RELOAD_CASES = {
+    "bf16 remainders": (torch.bfloat16, dict(store_param_remainders=True)),
+    "bf16 fp32 masters": (torch.bfloat16, dict(master_weights=True)),
+    "fp16 fp32 masters": (torch.float16, dict(master_weights=True)),
+}
+
+
+def _reload_model(dtype, seed=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                               torch.nn.Linear(5, 3)).to(dtype)
+
+
+def _grad_step(model, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 6, generator=g).to(next(model.parameters()).dtype)
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("case", list(RELOAD_CASES))
+def test_masters_follow_weights_loaded_without_the_optimizer_state(case):
+    """model.load_state_dict alone (no amp hooks): the next step starts from the loaded weights
+    (the masters follow them; the moments stay), like an optimizer resumed from a state without
+    masters. Before, an fp32 master overwrote the loaded weights and a remainder was joined
+    onto them."""
+    dtype, options = RELOAD_CASES[case]
+    model = _reload_model(dtype)
+    opt = FusedAdam(model.parameters(), lr=1e-2, **options)
+    for s in range(3):
+        _grad_step(model, opt, s)
+    loaded = _reload_model(dtype, seed=11).state_dict()
+    state = copy.deepcopy(opt.state_dict())  # (torch's state_dict shares the live entries)
+    for entry in state["state"].values():  # the reference: the same moments, no masters
+        entry.pop(MASTER_KEY, None)
+        entry.pop(REMAINDER_KEY, None)
+    model.load_state_dict(loaded)
+    reference = _reload_model(dtype, seed=11)
+    ref_opt = FusedAdam(reference.parameters(), lr=1e-2, **options)
+    ref_opt.load_state_dict(state)
+    for s in range(3, 5):
+        _grad_step(model, opt, s)
+        _grad_step(reference, ref_opt, s)
+        assert_bitwise_equal(list(model.state_dict().values()),
+                             list(reference.state_dict().values()), f"{case} step {s}")
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert_bitwise_equal(opt.master_of(p), ref_opt.master_of(q), f"{case} master")
+
+
+@pytest.mark.parametrize("case", list(RELOAD_CASES))
+@pytest.mark.parametrize("optimizer_first", [True, False], ids=["optimizer first", "model first"])
+def test_model_and_optimizer_checkpoints_still_resume_bit_for_bit(case, optimizer_first):
+    """Loading both, in either order, keeps the saved masters (the weights that arrive are the
+    ones saved with them): the resumed run is the uninterrupted one."""
+    dtype, options = RELOAD_CASES[case]
+    model = _reload_model(dtype)
+    opt = FusedAdam(model.parameters(), lr=1e-2, **options)
+    for s in range(3):
+        _grad_step(model, opt, s)
+    saved_model, saved_opt = model.state_dict(), opt.state_dict()
+    saved_model = {k: v.clone() for k, v in saved_model.items()}
+    resumed = _reload_model(dtype, seed=5)
+    resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2, **options)
+    _grad_step(resumed, resumed_opt, 99)  # (state of its own, to be replaced)
+    loads = [lambda: resumed_opt.load_state_dict(saved_opt),
+             lambda: resumed.load_state_dict(saved_model)]
+    for load in loads if optimizer_first else loads[::-1]:
+        load()
+    for s in range(3, 5):
+        _grad_step(model, opt, s)
+        _grad_step(resumed, resumed_opt, s)
+    assert_bitwise_equal(list(resumed.state_dict().values()), list(model.state_dict().values()))
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        assert_bitwise_equal(resumed_opt.master_of(p), opt.master_of(q))
+
+
+def test_the_step_itself_is_not_taken_for_a_reload():
+    """peak's kernels write the weights without bumping their version counter, and a remainder
+    written by the optimizer is noted: ten steps keep every remainder they made (a remainder
+    cleared by mistake would leave the masters equal to the bf16 weights)."""
+    model = _reload_model(torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-3, store_param_remainders=True)
+    for s in range(10):
+        _grad_step(model, opt, s)
+    remainders = [opt.state[p][REMAINDER_KEY] for p in model.parameters()]
+    assert all(r.count_nonzero() > r.numel() // 2 for r in remainders)

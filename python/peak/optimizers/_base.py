@@ -17,8 +17,9 @@ from ._quant import dequantize, new_state, quantize, scale_key
 from ..scaling import agree_on_overflow
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_sumsq)
-from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, join_remainder,
-                      load_master, master_in_state, take_fp32_sums, weights_settled)
+from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, follow_weight,
+                      forget_weight, join_remainder, load_master, master_in_state, take_fp32_sums,
+                      weights_settled)
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
 # Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
@@ -345,6 +346,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                     f"{p.dtype}; {type(self).__name__} reads gradients in the "
                                     f"parameter's dtype")
                 state = self._init_state(p, group)
+                follow_weight(p, state)
                 master = self._master_list_entry(state)
                 if master is not None and master.grad is not None:
                     buckets[(p.device, p.dtype, _MASTER_GRADS)].append(p)
@@ -548,6 +550,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
             load_master(self, p, state, group, entries)
             self._complete_loaded_state(p, state)
+        for group in self.param_groups:  # (the weights arriving are the ones saved with it)
+            for p in group["params"]:
+                forget_weight(p)
 
     def _load_moment(self, p, state, group, key, value, scales) -> None:
         """A saved moment in this group's storage: the same storage is a bit-for-bit copy; fp32

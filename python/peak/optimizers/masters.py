@@ -87,6 +87,7 @@ def keep_as_remainder(p: Tensor, state: dict, master: Tensor) -> None:
     with torch.no_grad():
         p.copy_(weight.view(p.shape))
     state[REMAINDER_KEY] = torch.empty_like(p, dtype=torch.int16).copy_(remainder.view(p.shape))
+    note_weight(p)
 
 
 def master_in_state(optimizer, p: Tensor, state: dict, group: dict | None = None,
@@ -371,7 +372,17 @@ def master_of_param(p: Tensor) -> Tensor | None:
 # joins any weight, so that test cannot tell: a remainder is re-split from the loaded value when
 # the load changes the weight, unless the optimizer's own load_state_dict just restored it for
 # the weight arriving now (the optimizer loaded first).
+#
+# Outside amp no hook sees the model (a fused optimizer alone, with GradScaler, under FSDP2, where
+# torch.distributed.checkpoint loads the model): the optimizer notes each weight's version counter
+# when its master last matched it and, at the next step, a weight written since (load_state_dict
+# and set_model_state_dict copy in place; peak's kernels do not bump the counter) makes the master
+# follow it before the step: an fp32 master takes the weight wherever it no longer rounds to it;
+# a remainder, which cannot tell, is cleared (the weight is the master). A loaded optimizer state
+# forgets the versions: the weights that arrive with it are the ones it was saved with. Writes
+# through ``.data`` keep the counter and go unseen.
 _loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
+_weight_version = WeakIdKeyDictionary()  # parameter -> its version when its master matched it
 _awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loaded before its weight
 
 
@@ -397,6 +408,30 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
         state = owner.state.get(p, {}) if owner is not None else {}
         if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
             keep_as_remainder(p, state, value.to(torch.float32))
+        if state:  # (this hook has made the master match: the step need not follow again)
+            note_weight(p)
+
+
+def note_weight(p: Tensor) -> None:
+    _weight_version[p] = p._version
+
+
+def forget_weight(p: Tensor) -> None:
+    _weight_version.pop(p, None)
+
+
+@torch.no_grad()
+def follow_weight(p: Tensor, state: dict) -> None:
+    """Before p is stepped: its master follows a weight written since the last step (NOTE:
+    [Masters after a model reload]); no host sync."""
+    seen = _weight_version.get(p)
+    if seen is not None and seen != p._version:
+        if REMAINDER_KEY in state:
+            state[REMAINDER_KEY].zero_()
+        elif MASTER_KEY in state:
+            master = state[MASTER_KEY]
+            master.copy_(torch.where(master.to(p.dtype) == p, master, p.to(torch.float32)))
+    _weight_version[p] = p._version
 
 
 def weights_settled() -> None:
