@@ -144,8 +144,44 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                 double weight_decay, bool adam_w_mode, bool grad_averaging, bool bias_correction,
                 double max_grad_norm, bool use_nvlamb, const std::optional<at::Tensor>& grad_norm,
                 const std::optional<int64_t>& moment_rounding_seed,
-                at::TensorList exp_avg_scales = {}, at::TensorList exp_avg_sq_scales = {}) {
+                at::TensorList exp_avg_scales = {}, at::TensorList exp_avg_sq_scales = {},
+                const std::optional<at::TensorList>& given_updates = std::nullopt,
+                const std::optional<at::Tensor>& given_weight_norms = std::nullopt,
+                const std::optional<at::Tensor>& given_update_norms = std::nullopt) {
   check_optimizer_args(a);
+  // NOTE: [LAMB in two calls] The trust ratio needs whole-tensor norms of the weights and of the
+  // update. On shards (FSDP2) each rank holds part of each tensor, so the caller runs the two
+  // stages apart: with `updates` alone the op runs stage 1 into them (moments, steps, the raw
+  // update) and returns; with `updates` and both norm lists (reduced over the mesh) it runs
+  // stage 2 only (weights -= lr * ratio * update).
+  const bool stage1_only = given_updates && !given_weight_norms && !given_update_norms;
+  const bool stage2_only = given_updates && given_weight_norms && given_update_norms;
+  TORCH_CHECK(!given_updates || stage1_only || stage2_only, a.name,
+              ": pass updates alone (stage 1) or updates with weight_norms and update_norms "
+              "(stage 2); got only one of the two norm tensors");
+  TORCH_CHECK(given_updates || (!given_weight_norms && !given_update_norms), a.name,
+              ": weight_norms and update_norms are stage 2's inputs: pass the updates that "
+              "stage 1 wrote with them");
+  if (given_updates) {
+    TORCH_CHECK(given_updates->size() == a.params.size(), a.name, ": updates has ",
+                given_updates->size(), " tensors but params has ", a.params.size());
+    for (size_t t = 0; t < a.params.size(); ++t) {
+      const at::Tensor& u = (*given_updates)[t];
+      TORCH_CHECK(u.scalar_type() == at::kFloat && u.device() == a.params[t].device() &&
+                      u.sizes() == a.params[t].sizes() && u.is_contiguous(),
+                  a.name, ": updates[", t, "] must be a contiguous float32 tensor shaped and "
+                  "placed like params[", t, "]");
+    }
+  }
+  if (stage2_only) {
+    for (const at::Tensor* n : {&*given_weight_norms, &*given_update_norms}) {
+      TORCH_CHECK(n->scalar_type() == at::kFloat && n->dim() == 1 &&
+                      n->numel() == static_cast<int64_t>(a.params.size()) && n->is_contiguous() &&
+                      (a.params.empty() || n->device() == a.params[0].device()),
+                  a.name, ": weight_norms and update_norms must be contiguous float32 vectors "
+                  "with one norm per param, on the params' device");
+    }
+  }
   TORCH_CHECK(a.masters.empty() || a.masters[0].scalar_type() == at::kFloat, a.name,
               ": LAMB's trust ratio needs the norm of the fp32 weights: pass float32 "
               "master_params (remainders are for fused_adam_ and fused_sgd_)");
@@ -162,59 +198,72 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   if (a.params.empty()) return;
   const c10::Device device = a.params[0].device();
   if (grad_norm) check_scalar_tensor(a.name, "grad_norm", *grad_norm, at::kFloat, device);
-  bump_steps(a.steps);
   const at::TensorList weights = a.masters.empty() ? a.params : a.masters;
-
-  // Global norm of the (scaled) gradients, for clipping, unless the caller gave it.
-  at::Tensor norm = grad_norm ? *grad_norm : std::get<0>(multi_tensor_l2norm(exec, a.grads, false,
-                                                                              a.chunk_size));
-  // Stage 1: moments and the raw update into fp32 scratch.
   std::vector<at::Tensor> updates;
-  updates.reserve(a.params.size());
-  for (const at::Tensor& p : a.params) updates.push_back(at::empty_like(p, p.options().dtype(at::kFloat)));
-  with_state_storage(at::kFloat, list_dtype(exp_avgs), list_dtype(exp_avg_sqs),
-                     moment_rounding_seed.has_value(), [&](auto storage) {
-   if constexpr (decltype(storage)::remainder ||
-                 decltype(storage)::q8_exp_avg != decltype(storage)::q8_exp_avg_sq) {
-     return;  // (not instantiated: LAMB keeps fp32 masters; 8-bit moments are both or neither)
-   } else {
-    using Op = LambStage1Op<decltype(storage)>;
-    Op op;
-    op.store_grad = a.store_unscaled_grads;
-    op.moment_rounding = moment_rounding;
-    op.grad_scale.value = 1.0f;
-    op.grad_scale.ptr = a.grad_scale ? a.grad_scale->data_ptr<float>() : nullptr;
-    op.found_inf.ptr = a.found_inf ? a.found_inf->data_ptr<float>() : nullptr;
-    op.grad_norm.ptr = norm.data_ptr<float>();
-    op.max_grad_norm = static_cast<float>(max_grad_norm);
-    op.beta1 = beta1;
-    op.beta2 = beta2;
-    op.eps = static_cast<float>(eps);
-    op.weight_decay = static_cast<float>(weight_decay);
-    op.adam_w = adam_w_mode;
-    op.grad_averaging = grad_averaging;
-    op.bias_correction = bias_correction;
-    std::vector<std::vector<const float*>> scalars{float_ptrs(a.steps)};
-    if constexpr (decltype(storage)::quantized) scalars.insert(scalars.end(), {s1, s2});
-    const auto host = host_lists_from<5, Op::tensor_scalars>(
-        {a.grads, weights, exp_avgs, exp_avg_sqs, updates}, std::move(scalars));
-    with_storage_type(a.params[0].scalar_type(), [&](auto t) {
-      using T = decltype(t);
-      using WithoutMasters = typename Op::template Lists<T, T>;
-      using WithMasters = typename Op::template Lists<T, float>;
-      if (a.masters.empty()) {
-        apply_list_types<Op>(exec, static_cast<const WithoutMasters*>(nullptr), host,
-                             a.chunk_size, op, BlockSink{});
-      } else {
-        apply_list_types<Op>(exec, static_cast<const WithMasters*>(nullptr), host, a.chunk_size,
-                             op, BlockSink{});
+  if (given_updates) updates.assign(given_updates->begin(), given_updates->end());
+  if (!stage2_only) {  // Stage 1: moments and the raw update into fp32 scratch.
+    bump_steps(a.steps);
+    // Global norm of the (scaled) gradients, for clipping, unless the caller gave it.
+    at::Tensor norm = grad_norm ? *grad_norm
+                                : std::get<0>(multi_tensor_l2norm(exec, a.grads, false, a.chunk_size));
+    if (!given_updates) {
+      updates.reserve(a.params.size());
+      for (const at::Tensor& p : a.params) {
+        updates.push_back(at::empty_like(p, p.options().dtype(at::kFloat)));
       }
+    }
+    with_state_storage(at::kFloat, list_dtype(exp_avgs), list_dtype(exp_avg_sqs),
+                       moment_rounding_seed.has_value(), [&](auto storage) {
+     if constexpr (decltype(storage)::remainder ||
+                   decltype(storage)::q8_exp_avg != decltype(storage)::q8_exp_avg_sq) {
+       return;  // (not instantiated: LAMB keeps fp32 masters; 8-bit moments are both or neither)
+     } else {
+      using Op = LambStage1Op<decltype(storage)>;
+      Op op;
+      op.store_grad = a.store_unscaled_grads;
+      op.moment_rounding = moment_rounding;
+      op.grad_scale.value = 1.0f;
+      op.grad_scale.ptr = a.grad_scale ? a.grad_scale->data_ptr<float>() : nullptr;
+      op.found_inf.ptr = a.found_inf ? a.found_inf->data_ptr<float>() : nullptr;
+      op.grad_norm.ptr = norm.data_ptr<float>();
+      op.max_grad_norm = static_cast<float>(max_grad_norm);
+      op.beta1 = beta1;
+      op.beta2 = beta2;
+      op.eps = static_cast<float>(eps);
+      op.weight_decay = static_cast<float>(weight_decay);
+      op.adam_w = adam_w_mode;
+      op.grad_averaging = grad_averaging;
+      op.bias_correction = bias_correction;
+      std::vector<std::vector<const float*>> scalars{float_ptrs(a.steps)};
+      if constexpr (decltype(storage)::quantized) scalars.insert(scalars.end(), {s1, s2});
+      const auto host = host_lists_from<5, Op::tensor_scalars>(
+          {a.grads, weights, exp_avgs, exp_avg_sqs, updates}, std::move(scalars));
+      with_storage_type(a.params[0].scalar_type(), [&](auto t) {
+        using T = decltype(t);
+        using WithoutMasters = typename Op::template Lists<T, T>;
+        using WithMasters = typename Op::template Lists<T, float>;
+        if (a.masters.empty()) {
+          apply_list_types<Op>(exec, static_cast<const WithoutMasters*>(nullptr), host,
+                               a.chunk_size, op, BlockSink{});
+        } else {
+          apply_list_types<Op>(exec, static_cast<const WithMasters*>(nullptr), host, a.chunk_size,
+                               op, BlockSink{});
+        }
+      });
+     }
     });
-   }
-  });
+    if (stage1_only) {
+      undo_skipped_steps(a.steps, a.found_inf);
+      return;
+    }
+  }
   // Per-tensor norms of the weights and of the update (the trust ratio's inputs).
-  const at::Tensor weight_norms = std::get<1>(multi_tensor_l2norm(exec, weights, true, a.chunk_size));
-  const at::Tensor update_norms = std::get<1>(multi_tensor_l2norm(exec, updates, true, a.chunk_size));
+  const at::Tensor weight_norms =
+      stage2_only ? *given_weight_norms
+                  : std::get<1>(multi_tensor_l2norm(exec, weights, true, a.chunk_size));
+  const at::Tensor update_norms =
+      stage2_only ? *given_update_norms
+                  : std::get<1>(multi_tensor_l2norm(exec, updates, true, a.chunk_size));
   // Stage 2: weights -= ratio * update.
   std::vector<const float*> wn(a.params.size()), un(a.params.size());
   for (size_t t = 0; t < a.params.size(); ++t) {
@@ -239,7 +288,7 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
       }
     });
   });
-  undo_skipped_steps(a.steps, a.found_inf);
+  if (!stage2_only) undo_skipped_steps(a.steps, a.found_inf);
 }
 
 template <typename Exec>
@@ -276,7 +325,8 @@ template <typename Exec>
 void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, double beta1, double beta2, double eps,
                     double weight_decay, bool grad_averaging, bool reg_inside_moment,
-                    bool bias_correction, int64_t norm_type, bool init_zero) {
+                    bool bias_correction, int64_t norm_type, bool init_zero,
+                    const std::optional<at::Tensor>& grad_norms = std::nullopt) {
   check_optimizer_args(a);
   check_state_list(a, {"exp_avgs", exp_avgs});
   TORCH_CHECK(exp_avg_sqs.size() == a.params.size(), a.name, ": exp_avg_sqs has ",
@@ -297,8 +347,18 @@ void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   // This step's per-tensor gradient norms (accumulated in fp32), unscaled: a norm scales with
   // its tensor. ATen's foreach norm on every backend, so that the emulated grid and the CPU
   // see the same norms and the element pass is compared bit for bit.
+  // On shards the caller reduces them over the mesh and passes them (grad_norms).
   const double ord = norm_type == 2 ? 2.0 : INFINITY;
-  at::Tensor norms = at::stack(at::_foreach_norm(a.grads, ord, at::kFloat)).reshape({-1});
+  if (grad_norms) {
+    TORCH_CHECK(grad_norms->scalar_type() == at::kFloat && grad_norms->dim() == 1 &&
+                    grad_norms->numel() == static_cast<int64_t>(a.params.size()) &&
+                    grad_norms->device() == device,
+                a.name, ": grad_norms must be a float32 vector with one norm per param (",
+                a.params.size(), ") on ", device, ", got ", grad_norms->scalar_type(), " of shape ",
+                grad_norms->sizes(), " on ", grad_norms->device());
+  }
+  at::Tensor norms = grad_norms ? *grad_norms
+                                : at::stack(at::_foreach_norm(a.grads, ord, at::kFloat)).reshape({-1});
   if (a.grad_scale) norms = norms / *a.grad_scale;
   std::vector<at::Tensor> old_list;
   old_list.reserve(exp_avg_sqs.size());
@@ -402,7 +462,10 @@ void fused_lamb_entry(at::TensorList params, at::TensorList grads, at::TensorLis
                       const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
                       bool store_unscaled_grads, std::optional<int64_t> moment_rounding_seed,
                       std::optional<at::TensorList> exp_avg_scales,
-                      std::optional<at::TensorList> exp_avg_sq_scales) {
+                      std::optional<at::TensorList> exp_avg_sq_scales,
+                      std::optional<at::TensorList> updates,
+                      const std::optional<at::Tensor>& weight_norms,
+                      const std::optional<at::Tensor>& update_norms) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_lamb(exec,
@@ -411,7 +474,7 @@ void fused_lamb_entry(at::TensorList params, at::TensorList grads, at::TensorLis
              exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, adam_w_mode, grad_averaging,
              bias_correction, max_grad_norm, use_nvlamb, grad_norm, moment_rounding_seed,
              exp_avg_scales.value_or(at::TensorList{}),
-             exp_avg_sq_scales.value_or(at::TensorList{}));
+             exp_avg_sq_scales.value_or(at::TensorList{}), updates, weight_norms, update_norms);
 }
 
 template <typename Exec>
@@ -439,7 +502,7 @@ void fused_novograd_entry(at::TensorList params, at::TensorList grads,
                           int64_t norm_type, bool init_zero,
                           const std::optional<at::Tensor>& grad_scale,
                           const std::optional<at::Tensor>& found_inf, int64_t chunk_size,
-                          bool store_unscaled_grads) {
+                          bool store_unscaled_grads, const std::optional<at::Tensor>& grad_norms) {
   const typename Exec::Guard guard(lr.device());
   Exec exec;
   fused_novograd(exec,
@@ -447,7 +510,7 @@ void fused_novograd_entry(at::TensorList params, at::TensorList grads,
                                grad_scale, found_inf, chunk_size, std::nullopt, 0.0,
                                store_unscaled_grads},
                  exp_avgs, exp_avg_sqs, beta1, beta2, eps, weight_decay, grad_averaging,
-                 reg_inside_moment, bias_correction, norm_type, init_zero);
+                 reg_inside_moment, bias_correction, norm_type, init_zero, grad_norms);
 }
 
 template <typename Exec>

@@ -73,6 +73,7 @@ inline constexpr const char* kFusedSgdSchema =
     "bool store_unscaled_grads=False, int? moment_rounding_seed=None, "
     "Tensor(h!)[]? momentum_scales=None) -> ()";
 
+// updates / weight_norms / update_norms: LAMB in two calls on shards (NOTE: [LAMB in two calls]).
 inline constexpr const char* kFusedLambSchema =
     "fused_lamb_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, *, Tensor lr, "
@@ -80,7 +81,8 @@ inline constexpr const char* kFusedLambSchema =
     "bool grad_averaging, bool bias_correction, float max_grad_norm, bool use_nvlamb, "
     "Tensor? grad_norm=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
     "int chunk_size=65536, bool store_unscaled_grads=False, int? moment_rounding_seed=None, "
-    "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None) -> ()";
+    "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None, "
+    "Tensor(j!)[]? updates=None, Tensor? weight_norms=None, Tensor? update_norms=None) -> ()";
 
 // state_sums: Adagrad's fp32 sums of squared gradients; lr_decay as torch.optim.Adagrad's.
 inline constexpr const char* kFusedAdagradSchema =
@@ -90,14 +92,16 @@ inline constexpr const char* kFusedAdagradSchema =
     "int chunk_size=65536, bool store_unscaled_grads=False) -> ()";
 
 // exp_avg_sqs: one fp32 one-element tensor per param, the running gradient norm (Apex's
-// group["exp_avg_sq"], kept per parameter). norm_type: 2 (L2) or 0 (infinity norm).
+// group["exp_avg_sq"], kept per parameter). norm_type: 2 (L2) or 0 (infinity norm). grad_norms:
+// the gradients' per-tensor norms (as passed, still scaled) when the caller reduced them over
+// shards; else the op computes them.
 inline constexpr const char* kFusedNovoGradSchema =
     "fused_novograd_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] master_params, "
     "Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] steps, *, Tensor lr, "
     "float beta1, float beta2, float eps, float weight_decay, bool grad_averaging, "
     "bool reg_inside_moment, bool bias_correction, int norm_type=2, bool init_zero=False, "
     "Tensor? grad_scale=None, Tensor? found_inf=None, int chunk_size=65536, "
-    "bool store_unscaled_grads=False) -> ()";
+    "bool store_unscaled_grads=False, Tensor? grad_norms=None) -> ()";
 
 // The optimizer ops, for the test-only twins that run them through the emulated CUDA grid.
 inline constexpr const char* kFusedOptimizerSchemas[] = {

@@ -239,7 +239,8 @@ def fused_sgd_(params, grads, master_params, momentum_buffers, steps, **scalars)
 
 def fused_lamb_(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, **scalars) -> None:
     """LAMB over lists of parameters (two passes: moments, then trust ratios):
-    ``peak::fused_lamb_``."""
+    ``peak::fused_lamb_``. On shards, ``updates=`` runs the first pass alone and ``updates=,
+    weight_norms=, update_norms=`` the second (NOTE: [LAMB in two calls])."""
     _fused_lamb_op(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, **scalars)
 
 
@@ -284,7 +285,7 @@ def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, 
       weight_decay, adam_w_mode, grad_averaging, bias_correction, max_grad_norm, use_nvlamb,
       grad_norm=None, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
       store_unscaled_grads=False, moment_rounding_seed=None, exp_avg_scales=None,
-      exp_avg_sq_scales=None):
+      exp_avg_sq_scales=None, updates=None, weight_norms=None, update_norms=None):
     return None
 
 
@@ -299,5 +300,5 @@ def _(params, grads, master_params, state_sums, steps, *, lr, eps, weight_decay,
 def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
       weight_decay, grad_averaging, reg_inside_moment, bias_correction, norm_type=2,
       init_zero=False, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
-      store_unscaled_grads=False):
+      store_unscaled_grads=False, grad_norms=None):
     return None

@@ -11,7 +11,8 @@ import copy
 
 import torch
 
-from peak.optimizers import FusedAdagrad, FusedAdam, FusedSGD
+from peak.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from peak.optimizers._quant import whole_block_rows
 
 STEPS = 6
 POISON_STEP = 3  # rank 1's shard (or, in one process, the same element) gets an inf
@@ -28,13 +29,30 @@ CONFIGS = {
                             exp_avg_sq_dtype=torch.bfloat16, moment_rounding="nearest")),
     "sgd-bf16": (torch.bfloat16, FusedSGD, dict(momentum=0.9)),
     "adagrad-fp32": (torch.float32, FusedAdagrad, {}),
+    # NovoGrad's infinity norm of each whole tensor: the maximum over the ranks' maxima, exact.
+    "novograd-inf-norm-bf16": (torch.bfloat16, FusedNovoGrad, dict(norm_type=0)),
+    # 8-bit moments: tensors whose rows are whole 256-element blocks keep 8-bit moments on any
+    # number of ranks (their blocks are the one-process blocks); the others get bf16 moments.
+    "adam-bf16-8bit": (torch.bfloat16, FusedAdam,
+                       dict(store_param_remainders=True, exp_avg_dtype=torch.uint8,
+                            exp_avg_sq_dtype=torch.uint8, moment_rounding="nearest")),
+    "sgd-fp32-8bit": (torch.float32, FusedSGD, dict(momentum=0.9, momentum_dtype=torch.uint8,
+                                                    moment_rounding="nearest")),
 }
+Q8_SHAPES = [(8, 256), (3, 512), (1, 256), (5, 300), (10,)]  # the last two: bf16 moments
 # Clipping by the global norm: each rank's part of the sum of squares is summed over the mesh,
 # another summation order than one process's, so the norm (and what it scales) may differ in the
 # last bits: compared within a tolerance.
 CLIPPED = {
     "adam-fp16-masters-clip": (torch.float16, FusedAdam, dict(max_grad_norm=0.5)),
     "sgd-bf16-clip": (torch.bfloat16, FusedSGD, dict(momentum=0.9, max_grad_norm=0.1)),
+    # Per-tensor L2 norms of whole tensors (LAMB's trust ratio, NovoGrad's layer norms): each
+    # rank's sum of squares, summed over the mesh.
+    "lamb-bf16": (torch.bfloat16, FusedLAMB, dict(weight_decay=0.01)),
+    "lamb-fp32-8bit": (torch.float32, FusedLAMB, dict(exp_avg_dtype=torch.uint8,
+                                                      exp_avg_sq_dtype=torch.uint8,
+                                                      moment_rounding="nearest")),
+    "novograd-fp32": (torch.float32, FusedNovoGrad, dict(weight_decay=0.01)),
 }
 # Stochastic rounding draws its bits from each element's position in its tensor; a shard's
 # positions differ from the whole tensor's, so these compare within a tolerance, not bits.
@@ -48,9 +66,23 @@ STOCHASTIC = {
 }
 
 
-def full_tensors(seed, dtype):
+def full_tensors(seed, dtype, name=None):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    shapes = Q8_SHAPES if name is not None and "8bit" in name else SHAPES
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def build_optimizer(name, params, rank):
+    """The config's optimizer. One process (rank=None) gives the parameters the moments that
+    shards give them: 8-bit where rows are whole blocks, bf16 elsewhere."""
+    _, cls, options = {**CONFIGS, **CLIPPED, **STOCHASTIC}[name]
+    if rank is not None or "8bit" not in name:
+        return cls(params, lr=1e-2, **options)
+    bf16 = {k: torch.bfloat16 for k in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype")
+            if k in options}
+    return cls([{"params": [p for p in params if whole_block_rows(p)]},
+                {"params": [p for p in params if not whole_block_rows(p)], **bf16}],
+               lr=1e-2, **options)
 
 
 def sharder(rank):
@@ -67,16 +99,16 @@ def sharder(rank):
 def run(rank, name, scaled=True):
     """Steps config ``name``; rank=None: one process on the whole tensors. Returns the full
     weights, masters and moments after every step (gathered from the shards)."""
-    dtype, cls, options = {**CONFIGS, **CLIPPED, **STOCHASTIC}[name]
+    dtype = {**CONFIGS, **CLIPPED, **STOCHASTIC}[name][0]
     torch.manual_seed(0)  # the stochastic rounding key
-    weights = full_tensors(0, dtype)
+    weights = full_tensors(0, dtype, name)
     shard = sharder(rank)
     params = [torch.nn.Parameter(shard(w)) for w in weights]
-    opt = cls(params, lr=1e-2, **options)
+    opt = build_optimizer(name, params, rank)
     grad_scale = torch.tensor([1024.0]) if scaled else None
     history, skipped = [], []
     for step in range(STEPS):
-        grads = full_tensors(100 + step, torch.float32)
+        grads = full_tensors(100 + step, torch.float32, name)
         for p, g in zip(params, grads):
             p.grad = shard((g * 1024.0 if scaled else g).to(dtype))
         found_inf = torch.zeros(1)
@@ -107,8 +139,9 @@ def _full_state(params, opt):
     out = [_full(p.detach()).clone() for p in params]
     for p in params:
         st = opt.state.get(p, {})
-        for key in sorted(st):
-            out.append(_full(st[key]).detach().clone())
+        for key in sorted(st):  # (8-bit scales: [rows, blocks per row] on shards, flat in one
+            value = _full(st[key]).detach().clone()  # process: the same blocks)
+            out.append(value.reshape(-1) if key.endswith("_scale") else value)
     return out
 
 
@@ -139,7 +172,24 @@ def worker(rank, world_size):
     results["refusals"] = refusals()
     results["placements"] = placements(rank)
     results["reloaded"] = {name: reload_without_optimizer_state(rank, name) for name in RELOAD}
+    results["norm_over_equal_meshes"] = norm_over_equal_meshes()
     return results
+
+
+def norm_over_equal_meshes():
+    """Parameters on two equal meshes built apart (distinct objects, the same ranks): the global
+    gradient norm reduces once per mesh, not once per object."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = torch.distributed.get_world_size()
+    meshes = [init_device_mesh("cpu", (world,)) for _ in range(2)]
+    full = full_tensors(3, torch.float32)[:2]
+    params = [torch.nn.Parameter(distribute_tensor(w, m, [Shard(0)])) for w, m in zip(full, meshes)]
+    for p in params:
+        p.grad = p.detach().clone()
+    opt = FusedAdam(params, max_grad_norm=1.0)
+    return opt.grad_norm(), torch.cat([w.reshape(-1) for w in full]).norm()
 
 
 RELOAD = ["adam-bf16-masters", "adam-bf16-lean"]
@@ -223,19 +273,12 @@ def placements(rank):
 def refusals():
     """What peak does not step on shards is refused when the optimizer is built."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    from peak.optimizers import FusedLAMB, FusedNovoGrad
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    sharded = [torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))]
     replicated = [torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Replicate()]))]
     messages = {}
     for name, build in {
-        "lamb": lambda: FusedLAMB(sharded),
-        "novograd": lambda: FusedNovoGrad(sharded),
-        "8bit": lambda: FusedAdam(sharded, exp_avg_dtype=torch.uint8,
-                                  exp_avg_sq_dtype=torch.uint8),
         "replicated": lambda: FusedAdam(replicated),
     }.items():
         try:
@@ -247,28 +290,30 @@ def refusals():
 
 
 # ---- torch.distributed.checkpoint: saved on one number of ranks, resumed on another ---------------
-RESHARD_CONFIGS = ["adamw-fp32", "adam-bf16-masters", "adam-bf16-lean", "sgd-bf16"]
+RESHARD_CONFIGS = ["adamw-fp32", "adam-bf16-masters", "adam-bf16-lean", "sgd-bf16",
+                   "novograd-inf-norm-bf16", "adam-bf16-8bit", "sgd-fp32-8bit"]
 SAVE_AT = 3
 
 
 def _module(rank, name):
     """The config's parameters as a module (DCP names state by parameter FQN), sharded over
     every rank (rank=None: one process, whole tensors), and its optimizer."""
-    dtype, cls, options = CONFIGS[name]
-    weights = full_tensors(0, dtype)
+    weights = full_tensors(0, CONFIGS[name][0], name)
     module = torch.nn.Module()
+    module.config = name
     weights = [sharder(rank)(w) for w in weights]
     for i, w in enumerate(weights):
         module.register_parameter(f"w{i}", torch.nn.Parameter(w))
-    return module, cls(list(module.parameters()), lr=1e-2, **options)
+    return module, build_optimizer(name, list(module.parameters()), rank)
 
 
 def _steps(module, opt, start, stop):
     from torch.distributed.tensor import distribute_tensor
 
     dtype = next(module.parameters()).dtype
+    name = getattr(module, "config", None)
     for step in range(start, stop):
-        for p, g in zip(module.parameters(), full_tensors(100 + step, torch.float32)):
+        for p, g in zip(module.parameters(), full_tensors(100 + step, torch.float32, name)):
             g = g.to(dtype)
             p.grad = (distribute_tensor(g, p.device_mesh, p.placements)
                       if hasattr(p, "device_mesh") else g)

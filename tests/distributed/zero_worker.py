@@ -222,22 +222,6 @@ def fsdp2_after_amp_o2_warns(rank):
     return out
 
 
-def fsdp2_lamb_error(rank):
-    """A fused optimizer that needs whole tensors (LAMB's trust ratio) on FSDP2's DTensor
-    parameters: the explained error, when the optimizer is built (not at its first step, after a
-    forward and backward)."""
-    import peak.optimizers
-    from torch.distributed.fsdp import fully_shard
-
-    model = make_model()
-    fully_shard(model)
-    try:
-        peak.optimizers.FusedLAMB(model.parameters(), lr=1e-2)
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
 def run_fsdp2_without_agreement(rank):
     """The control: with GradScaler's all-reduce of the overflow flag switched off, the ranks
     disagree on the poisoned steps (so the agreement above is the all-reduce's doing)."""
@@ -259,10 +243,10 @@ CONFIGS = {
 
 
 def resolve(cls):
-    if cls == "FusedAdam":
+    if isinstance(cls, str) and cls.startswith("Fused"):
         import peak.optimizers
 
-        return peak.optimizers.FusedAdam
+        return getattr(peak.optimizers, cls)
     return getattr(torch.optim, cls) if isinstance(cls, str) else cls
 
 
@@ -277,7 +261,9 @@ def worker(rank, world_size):
            "fsdp2-amp-O1-f16-AdamW": run_fsdp2_amp(rank, "AdamW"),
            "fsdp2-amp-O2-error": fsdp2_amp_o2_error(rank),
            "fsdp2-after-amp-o2": fsdp2_after_amp_o2_warns(rank),
-           "fsdp2-lamb-error": fsdp2_lamb_error(rank)}
+           "fsdp2-scaler-autocast-bf16-FusedLAMB": run_fsdp2(rank, torch.bfloat16, "FusedLAMB"),
+           "fsdp2-scaler-autocast-bf16-FusedNovoGrad": run_fsdp2(rank, torch.bfloat16,
+                                                                 "FusedNovoGrad")}
     for name, (mdt, low, cls) in CONFIGS.items():
         out[name] = run_zero_scaler(rank, mdt, low, resolve(cls))
     reset_amp()

@@ -7,14 +7,15 @@ import math
 import pytest
 import torch
 
-from peak import amp
+from peak import amp, ops
 from peak.optimizers import (LARC, FusedAdagrad, FusedAdam, FusedAdamW, FusedLAMB,
                              FusedMixedPrecisionLamb,
                              FusedNovoGrad, FusedSGD)
 
 from peak_testing import (opcheck_op, DEVICES, TOLERANCES, dtype_id,
                           assert_poisoned_steps_skipped, assert_resumes_bit_for_bit_in_a_new_process,
-                          make_mlp, state_tensors, step_on_cpu_and_emulated_grid, amp_steps)
+                          make_mlp, state_tensors, step_on_cpu_and_emulated_grid, amp_steps,
+                          assert_bitwise_equal, bitwise_equal)
 from test_fused_optimizers import grads_for, lamb_reference, make_params, run, snapshot
 
 LOW = [torch.float16, torch.bfloat16]
@@ -564,6 +565,44 @@ def test_opcheck_new_fused_ops(device):
                               ([p.detach() for p in params], grads, masters, zeros(),
                                scalars(1.0), scalars(), lr, 0.9, 0.999, 1e-8, 0.01, True, False,
                                True, norm_type, False, gs, fi))
+        opcheck_op(torch.ops.peak.fused_novograd_.default,
+                              ([p.detach() for p in params], grads, masters, zeros(),
+                               scalars(1.0), scalars(), lr, 0.9, 0.999, 1e-8, 0.01, True, False,
+                               True, norm_type, False, gs, fi),
+                              kwargs={"grad_norms": torch.ones(len(params), device=device)})
+
+
+@pytest.mark.parametrize("norm_type", [2, 0])
+def test_novograd_given_norms_are_the_ones_it_computes(norm_type):
+    """grad_norms (what a caller reduces over shards) replaces the op's own per-tensor norms:
+    handed the op's own (ATen's foreach norm of the gradients as passed), the bits are the same;
+    handed other norms, the step differs."""
+    results = []
+    for given in (None, "own", "doubled"):
+        params = [p.detach().clone() for p in make_params(torch.float32, "cpu")]
+        moments = [torch.zeros_like(p) for p in params]
+        norms = [torch.zeros(()) for _ in params]
+        steps = [torch.zeros(()) for _ in params]
+        for step in range(3):
+            grads = grads_for(step, params)
+            extra = {}
+            if given is not None:
+                own = torch.stack(torch._foreach_norm(grads, 2.0 if norm_type == 2 else
+                                                      float("inf"), dtype=torch.float32))
+                extra["grad_norms"] = own * (2.0 if given == "doubled" else 1.0)
+            ops.fused_novograd_(params, grads, [], moments, norms, steps,
+                                lr=torch.tensor([1e-2]), beta1=0.9, beta2=0.98, eps=1e-8,
+                                weight_decay=0.0, grad_averaging=True, reg_inside_moment=False,
+                                bias_correction=True, norm_type=norm_type,
+                                grad_scale=torch.tensor([4.0]), **extra)
+        results.append([params, moments, norms])
+    assert_bitwise_equal(results[1], results[0])
+    assert not bitwise_equal(results[2], results[0])
+    with pytest.raises(RuntimeError, match="one norm per param"):
+        ops.fused_novograd_(params, grads, [], moments, norms, steps, lr=torch.tensor([1e-2]),
+                            beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.0,
+                            grad_averaging=True, reg_inside_moment=False, bias_correction=True,
+                            grad_norms=torch.ones(1))
 
 
 def test_fake_kernels_take_the_schema_defaults():

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from peak import ops
 from peak.optimizers import FusedAdam, FusedLAMB, FusedSGD, export_fp32_state_dict
 
-from peak_testing import (opcheck_op, DEVICES, TOLERANCES, dtype_id,
+from peak_testing import (opcheck_op, DEVICES, TOLERANCES, dtype_id, assert_bitwise_equal,
                           assert_poisoned_steps_skipped, assert_resumes_bit_for_bit_in_a_new_process,
                           state_tensors, step_on_cpu_and_emulated_grid)
 
@@ -362,6 +363,70 @@ def test_opcheck_fused_ops(device):
                           ([p.detach() for p in params], grads, masters, zeros(), zeros(), steps(),
                            lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi),
                           kwargs=store)
+
+    # LAMB in two calls (NOTE: [LAMB in two calls]): stage 1 into updates, stage 2 from norms
+    updates = [torch.empty_like(m) for m in masters]
+    opcheck_op(torch.ops.peak.fused_lamb_.default,
+                          ([p.detach() for p in params], grads, masters, zeros(), zeros(), steps(),
+                           lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi),
+                          kwargs={"updates": updates})
+    norms = torch.ones(len(params), device=device)
+    opcheck_op(torch.ops.peak.fused_lamb_.default,
+                          ([p.detach() for p in params], grads, masters, zeros(), zeros(), steps(),
+                           lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi),
+                          kwargs={"updates": updates, "weight_norms": norms,
+                                  "update_norms": norms})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_master", [False, True], ids=["fp32 weights", "bf16 + masters"])
+def test_lamb_in_two_calls_is_the_one_call_bit_for_bit(with_master, device):
+    """Stage 1 into the caller's updates, the per-tensor norms (here this process's own), then
+    stage 2: the bits of the one-call step, skipped steps included."""
+    dtype = torch.bfloat16 if with_master else torch.float32
+    runs = []
+    for two_calls in (False, True):
+        params = [p.detach().clone() for p in make_params(dtype, device)]
+        masters = [p.float() for p in params] if with_master else []
+        state = [[torch.zeros_like(p, dtype=torch.float32) for p in params] for _ in range(2)]
+        steps = [torch.zeros((), device=device) for _ in params]
+        for step in range(4):
+            grads = grads_for(step, params)
+            found_inf = torch.tensor([1.0 if step == 2 else 0.0], device=device)
+            args = (params, grads, masters, state[0], state[1], steps)
+            kwargs = dict(lr=torch.tensor([1e-2], device=device), beta1=0.9, beta2=0.999,
+                          eps=1e-6, weight_decay=0.01, adam_w_mode=True, grad_averaging=True,
+                          bias_correction=True, max_grad_norm=1.0, use_nvlamb=False,
+                          grad_scale=torch.tensor([2.0], device=device), found_inf=found_inf)
+            if not two_calls:
+                ops.fused_lamb_(*args, **kwargs)
+                continue
+            updates = [torch.empty_like(p, dtype=torch.float32) for p in params]
+            ops.fused_lamb_(*args, **kwargs, updates=updates)
+            _, weight_norms = ops.multi_tensor_l2norm(masters or params, per_tensor=True)
+            _, update_norms = ops.multi_tensor_l2norm(updates, per_tensor=True)
+            ops.fused_lamb_(*args, **kwargs, updates=updates, weight_norms=weight_norms,
+                            update_norms=update_norms)
+        runs.append([params, masters, state, steps])
+    assert_bitwise_equal(runs[1], runs[0])
+
+
+def test_lamb_stage_arguments_are_checked():
+    params = [torch.zeros(4)]
+    base = ([p.clone() for p in params], [torch.ones(4)], [], [torch.zeros(4)], [torch.zeros(4)],
+            [torch.zeros(())])
+    kwargs = dict(lr=torch.tensor([1e-2]), beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01,
+                  adam_w_mode=True, grad_averaging=True, bias_correction=True, max_grad_norm=1.0,
+                  use_nvlamb=False)
+    with pytest.raises(RuntimeError, match="pass the updates that stage 1 wrote"):
+        ops.fused_lamb_(*base, **kwargs, weight_norms=torch.ones(1), update_norms=torch.ones(1))
+    with pytest.raises(RuntimeError, match="only one of the two norm tensors"):
+        ops.fused_lamb_(*base, **kwargs, updates=[torch.zeros(4)], weight_norms=torch.ones(1))
+    with pytest.raises(RuntimeError, match=r"updates\[0\] must be a contiguous float32"):
+        ops.fused_lamb_(*base, **kwargs, updates=[torch.zeros(3)])
+    with pytest.raises(RuntimeError, match="one norm per param"):
+        ops.fused_lamb_(*base, **kwargs, updates=[torch.zeros(4)], weight_norms=torch.ones(2),
+                        update_norms=torch.ones(2))
 
 
 def _fused_call(ns, family, params, grads, masters, state, lr, found_inf, chunk, store=False):

@@ -292,26 +292,6 @@ def fully_shard_after_amp_o2():
             scaled.backward()
 
 
-def lamb_on_fsdp2_shards():
-    from torch.distributed.fsdp import fully_shard
-
-    from peak.optimizers import FusedLAMB
-
-    with _OneRankGroup():
-        model = _model()
-        fully_shard(model)
-        FusedLAMB(model.parameters())
-
-
-def eight_bit_moments_on_fsdp2_shards():
-    from torch.distributed.fsdp import fully_shard
-
-    with _OneRankGroup():
-        model = _model()
-        fully_shard(model)
-        FusedAdam(model.parameters(), exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
-
-
 MISUSES = {name.replace("_", "-"): fn for name, fn in list(globals().items())
            if callable(fn) and not name.startswith("_") and fn.__module__ == __name__
            and name not in ("rows",)}

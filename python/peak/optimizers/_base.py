@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ._arguments import check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import check_loadable
-from ._quant import dequantize, new_state, quantize, scale_key
+from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ..scaling import agree_on_overflow
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_sumsq)
@@ -39,7 +39,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     # GradScaler hands grad_scale/found_inf to step() instead of unscaling and syncing.
     _step_supports_amp_scaling = True
     _state_keys: tuple[str, ...] = ()
-    steps_shards = False  # elementwise: steps DTensor shards (NOTE: [Sharded steps])
+    _takes_tensor_norms = False  # LAMB, NovoGrad: on shards, norms of whole tensors per bucket
+    _bucket_shards = None  # on shards: the bucket's DTensor parameters (for the norms' reduce)
 
     def __init__(self, params, defaults, master_weights: bool | None = None,
                  stochastic_rounding: bool = False, set_grad_none: bool = True,
@@ -148,14 +149,19 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _group_of(self, p: Tensor) -> dict:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
-    def _state_dtype(self, group: dict, key: str) -> torch.dtype:
-        """The storage dtype of a moment ``key`` in ``group`` (fp32 unless the group asks)."""
+    def _state_dtype(self, group: dict, key: str, p: Tensor | None = None) -> torch.dtype:
+        """The storage dtype of a moment ``key`` in ``group`` (fp32 unless the group asks) for
+        ``p``: on shards, 8-bit only where its rows are whole blocks, else bf16 (NOTE: [Sharded
+        steps])."""
+        dtype = torch.float32
         if key in ("exp_avg", "momentum_buffer"):
-            return group.get("momentum_dtype" if key == "momentum_buffer" else "exp_avg_dtype",
-                             torch.float32)
-        if key == "exp_avg_sq":
-            return group.get("exp_avg_sq_dtype", torch.float32)
-        return torch.float32
+            dtype = group.get("momentum_dtype" if key == "momentum_buffer" else "exp_avg_dtype",
+                              torch.float32)
+        elif key == "exp_avg_sq":
+            dtype = group.get("exp_avg_sq_dtype", torch.float32)
+        if dtype == torch.uint8 and p is not None and is_sharded(p) and not whole_block_rows(p):
+            return torch.bfloat16
+        return dtype
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
         state = self.state[p]
@@ -165,7 +171,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # warm-up from 0, amsgrad), and its state then starts here, as torch's would.
         for key in self._state_keys_for(group):
             if key not in state:
-                dtype = self._state_dtype(group, key)
+                dtype = self._state_dtype(group, key, p)
                 if dtype == torch.uint8:  # 8-bit codes and their per-block scales
                     state[key], state[scale_key(key)] = new_state(p)
                 else:
@@ -348,11 +354,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state = self._init_state(p, group)
                 follow_weight(p, state)
                 master = self._master_list_entry(state)
+                # (8-bit groups on shards hold bf16 moments where rows are not whole blocks)
+                storage = scale_key("exp_avg") in state or scale_key("momentum_buffer") in state
                 if master is not None and master.grad is not None:
-                    buckets[(p.device, p.dtype, _MASTER_GRADS)].append(p)
+                    buckets[(p.device, p.dtype, _MASTER_GRADS, storage)].append(p)
                 else:
-                    buckets[(p.device, p.dtype, master is not None)].append(p)
-            for (device, _dtype, kind), params in buckets.items():
+                    buckets[(p.device, p.dtype, master is not None, storage)].append(p)
+            for (device, _dtype, kind, _storage), params in buckets.items():
                 lr_t = self._lr_tensor(group, device)
                 gs = self._on(grad_scale, device)
                 fi = self._on(found_inf, device)
@@ -360,9 +368,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 given = [p.grad for p in params]
                 mgrads = [s[MASTER_KEY].grad for s in states] if kind is _MASTER_GRADS else []
                 stepped_master_grads |= kind is _MASTER_GRADS
+                self._bucket_shards = None
                 if sharded:  # the kernels step the local shards (NOTE: [Sharded steps])
-                    keep = [local(p).numel() > 0 for p in params]
+                    # (whole-tensor norms: every rank steps every shard, empty ones too)
+                    keep = [self._takes_tensor_norms or local(p).numel() > 0 for p in params]
                     count_empty_steps([s for s, k in zip(states, keep) if not k], fi)
+                    self._bucket_shards = params if self._takes_tensor_norms else None
                     states = local_states([s for s, k in zip(states, keep) if k])
                     given, params, mgrads = ([local(t) for t, k in zip(ts, keep) if k]
                                              for ts in (given, params, mgrads))
@@ -539,7 +550,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if key in ("master_param", REMAINDER_KEY) or key in SCALE_KEYS:
                     continue  # below: the masters follow this optimizer's choice
                 if isinstance(value, Tensor) and key in MOMENT_KEYS:
-                    self._load_moment(p, state, group, key, value, entries.get(scale_key(key)))
+                    load_moment(state, key, value, entries.get(scale_key(key)),
+                                self._state_dtype(group, key, p), p)
                 elif isinstance(value, Tensor):
                     value = value.reshape(()) if key == "step" and value.numel() == 1 else value
                     # Moments in this group's storage: fp32 -> bf16 rounds to nearest even,
@@ -553,27 +565,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:  # (the weights arriving are the ones saved with it)
             for p in group["params"]:
                 forget_weight(p)
-
-    def _load_moment(self, p, state, group, key, value, scales) -> None:
-        """A saved moment in this group's storage: the same storage is a bit-for-bit copy; fp32
-        -> bf16 rounds to nearest even; bf16 -> fp32 is exact; 8-bit codes decode exactly to
-        fp32 (then round to bf16 if asked); fp32/bf16 -> 8-bit quantizes per block of 256, to
-        nearest, as the step does (optimizers/_quant.py)."""
-        want = self._state_dtype(group, key)
-        state.pop(scale_key(key), None)
-        if value.dtype == torch.uint8:
-            if scales is None:
-                raise ValueError(f"the checkpoint's {key} is 8-bit (uint8 codes) but has no "
-                                 f"{scale_key(key)}; save and load whole state dicts")
-            if want == torch.uint8:
-                state[key] = value.to(p.device, copy=True)
-                state[scale_key(key)] = scales.to(p.device, torch.float32, copy=True)
-                return
-            value = dequantize(value, scales, key)
-        if want == torch.uint8:
-            state[key], state[scale_key(key)] = quantize(value.to(p.device), key)
-        else:
-            state[key] = value.to(device=p.device, dtype=want, copy=True)
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""

@@ -102,7 +102,47 @@ def dequantize(codes: Tensor, scales: Tensor, key: str) -> Tensor:
     return _unflat(value.reshape(-1)[: codes.numel()], codes, torch.float32)
 
 
+def whole_block_rows(p: Tensor) -> bool:
+    """p's rows (what FSDP2 shards) are whole blocks: sharding cuts no block, and its blocks are
+    those of the whole tensor on any number of ranks (from the global shape alone)."""
+    return p.dim() >= 2 and p.shape[0] > 0 and (p.numel() // p.shape[0]) % BLOCK == 0
+
+
 def new_state(p: Tensor) -> tuple[Tensor, Tensor]:
-    """Zero codes and scales for a moment of parameter ``p`` (they decode to 0)."""
-    return (torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format),
-            torch.zeros(num_blocks(p.numel()), dtype=torch.float32, device=p.device))
+    """Zero codes and scales for a moment of parameter ``p`` (they decode to 0). For a DTensor
+    (rows of whole blocks) the scales are ``[rows, blocks per row]``, sharded with the rows."""
+    codes = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
+    if getattr(p, "device_mesh", None) is not None:
+        from torch.distributed.tensor import zeros  # noqa: PLC0415
+
+        return codes, zeros((p.shape[0], p.numel() // p.shape[0] // BLOCK), dtype=torch.float32,
+                            device_mesh=p.device_mesh, placements=p.placements)
+    return codes, torch.zeros(num_blocks(p.numel()), dtype=torch.float32, device=p.device)
+
+
+def load_moment(state: dict, key: str, value: Tensor, scales: Tensor | None, want: torch.dtype,
+                p: Tensor) -> None:
+    """A saved moment into ``state`` in the storage ``want``: the same storage is a bit-for-bit
+    copy; fp32 -> bf16 rounds to nearest even; bf16 -> fp32 is exact; 8-bit codes decode exactly
+    to fp32 (then round to bf16 if asked); fp32/bf16 -> 8-bit quantizes per block, to nearest,
+    as the step does."""
+    if getattr(p, "device_mesh", None) is not None and value.dtype != want and torch.uint8 in (
+            value.dtype, want):
+        raise NotImplementedError(
+            f"load_state_dict: '{key}' of a DTensor parameter is {value.dtype} in the checkpoint "
+            f"but {want} here; on shards 8-bit moments load from 8-bit sharded checkpoints only "
+            "(convert the storage in one process)")
+    state.pop(scale_key(key), None)
+    if value.dtype == torch.uint8:
+        if scales is None:
+            raise ValueError(f"the checkpoint's {key} is 8-bit (uint8 codes) but has no "
+                             f"{scale_key(key)}; save and load whole state dicts")
+        if want == torch.uint8:
+            state[key] = value.to(p.device, copy=True)
+            state[scale_key(key)] = scales.to(p.device, torch.float32, copy=True)
+            return
+        value = dequantize(value, scales, key)
+    if want == torch.uint8:
+        state[key], state[scale_key(key)] = quantize(value.to(p.device), key)
+    else:
+        state[key] = value.to(device=p.device, dtype=want, copy=True)

@@ -9,9 +9,16 @@ element's position in its tensor keys random bits (stochastic rounding of bf16 w
 moments): the shard's own positions key them, an equally unbiased but different stream. What
 needs the whole tensor is reduced over the mesh: the global gradient norm (clipping) and the
 overflow flag (every rank skips together). A rank whose shard is empty steps nothing but counts
-the step. Per-tensor norms (LAMB's trust ratio, NovoGrad's layer norms) and 8-bit moments (blocks
-of 256 over the flattened tensor, which sharding would cut) are refused when the optimizer is
-built.
+the step. Per-tensor norms (LAMB's trust ratio, NovoGrad's layer norms) are of whole tensors: each
+rank's part (squared, for L2) is reduced over the mesh in one collective per bucket; these
+optimizers step empty shards too (the kernels take them), so every rank takes part and keeps
+NovoGrad's per-tensor norms, plain replicated tensors, alike. The L2 sums go rank by rank (a
+summation order of their own); the infinity norm's maximum is exact.
+8-bit moments quantize blocks of 256 consecutive elements; FSDP2 shards rows, so a parameter
+whose rows are whole blocks (decided from its global shape: ``_quant.whole_block_rows``) is cut
+at block boundaries on any number of ranks: each rank holds whole blocks, the scales are shaped
+``[rows, blocks per row]`` and sharded with the rows, and resharding moves no boundary. Other
+parameters of an 8-bit group (vectors, rows of other lengths) keep bf16 moments.
 """
 from __future__ import annotations
 
@@ -34,19 +41,6 @@ def check_sharded_group(optimizer, group: dict) -> None:
     if not params:
         return
     name = type(optimizer).__name__
-    if not getattr(optimizer, "steps_shards", False):
-        raise NotImplementedError(
-            f"{name} takes per-tensor norms (a trust ratio or layer norm over the whole tensor) "
-            "and does not step DTensor parameters (FSDP2's fully_shard): use FusedAdam/FusedAdamW, "
-            "FusedSGD or FusedAdagrad, or a torch optimizer with peak.amp.GradScaler; see "
-            "docs/distributed.md.")
-    for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
-        if group.get(key) == torch.uint8:
-            raise NotImplementedError(
-                f"{name}({key}=torch.uint8): 8-bit moments quantize blocks of 256 elements of the "
-                "flattened tensor, which FSDP2's sharding would cut; with DTensor parameters use "
-                "bf16 moments (torch.bfloat16: 10 bytes per parameter with "
-                "store_param_remainders=True)")
     for p in params:
         mesh = p.device_mesh
         if mesh.ndim != 1 or type(p.placements[0]).__name__ != "Shard":
@@ -72,20 +66,33 @@ def count_empty_steps(states: list[dict], found_inf: Tensor | None) -> None:
             step.add_(1 - found_inf.to(step.device).reshape(()).clamp(max=1))
 
 
-def reduce_sumsq(sumsq: Tensor, params) -> Tensor:
-    """The global sum of squares from each rank's part (every DTensor parameter is sharded over
-    its one mesh dimension: check_sharded_group)."""
+def reduce_sumsq(sumsq: Tensor, params, maximum: bool = False) -> Tensor:
+    """The global sum of squares (or maximum) from each rank's part (every DTensor parameter is
+    sharded over its one mesh dimension: check_sharded_group)."""
     import torch.distributed as dist  # noqa: PLC0415
 
+    op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
     for mesh in _meshes(params):
         for dim in range(mesh.ndim):
-            dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+            dist.all_reduce(sumsq, op=op, group=mesh.get_group(dim))
     return sumsq
 
 
+def whole_tensor_norms(shards: list[Tensor], params, ord: float = 2.0) -> Tensor:
+    """The norm of each whole tensor of ``params`` (DTensors) from this rank's ``shards`` of
+    them, empty ones included: float32 on their device (NOTE: [Sharded steps])."""
+    shards = [t if t.numel() else t.new_zeros(1) for t in shards]  # (max of nothing: 0)
+    norms = torch.stack(torch._foreach_norm(shards, ord, dtype=torch.float32))
+    if ord != 2.0:
+        return reduce_sumsq(norms, params, maximum=True)
+    return reduce_sumsq(norms * norms, params).sqrt()
+
+
 def _meshes(params) -> list:
-    meshes = {}
+    """The distinct meshes of ``params``, by value: DTensor caches its sharding specs, so equal
+    meshes built apart can reach one optimizer as different objects; one reduce per mesh."""
+    meshes = []
     for p in params:
-        if is_sharded(p):
-            meshes.setdefault(id(p.device_mesh), p.device_mesh)
-    return list(meshes.values())
+        if is_sharded(p) and not any(p.device_mesh == m for m in meshes):
+            meshes.append(p.device_mesh)
+    return meshes

@@ -10,6 +10,7 @@ from .. import ops
 from ..scaling import merge_flags
 from ._arguments import check_adam_hypers, check_hyper, check_moment_dtype
 from ._base import FusedOptimizer
+from ._sharded import whole_tensor_norms
 
 # The kernel's scale-list arguments for 8-bit moments, and the state keys they come from.
 _ADAM_SCALES = {"exp_avg_scales": "exp_avg", "exp_avg_sq_scales": "exp_avg_sq"}
@@ -34,8 +35,6 @@ class FusedSGD(FusedOptimizer):
     step, as ``torch.nn.utils.clip_grad_norm_`` would (see "Clipping inside the step").
     ``store_param_remainders``, ``momentum_dtype`` (the buffer's storage) and ``moment_rounding``
     as :class:`FusedAdam`'s lean options."""
-
-    steps_shards = True  # elementwise: DTensor shards step as they are
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
@@ -116,8 +115,6 @@ class FusedAdam(FusedOptimizer):
     small-float map for ``exp_avg``, one of ``sqrt(exp_avg_sq)`` for ``exp_avg_sq``. With a bf16
     model and remainders: 10 bytes per parameter for weights, gradients and optimizer state with
     bf16 moments, ~8.03 with 8-bit ones, against 16 for fp32 state."""
-
-    steps_shards = True  # elementwise: DTensor shards step as they are
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
@@ -221,6 +218,7 @@ class FusedLAMB(FusedOptimizer):
                          lean=lean)
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _takes_tensor_norms = True
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
@@ -229,15 +227,28 @@ class FusedLAMB(FusedOptimizer):
         norm = self._step_grad_norm
         if norm is not None:
             norm = self._on(norm, lr.device)
-        ops.fused_lamb_(
-            params, grads, masters, [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=lr, beta1=beta1,
-            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            adam_w_mode=group["adam_w_mode"], grad_averaging=group["grad_averaging"],
-            bias_correction=group["bias_correction"], max_grad_norm=group["max_grad_norm"],
-            use_nvlamb=group["use_nvlamb"], grad_norm=norm, grad_scale=grad_scale,
-            found_inf=found_inf, store_unscaled_grads=self._step_store_grads,
-            **self._moment_args(group, states), **self._scale_args(states, _ADAM_SCALES))
+
+        def lamb(**stage):
+            ops.fused_lamb_(
+                params, grads, masters, [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=lr,
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                adam_w_mode=group["adam_w_mode"], grad_averaging=group["grad_averaging"],
+                bias_correction=group["bias_correction"], max_grad_norm=group["max_grad_norm"],
+                use_nvlamb=group["use_nvlamb"], grad_norm=norm, grad_scale=grad_scale,
+                found_inf=found_inf, store_unscaled_grads=self._step_store_grads,
+                **self._moment_args(group, states), **self._scale_args(states, _ADAM_SCALES),
+                **stage)
+
+        whole = self._bucket_shards
+        if whole is None:
+            return lamb()
+        # Shards: the trust ratio's norms are of whole tensors (NOTE: [LAMB in two calls]).
+        updates = [torch.empty_like(p, dtype=torch.float32,
+                                    memory_format=torch.contiguous_format) for p in params]
+        lamb(updates=updates)
+        lamb(updates=updates, weight_norms=whole_tensor_norms(masters or params, whole),
+             update_norms=whole_tensor_norms(updates, whole))
 
 
 class FusedAdamW(FusedAdam):
@@ -264,8 +275,6 @@ class FusedAdagrad(FusedOptimizer):
     ``torch.optim.Adagrad`` without it. ``lr_decay`` and ``initial_accumulator_value`` (keywords)
     are torch.optim.Adagrad's. State: ``sum`` (fp32) and ``step`` per parameter, as torch's, so a
     torch.optim.Adagrad checkpoint loads. ``master_weights`` as for :class:`FusedSGD`."""
-
-    steps_shards = True  # elementwise: DTensor shards step as they are
 
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,
                  adagrad_w_mode=False, *, lr_decay=0.0, initial_accumulator_value=0.0,
@@ -349,6 +358,7 @@ class FusedNovoGrad(FusedOptimizer):
     _state_keys = ("exp_avg",)
     _all_state_keys = ("exp_avg", "exp_avg_sq")
     _also_required_state_keys = _scalar_state_keys = ("exp_avg_sq",)  # one norm per parameter
+    _takes_tensor_norms = True
 
     def _init_state(self, p, group):
         state = super()._init_state(p, group)
@@ -358,6 +368,10 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _launch(self, group, params, grads, masters, states, lr, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
+        shard_args = {}
+        if self._bucket_shards is not None:  # the norms of whole tensors (NOTE: [Sharded steps])
+            shard_args["grad_norms"] = whole_tensor_norms(
+                grads, self._bucket_shards, 2.0 if group["norm_type"] == 2 else float("inf"))
         ops.fused_novograd_(
             params, grads, masters, [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=lr, beta1=beta1,
@@ -365,7 +379,7 @@ class FusedNovoGrad(FusedOptimizer):
             grad_averaging=group["grad_averaging"], reg_inside_moment=group["reg_inside_moment"],
             bias_correction=group["bias_correction"], norm_type=group["norm_type"],
             init_zero=group["init_zero"], grad_scale=grad_scale, found_inf=found_inf,
-            store_unscaled_grads=self._step_store_grads)
+            store_unscaled_grads=self._step_store_grads, **shard_args)
 
     def _complete_loaded_state(self, p, state):
         super()._complete_loaded_state(p, state)
