@@ -1,7 +1,7 @@
 """FSDP2 on 2 gloo ranks (CPU): bytes held per rank per parameter, and a 200-step convergence
 comparison on a small GPT-2 (transformers, built from a config: no download).
 
-    python benchmarks/fsdp2_lean_state.py [--steps 200] [--world 2]
+    python benchmarks/fsdp2_lean_state.py [--steps 200] [--world 2] [--width 128]
 
 Configurations (every one under torch's fully_shard, one mesh dimension):
 
@@ -9,7 +9,10 @@ Configurations (every one under torch's fully_shard, one mesh dimension):
   torch.optim.AdamW(fused=True) -- torch's own mixed-precision FSDP2 recipe;
 - peak fp32 masters: bf16 parameters, peak FusedAdamW keeping fp32 masters and fp32 moments;
 - peak lean: bf16 parameters, FusedAdamW(store_param_remainders=True, bf16 moments): exact fp32
-  masters as 16-bit remainders.
+  masters as 16-bit remainders;
+- peak lean 8-bit: the same with 8-bit moments, which shards keep for parameters whose rows are
+  whole 256-element blocks (at width 128 the MLP's input weights, rows of 512; at width 256
+  every weight); the others get bf16 moments (docs/distributed.md).
 
 The bytes are counted from the tensors each rank holds between steps (its local shards of the
 weights, gradients and optimizer state), divided by the parameters it owns; the all-gathered
@@ -28,17 +31,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 CONFIGS = ("torch AdamW fused, fp32 params + bf16 compute", "peak FusedAdamW, fp32 masters",
-           "peak FusedAdamW, remainders + bf16 moments")
+           "peak FusedAdamW, remainders + bf16 moments",
+           "peak FusedAdamW, remainders + 8-bit moments")
 
 
-def build(name):
+def build(name, width=128):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from peak.optimizers import FusedAdamW
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=512, n_positions=64,
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=width, vocab_size=512, n_positions=64,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg)
     if name.startswith("torch"):
@@ -52,9 +56,9 @@ def build(name):
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
+        moments = torch.uint8 if "8-bit" in name else torch.bfloat16
         lean = {} if "fp32 masters" in name else dict(
-            store_param_remainders=True, exp_avg_dtype=torch.bfloat16,
-            exp_avg_sq_dtype=torch.bfloat16)
+            store_param_remainders=True, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
         opt = FusedAdamW(model.parameters(), lr=1e-3, weight_decay=0.01, **lean)
     return model, opt
 
@@ -71,13 +75,13 @@ def local_bytes(t):
     return t.numel() * t.element_size()
 
 
-def run(rank, world, port, steps, out):
+def run(rank, world, port, steps, out, width):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for name in CONFIGS:
-        model, opt = build(name)
+        model, opt = build(name, width)
         losses = []
         for step in range(steps):
             ids = batch(step, rank)
@@ -106,16 +110,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--width", type=int, default=128, help="n_embd (256: every weight's rows "
+                        "are whole 8-bit blocks)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(run, args=(args.world, port, args.steps, out), nprocs=args.world, join=True)
+        mp.spawn(run, args=(args.world, port, args.steps, out, args.width), nprocs=args.world,
+                 join=True)
         ranks = [torch.load(f"{out}/rank{r}.pt") for r in range(args.world)]
     import peak
     print(f"peak {peak.__version__}, torch {torch.__version__}, {args.world} gloo ranks (CPU), "
-          f"GPT-2 2x128, {ranks[0][CONFIGS[0]]['owned']} parameters owned by rank 0")
+          f"GPT-2 2x{args.width}, {ranks[0][CONFIGS[0]]['owned']} parameters owned by rank 0")
     print("\nbytes held per rank per parameter it owns (rank 0)")
     print(f"{'configuration':50s} weights  grads masters moments  total")
     for name in CONFIGS:

@@ -425,7 +425,8 @@ def follow_weight(p: Tensor, state: dict) -> None:
     """Before p is stepped: its master follows a weight written since the last step (NOTE:
     [Masters after a model reload]); no host sync."""
     seen = _weight_version.get(p)
-    if seen is not None and seen != p._version:
+    if seen is not None and seen != p._version and not (
+            p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat it)
         if REMAINDER_KEY in state:
             state[REMAINDER_KEY].zero_()
         elif MASTER_KEY in state:
