@@ -12,6 +12,11 @@ def check_moment_dtype(name, value):
     return parse_dtype(value, name, MOMENT_STORAGE, allow_none=False)
 
 
+def check_bool(name, value) -> None:
+    if not isinstance(value, bool):  # (0.0 == False: a shifted positional argument)
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_moment_rounding(value):
     if value not in ("stochastic", "nearest"):
         raise ValueError(f"moment_rounding must be 'stochastic' (bf16 moments rounded up or down "
@@ -35,8 +40,8 @@ def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
         raise ValueError(f"Invalid {name}: {value} (must be in {lo_s}, {hi_s})")
 
 
-def check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm) -> None:
-    """The Adam family's ranges (FusedAdam, FusedLAMB), with torch's messages."""
+def check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm=0.0) -> None:
+    """The Adam family's ranges (FusedAdam, FusedLAMB, FusedNovoGrad), with torch's messages."""
     check_hyper("learning rate", lr, lo=0.0)
     check_hyper("epsilon value", eps, lo=0.0)
     check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)

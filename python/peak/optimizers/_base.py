@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from ._arguments import check_moment_dtype, check_moment_rounding
+from ._arguments import check_bool, check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import check_loadable
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ..scaling import agree_on_overflow
@@ -49,20 +49,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if master_weights not in (None, True, False):
             raise ValueError(f"master_weights must be None (auto), True or False, got "
                              f"{master_weights!r}")
-        if not isinstance(stochastic_rounding, bool):
-            raise ValueError(f"stochastic_rounding must be True or False, got "
-                             f"{stochastic_rounding!r}")
+        check_bool("stochastic_rounding", stochastic_rounding)
         if stochastic_rounding and master_weights is not False:
             raise ValueError(
                 "stochastic_rounding=True rounds bf16 weights that are stepped directly, without "
                 "fp32 master copies: pass master_weights=False as well (with master weights the "
                 "model copy is rounded to nearest from the exact fp32 master)")
-        if not isinstance(set_grad_none, bool):  # (0.0 == False: a shifted positional)
-            raise ValueError(f"set_grad_none must be True or False, got {set_grad_none!r}")
-        if not isinstance(store_unscaled_grads, bool):
-            raise ValueError(f"store_unscaled_grads must be True or False, got {store_unscaled_grads!r}")
-        if not isinstance(capturable, bool):
-            raise ValueError(f"capturable must be True or False, got {capturable!r}")
+        for name, value in (("set_grad_none", set_grad_none), ("capturable", capturable),
+                            ("store_unscaled_grads", store_unscaled_grads)):
+            check_bool(name, value)
         self.master_weights = master_weights
         # Apex's option: what zero_grad() does when not told (torch's default: set to None).
         self.set_grad_none = set_grad_none
@@ -76,9 +71,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # state's options ("Lean optimizer state" in docs/core.md).
         lean = dict(lean or {})
         if lean:
-            if not isinstance(lean.get("store_param_remainders", False), bool):
-                raise ValueError("store_param_remainders must be True or False, got "
-                                 f"{lean['store_param_remainders']!r}")
+            check_bool("store_param_remainders", lean.get("store_param_remainders", False))
             if lean.get("store_param_remainders") and master_weights is False:
                 raise ValueError("store_param_remainders=True keeps the masters of bf16 weights as "
                                  "16-bit remainders; it needs master weights: leave "

@@ -8,7 +8,7 @@ import torch
 
 from .. import ops
 from ..scaling import merge_flags
-from ._arguments import check_adam_hypers, check_hyper, check_moment_dtype
+from ._arguments import check_adam_hypers, check_bool, check_hyper, check_moment_dtype
 from ._base import FusedOptimizer
 from ._sharded import whole_tensor_norms
 
@@ -20,9 +20,7 @@ def _check_materialize(materialize_master_grads) -> None:
     """Apex's option (its FusedSGD/FusedAdam build fp32 master gradients unless it is False).
     peak's step reads the fp16/bf16 gradients directly and never builds them, so both values
     step alike."""
-    if not isinstance(materialize_master_grads, bool):
-        raise ValueError(f"materialize_master_grads must be True or False, got "
-                         f"{materialize_master_grads!r}")
+    check_bool("materialize_master_grads", materialize_master_grads)
 
 
 class FusedSGD(FusedOptimizer):
@@ -224,9 +222,7 @@ class FusedLAMB(FusedOptimizer):
         beta1, beta2 = group["betas"]
         # Apex clips by the norm of ALL gradients (every group and dtype): the base class's
         # global norm (or the one a loss scaler computed in its inf/NaN check).
-        norm = self._step_grad_norm
-        if norm is not None:
-            norm = self._on(norm, lr.device)
+        norm = self._on(self._step_grad_norm, lr.device)
 
         def lamb(**stage):
             ops.fused_lamb_(
@@ -285,8 +281,7 @@ class FusedAdagrad(FusedOptimizer):
         check_hyper("weight_decay value", weight_decay, lo=0.0)
         check_hyper("lr_decay", lr_decay, lo=0.0)
         check_hyper("initial_accumulator_value", initial_accumulator_value, lo=0.0)
-        if not isinstance(adagrad_w_mode, bool):
-            raise ValueError(f"adagrad_w_mode must be True or False, got {adagrad_w_mode!r}")
+        check_bool("adagrad_w_mode", adagrad_w_mode)
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
                         lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value)
         _check_materialize(materialize_master_grads)
@@ -343,11 +338,7 @@ class FusedNovoGrad(FusedOptimizer):
         if norm_type not in (0, 2) or isinstance(norm_type, bool):
             raise ValueError(f"norm_type must be 2 (L2 norm) or 0 (infinity norm), got "
                              f"{norm_type!r}")
-        check_hyper("learning rate", lr, lo=0.0)
-        check_hyper("epsilon value", eps, lo=0.0)
-        check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
-        check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
-        check_hyper("weight_decay value", weight_decay, lo=0.0)
+        check_adam_hypers(lr, eps, betas, weight_decay)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                         grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
