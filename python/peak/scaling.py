@@ -201,11 +201,12 @@ class LossScale:
             max_scale=math.inf if self.max_scale is None else self.max_scale)
 
 
-def core_attribute(name: str) -> property:
-    """A front door's attribute that is its ``LossScale``'s (``self._core``) ``name``, read and
-    written through: the front doors keep their own names, the core holds the values."""
-    return property(lambda self: getattr(self._core, name),
-                    lambda self, value: setattr(self._core, name, value))
+def core_attribute(name: str, owner: str = "_core") -> property:
+    """A front door's attribute that is ``self.<owner>``'s ``name`` (by default its
+    ``LossScale``'s), read and written through: the front door keeps its own names, the object
+    behind it holds the values."""
+    return property(lambda self: getattr(getattr(self, owner), name),
+                    lambda self, value: setattr(getattr(self, owner), name, value))
 
 
 def agree_on_overflow(optimizer, per_device_found_inf: dict) -> None:

@@ -572,17 +572,18 @@ def test_opcheck_new_fused_ops(device):
                               kwargs={"grad_norms": torch.ones(len(params), device=device)})
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm_type", [2, 0])
-def test_novograd_given_norms_are_the_ones_it_computes(norm_type):
+def test_novograd_given_norms_are_the_ones_it_computes(norm_type, device):
     """grad_norms (what a caller reduces over shards) replaces the op's own per-tensor norms:
     handed the op's own (ATen's foreach norm of the gradients as passed), the bits are the same;
     handed other norms, the step differs."""
     results = []
     for given in (None, "own", "doubled"):
-        params = [p.detach().clone() for p in make_params(torch.float32, "cpu")]
+        params = [p.detach().clone() for p in make_params(torch.float32, device)]
         moments = [torch.zeros_like(p) for p in params]
-        norms = [torch.zeros(()) for _ in params]
-        steps = [torch.zeros(()) for _ in params]
+        norms = [torch.zeros((), device=device) for _ in params]
+        steps = [torch.zeros((), device=device) for _ in params]
         for step in range(3):
             grads = grads_for(step, params)
             extra = {}
@@ -591,18 +592,18 @@ def test_novograd_given_norms_are_the_ones_it_computes(norm_type):
                                                       float("inf"), dtype=torch.float32))
                 extra["grad_norms"] = own * (2.0 if given == "doubled" else 1.0)
             ops.fused_novograd_(params, grads, [], moments, norms, steps,
-                                lr=torch.tensor([1e-2]), beta1=0.9, beta2=0.98, eps=1e-8,
+                                lr=torch.tensor([1e-2], device=device), beta1=0.9, beta2=0.98, eps=1e-8,
                                 weight_decay=0.0, grad_averaging=True, reg_inside_moment=False,
                                 bias_correction=True, norm_type=norm_type,
-                                grad_scale=torch.tensor([4.0]), **extra)
+                                grad_scale=torch.tensor([4.0], device=device), **extra)
         results.append([params, moments, norms])
     assert_bitwise_equal(results[1], results[0])
     assert not bitwise_equal(results[2], results[0])
     with pytest.raises(RuntimeError, match="one norm per param"):
-        ops.fused_novograd_(params, grads, [], moments, norms, steps, lr=torch.tensor([1e-2]),
+        ops.fused_novograd_(params, grads, [], moments, norms, steps, lr=torch.tensor([1e-2], device=device),
                             beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.0,
                             grad_averaging=True, reg_inside_moment=False, bias_correction=True,
-                            grad_norms=torch.ones(1))
+                            grad_norms=torch.ones(1, device=device))
 
 
 def test_fake_kernels_take_the_schema_defaults():

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from ..optimizers.masters import LOW_DTYPES, MasterWeights
-from ..scaling import LossScale
+from ..scaling import LossScale, core_attribute
 
 
 class FP16_Optimizer:
@@ -221,12 +221,8 @@ class FP16_Optimizer:
             self._core.update()
 
     def zero_grad(self, set_grads_to_None=False):
-        for p in self.model_params + self.master_params:
-            if set_grads_to_None:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.detach_().zero_()
-        for p in (p for group in self.fp32_from_fp32_groups for p in group):
+        fp32 = [p for group in self.fp32_from_fp32_groups for p in group]
+        for p in self.model_params + self.master_params + fp32:
             if set_grads_to_None:
                 p.grad = None
             elif p.grad is not None:
@@ -295,18 +291,5 @@ class FP16_Optimizer:
                     m.copy_(s)
 
     # Apex exposes the wrapped optimizer's param_groups and state, both settable.
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
+    param_groups = core_attribute("param_groups", "optimizer")
+    state = core_attribute("state", "optimizer")

@@ -78,11 +78,13 @@ def reduce_sumsq(sumsq: Tensor, params, maximum: bool = False) -> Tensor:
     return sumsq
 
 
-def whole_tensor_norms(shards: list[Tensor], params, ord: float = 2.0) -> Tensor:
-    """The norm of each whole tensor of ``params`` (DTensors) from this rank's ``shards`` of
-    them, empty ones included: float32 on their device (NOTE: [Sharded steps])."""
-    shards = [t if t.numel() else t.new_zeros(1) for t in shards]  # (max of nothing: 0)
-    norms = torch.stack(torch._foreach_norm(shards, ord, dtype=torch.float32))
+def whole_tensor_norms(shard_lists: list[list[Tensor]], params, ord: float = 2.0) -> Tensor:
+    """The norm of each whole tensor of ``params`` (DTensors), for each list of this rank's
+    shards of them (empty ones included), in one reduce: float32 ``[lists, params]`` on their
+    device (NOTE: [Sharded steps])."""
+    shards = [t if t.numel() else t.new_zeros(1) for ts in shard_lists for t in ts]  # (max of
+    norms = torch.stack(torch._foreach_norm(shards, ord, dtype=torch.float32))  # nothing: 0)
+    norms = norms.view(len(shard_lists), -1)
     if ord != 2.0:
         return reduce_sumsq(norms, params, maximum=True)
     return reduce_sumsq(norms * norms, params).sqrt()

@@ -243,8 +243,8 @@ class FusedLAMB(FusedOptimizer):
         updates = [torch.empty_like(p, dtype=torch.float32,
                                     memory_format=torch.contiguous_format) for p in params]
         lamb(updates=updates)
-        lamb(updates=updates, weight_norms=whole_tensor_norms(masters or params, whole),
-             update_norms=whole_tensor_norms(updates, whole))
+        weight_norms, update_norms = whole_tensor_norms([masters or params, updates], whole)
+        lamb(updates=updates, weight_norms=weight_norms, update_norms=update_norms)
 
 
 class FusedAdamW(FusedAdam):
@@ -362,7 +362,7 @@ class FusedNovoGrad(FusedOptimizer):
         shard_args = {}
         if self._bucket_shards is not None:  # the norms of whole tensors (NOTE: [Sharded steps])
             shard_args["grad_norms"] = whole_tensor_norms(
-                grads, self._bucket_shards, 2.0 if group["norm_type"] == 2 else float("inf"))
+                [grads], self._bucket_shards, 2.0 if group["norm_type"] == 2 else float("inf"))[0]
         ops.fused_novograd_(
             params, grads, masters, [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states], [s["step"] for s in states], lr=lr, beta1=beta1,

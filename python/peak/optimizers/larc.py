@@ -6,6 +6,8 @@ from collections import OrderedDict
 
 import torch
 
+from ..scaling import core_attribute
+
 
 class LARC(torch.optim.Optimizer):
     """Wraps ``optimizer`` and scales each parameter's gradient by a local learning rate
@@ -50,29 +52,9 @@ class LARC(torch.optim.Optimizer):
         self._patch_step_function()
 
     # -- the wrapped optimizer's groups and state ------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optim.param_groups = value
-
-    @property
-    def state(self):
-        return self.optim.state
-
-    @state.setter
-    def state(self, value):
-        self.optim.state = value
-
-    @property
-    def defaults(self):
-        return self.optim.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.optim.defaults = value
+    param_groups = core_attribute("param_groups", "optim")
+    state = core_attribute("state", "optim")
+    defaults = core_attribute("defaults", "optim")
 
     def __getstate__(self):
         return self.__dict__

@@ -31,11 +31,6 @@ def _lists(name, tensor_lists, depths):
     return [list(t) for t in tensor_lists]
 
 
-def _flag_for(noop_flag):
-    """A cleared float flag for peak's ops, on the noop buffer's device."""
-    return torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
-
-
 def _raise_noop(noop_flag, found_inf):
     """noop_flag |= found_inf, on the device (Apex's kernels only ever set the buffer)."""
     torch.maximum(noop_flag, (found_inf != 0).to(noop_flag.dtype).reshape(noop_flag.shape),
@@ -69,7 +64,7 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     ins, outs = _lists("multi_tensor_scale", tensor_lists, (2,))
     if not ins:
         return
-    found = _flag_for(noop_flag)
+    found = _ops.new_found_inf(noop_flag.device)
     _ops.multi_tensor_scale_(ins, outs, _scalar(scale, found.device), found,
                             chunk_size=chunk_size)
     _raise_noop(noop_flag, found)
@@ -80,7 +75,7 @@ def multi_tensor_axpby(chunk_size, noop_flag, tensor_lists, a, b, arg_to_check):
     xs, ys, outs = _lists("multi_tensor_axpby", tensor_lists, (3,))
     if not xs:
         return
-    found = _flag_for(noop_flag)
+    found = _ops.new_found_inf(noop_flag.device)
     _ops.multi_tensor_axpby_(xs, ys, outs, _scalar(a, found.device), _scalar(b, found.device),
                             found, check=_AXPBY_CHECK.get(int(arg_to_check), "none"),
                             chunk_size=chunk_size)
