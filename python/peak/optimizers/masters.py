@@ -382,7 +382,8 @@ def master_of_param(p: Tensor) -> Tensor | None:
 # forgets the versions: the weights that arrive with it are the ones it was saved with. Writes
 # through ``.data`` keep the counter and go unseen.
 _loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
-_weight_version = WeakIdKeyDictionary()  # parameter -> its version when its master matched it
+# id(parameter) -> (a weak reference to it, its version when its master last matched it)
+_weight_version: dict[int, tuple] = {}
 _awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loaded before its weight
 
 
@@ -413,26 +414,33 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
 
 
 def note_weight(p: Tensor) -> None:
-    _weight_version[p] = p._version
+    key, entry = id(p), _weight_version.get(id(p))
+    if entry is None or entry[0]() is not p:  # (a plain dict by id: a step reads it per param)
+        entry = (weakref.ref(p, lambda _, key=key: _weight_version.pop(key, None)),)
+    _weight_version[key] = (entry[0], p._version)
 
 
 def forget_weight(p: Tensor) -> None:
-    _weight_version.pop(p, None)
+    entry = _weight_version.get(id(p))
+    if entry is not None and entry[0]() is p:
+        del _weight_version[id(p)]
 
 
-@torch.no_grad()
 def follow_weight(p: Tensor, state: dict) -> None:
     """Before p is stepped: its master follows a weight written since the last step (NOTE:
     [Masters after a model reload]); no host sync."""
-    seen = _weight_version.get(p)
-    if seen is not None and seen != p._version and not (
+    entry = _weight_version.get(id(p))
+    if entry is not None and entry[0]() is p and entry[1] == p._version:
+        return
+    if entry is not None and entry[0]() is p and not (
             p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat it)
-        if REMAINDER_KEY in state:
-            state[REMAINDER_KEY].zero_()
-        elif MASTER_KEY in state:
-            master = state[MASTER_KEY]
-            master.copy_(torch.where(master.to(p.dtype) == p, master, p.to(torch.float32)))
-    _weight_version[p] = p._version
+        with torch.no_grad():
+            if REMAINDER_KEY in state:
+                state[REMAINDER_KEY].zero_()
+            elif MASTER_KEY in state:
+                master = state[MASTER_KEY]
+                master.copy_(torch.where(master.to(p.dtype) == p, master, p.to(torch.float32)))
+    note_weight(p)
 
 
 def weights_settled() -> None:
