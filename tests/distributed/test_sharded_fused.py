@@ -146,3 +146,15 @@ def test_full_state_dict_for_export(tmp_path, name):
     expected = W.one_process_state_dict(name)
     assert_bitwise_equal(got["model"], expected["model"])
     assert_bitwise_equal(_flat_scales(got["optim"]), _flat_scales(expected["optim"]))
+    # ...and one process loads it as it is (8-bit scales [rows, blocks per row] included) and
+    # steps on like the uninterrupted run
+    module, opt = W._module(None, name)
+    names = [n for n, _ in module.named_parameters()]
+    module.load_state_dict(got["model"])
+    opt.load_state_dict({"state": {i: got["optim"][n] for i, n in enumerate(names)},
+                         "param_groups": opt.state_dict()["param_groups"]})
+    W._steps(module, opt, W.STEPS, W.STEPS + 2)
+    reference, ref_opt = W._module(None, name)
+    W._steps(reference, ref_opt, 0, W.STEPS + 2)
+    assert_bitwise_equal(W._full_state(list(module.parameters()), opt),
+                         W._full_state(list(reference.parameters()), ref_opt))
