@@ -173,6 +173,10 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                   "placed like params[", t, "]");
     }
   }
+  TORCH_CHECK(!stage1_only || grad_norm || max_grad_norm == 0.0, a.name,
+              ": stage 1 alone (updates without norms) is for shards, where clipping needs the "
+              "norm of the whole gradients: pass grad_norm (reduced over the mesh) or "
+              "max_grad_norm=0");
   if (stage2_only) {
     for (const at::Tensor* n : {&*given_weight_norms, &*given_update_norms}) {
       TORCH_CHECK(n->scalar_type() == at::kFloat && n->dim() == 1 &&

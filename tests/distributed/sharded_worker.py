@@ -173,6 +173,8 @@ def worker(rank, world_size):
     results["placements"] = placements(rank)
     results["reloaded"] = {name: reload_without_optimizer_state(rank, name) for name in RELOAD}
     results["norm_over_equal_meshes"] = norm_over_equal_meshes()
+    results["plain_beside_shards"] = plain_beside_shards()
+    results["column_shards"] = column_shards_keep_bf16_moments()
     return results
 
 
@@ -190,6 +192,42 @@ def norm_over_equal_meshes():
         p.grad = p.detach().clone()
     opt = FusedAdam(params, max_grad_norm=1.0)
     return opt.grad_norm(), torch.cat([w.reshape(-1) for w in full]).norm()
+
+
+def plain_beside_shards():
+    """A plain (replicated) parameter beside DTensor shards in one optimizer: it is whole on
+    every rank, so its part of the global norm and its per-tensor norms are not summed over the
+    ranks. Returns (global norm, its expected value, NovoGrad's per-tensor norms after one step,
+    their expected values)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    full = full_tensors(5, torch.float32)[:2]
+    params = [torch.nn.Parameter(distribute_tensor(full[0], mesh, [Shard(0)])),
+              torch.nn.Parameter(full[1].clone())]
+    for p in params:
+        p.grad = p.detach().clone()
+    opt = FusedNovoGrad(params)
+    norm = FusedAdam(params, max_grad_norm=1.0).grad_norm()
+    opt.step()
+    return (norm, torch.cat([w.reshape(-1) for w in full]).norm(),
+            torch.stack([opt.state[p]["exp_avg_sq"] for p in params]),
+            torch.stack([w.norm() for w in full]))
+
+
+def column_shards_keep_bf16_moments():
+    """8-bit moments need FSDP2's row sharding (Shard(0)): a Shard(1) parameter, whose blocks
+    sharding would cut, gets bf16 moments and steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(2, 1024), mesh, [Shard(1)]))
+    opt = FusedAdam([p], exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    p.grad = distribute_tensor(torch.ones(2, 1024), mesh, [Shard(1)])
+    opt.step()
+    return opt.state[p]["exp_avg"].dtype, torch.isfinite(p.full_tensor()).all().item()
 
 
 RELOAD = ["adam-bf16-masters", "adam-bf16-lean"]

@@ -107,6 +107,18 @@ def test_unsupported_sharded_configurations_are_refused_at_construction(ranks):
     assert "fully_shard" in messages["replicated"] and "Replicate" in messages["replicated"]
 
 
+def test_a_plain_parameter_beside_shards_is_not_summed_over_the_ranks(ranks):
+    for r in ranks:
+        norm, expected, layer_norms, expected_layer_norms = r["plain_beside_shards"]
+        torch.testing.assert_close(norm.reshape(()), expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(layer_norms, expected_layer_norms, rtol=1e-6, atol=0)
+
+
+def test_8bit_moments_need_row_shards(ranks):
+    for r in ranks:
+        assert r["column_shards"] == (torch.bfloat16, True)
+
+
 def test_the_global_norm_reduces_once_per_mesh_not_per_mesh_object(ranks):
     for r in ranks:
         got, expected = r["norm_over_equal_meshes"]

@@ -366,9 +366,10 @@ def test_opcheck_fused_ops(device):
 
     # LAMB in two calls (NOTE: [LAMB in two calls]): stage 1 into updates, stage 2 from norms
     updates = [torch.empty_like(m) for m in masters]
+    norm = torch.ones(1, device=device)
     opcheck_op(torch.ops.peak.fused_lamb_.default,
                           ([p.detach() for p in params], grads, masters, zeros(), zeros(), steps(),
-                           lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, None, gs, fi),
+                           lr, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False, norm, gs, fi),
                           kwargs={"updates": updates})
     norms = torch.ones(len(params), device=device)
     opcheck_op(torch.ops.peak.fused_lamb_.default,
@@ -393,11 +394,13 @@ def test_lamb_in_two_calls_is_the_one_call_bit_for_bit(with_master, device):
         for step in range(4):
             grads = grads_for(step, params)
             found_inf = torch.tensor([1.0 if step == 2 else 0.0], device=device)
+            grad_norm, _ = ops.multi_tensor_l2norm(grads)  # (on shards: reduced over the mesh)
             args = (params, grads, masters, state[0], state[1], steps)
             kwargs = dict(lr=torch.tensor([1e-2], device=device), beta1=0.9, beta2=0.999,
                           eps=1e-6, weight_decay=0.01, adam_w_mode=True, grad_averaging=True,
                           bias_correction=True, max_grad_norm=1.0, use_nvlamb=False,
-                          grad_scale=torch.tensor([2.0], device=device), found_inf=found_inf)
+                          grad_scale=torch.tensor([2.0], device=device), found_inf=found_inf,
+                          grad_norm=grad_norm)
             if not two_calls:
                 ops.fused_lamb_(*args, **kwargs)
                 continue
@@ -427,6 +430,8 @@ def test_lamb_stage_arguments_are_checked():
     with pytest.raises(RuntimeError, match="one norm per param"):
         ops.fused_lamb_(*base, **kwargs, updates=[torch.zeros(4)], weight_norms=torch.ones(2),
                         update_norms=torch.ones(2))
+    with pytest.raises(RuntimeError, match="pass grad_norm"):  # (clipping by a shard's norm)
+        ops.fused_lamb_(*base, **kwargs, updates=[torch.zeros(4)])
 
 
 def _fused_call(ns, family, params, grads, masters, state, lr, found_inf, chunk, store=False):

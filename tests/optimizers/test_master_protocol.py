@@ -250,3 +250,51 @@ def test_the_step_itself_is_not_taken_for_a_reload():
         _grad_step(model, opt, s)
     remainders = [opt.state[p][REMAINDER_KEY] for p in model.parameters()]
     assert all(r.count_nonzero() > r.numel() // 2 for r in remainders)
+
+
+def _embedding_steps(model, opt, steps, start=0, before_step=None):
+    for s in range(start, start + steps):
+        ids = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(s))
+        model(ids).float().square().mean().backward()
+        if before_step is not None:
+            before_step(s)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_weight_rewritten_unchanged_keeps_its_remainder():
+    """nn.Embedding(max_norm=...) renormalises its weight in place at every forward (the version
+    counter moves) without changing it when no row is over the limit. The first such write
+    clears the remainder (nothing tells it from a reload); from then on the weight is watched by
+    a checksum of its bits, and its remainder stays: the run equals one without max_norm whose
+    remainder was cleared at that same step."""
+    runs = []
+    for max_norm in (1e6, None):
+        torch.manual_seed(0)
+        model = torch.nn.Embedding(50, 16, max_norm=max_norm).to(torch.bfloat16)
+        opt = FusedAdam(model.parameters(), lr=1e-3, store_param_remainders=True)
+        clear = (lambda s: opt.state[model.weight][REMAINDER_KEY].zero_() if s == 1 else None)
+        _embedding_steps(model, opt, 8, before_step=None if max_norm else clear)
+        runs.append((model.weight.detach().clone(), opt.state[model.weight][REMAINDER_KEY]))
+    assert_bitwise_equal(runs[0], runs[1])
+    assert runs[0][1].count_nonzero() > runs[0][1].numel() // 2
+
+
+def test_a_watched_weight_that_is_reloaded_still_has_its_remainder_cleared():
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(50, 16, max_norm=1e6).to(torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-3, store_param_remainders=True)
+    _embedding_steps(model, opt, 4)  # (watched from the second step)
+    state = copy.deepcopy(opt.state_dict())
+    for entry in state["state"].values():
+        entry.pop(REMAINDER_KEY)
+    loaded = {"weight": torch.randn(50, 16).to(torch.bfloat16)}
+    model.load_state_dict(loaded)
+    reference = torch.nn.Embedding(50, 16, max_norm=1e6).to(torch.bfloat16)
+    reference.load_state_dict(loaded)
+    ref_opt = FusedAdam(reference.parameters(), lr=1e-3, store_param_remainders=True)
+    ref_opt.load_state_dict(state)
+    _embedding_steps(model, opt, 1, start=4)
+    _embedding_steps(reference, ref_opt, 1, start=4)
+    assert_bitwise_equal(model.weight.detach(), reference.weight.detach())
+    assert_bitwise_equal(opt.master_of(model.weight), ref_opt.master_of(reference.weight))

@@ -18,8 +18,8 @@ from ..scaling import agree_on_overflow
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_sumsq)
 from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, follow_weight,
-                      forget_weight, join_remainder, load_master, master_in_state, take_fp32_sums,
-                      weights_settled)
+                      forget_weight, join_remainder, load_master, master_in_state, note_stepped,
+                      take_fp32_sums, weights_settled)
 
 # State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
 # Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
@@ -284,17 +284,19 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         params = [p for group in self.param_groups for p in group["params"]
                   if p.grad is not None and not p.grad.is_sparse]
-        grads = [g for g in (local(self._grad_read(p)) for p in params) if g.numel()]
         if not params:
             return None
+        grads = [(local(self._grad_read(p)), is_sharded(p)) for p in params]
         device = local(params[0]).device
-        sumsq = torch.zeros(1, dtype=torch.float32, device=device)
-        for _, _, _, (group,) in group_by_device_dtype(grads):
-            norm, _ = ops.multi_tensor_l2norm(group)  # slices go through a dense copy in C++
-            sumsq += norm.to(device) ** 2
-        if any(is_sharded(p) for p in params):  # each rank holds its shards' part
-            reduce_sumsq(sumsq, params)
-        return sumsq.sqrt()
+        sumsq = torch.zeros(2, dtype=torch.float32, device=device)  # [shards' part, whole ones]
+        for i, shards in enumerate((True, False)):
+            part = [g for g, s in grads if s == shards and g.numel()]
+            for _, _, _, (group,) in group_by_device_dtype(part):
+                norm, _ = ops.multi_tensor_l2norm(group)  # slices: a dense copy in C++
+                sumsq[i] += norm.to(device)[0] ** 2
+        if any(s for _, s in grads):  # each rank's part of its shards; a plain tensor is whole
+            reduce_sumsq(sumsq[:1], params)  # on every rank
+        return sumsq.sum().sqrt().reshape(1)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Tensor | None = None,
@@ -361,7 +363,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 given = [p.grad for p in params]
                 mgrads = [s[MASTER_KEY].grad for s in states] if kind is _MASTER_GRADS else []
                 stepped_master_grads |= kind is _MASTER_GRADS
-                self._bucket_shards = None
+                self._bucket_shards, bucket = None, params
                 if sharded:  # the kernels step the local shards (NOTE: [Sharded steps])
                     # (whole-tensor norms: every rank steps every shard, empty ones too)
                     keep = [self._takes_tensor_norms or local(p).numel() > 0 for p in params]
@@ -374,11 +376,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                         continue
                 if kind is _MASTER_GRADS:
                     self._step_masters(group, params, states, mgrads, given, lr_t, gs, fi)
+                    note_stepped(bucket)
                     continue
                 grads = [self._grad_like(p, g) for p, g in zip(params, given)]
                 self._launch(group, params, grads,
                              [self._master_list_entry(s) for s in states] if kind else [],
                              states, lr_t, gs, fi)
+                note_stepped(bucket)
                 if self._step_store_grads:
                     for g0, g in zip(given, grads):
                         if g is not g0:  # a re-laid-out copy was stepped

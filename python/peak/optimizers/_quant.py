@@ -103,8 +103,12 @@ def dequantize(codes: Tensor, scales: Tensor, key: str) -> Tensor:
 
 
 def whole_block_rows(p: Tensor) -> bool:
-    """p's rows (what FSDP2 shards) are whole blocks: sharding cuts no block, and its blocks are
-    those of the whole tensor on any number of ranks (from the global shape alone)."""
+    """p's rows are whole blocks and p is sharded by rows (FSDP2's default ``Shard(0)``): sharding
+    cuts no block, and its blocks are those of the whole tensor on any number of ranks (from the
+    global shape alone)."""
+    placements = getattr(p, "placements", None) or ()
+    if any(getattr(pl, "dim", 0) != 0 for pl in placements):
+        return False
     return p.dim() >= 2 and p.shape[0] > 0 and (p.numel() // p.shape[0]) % BLOCK == 0
 
 

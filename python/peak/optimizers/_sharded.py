@@ -84,10 +84,13 @@ def whole_tensor_norms(shard_lists: list[list[Tensor]], params, ord: float = 2.0
     device (NOTE: [Sharded steps])."""
     shards = [t if t.numel() else t.new_zeros(1) for ts in shard_lists for t in ts]  # (max of
     norms = torch.stack(torch._foreach_norm(shards, ord, dtype=torch.float32))  # nothing: 0)
-    norms = norms.view(len(shard_lists), -1)
-    if ord != 2.0:
-        return reduce_sumsq(norms, params, maximum=True)
-    return reduce_sumsq(norms * norms, params).sqrt()
+    parts = norms.view(len(shard_lists), -1)
+    parts = parts if ord != 2.0 else parts * parts
+    # A plain (replicated) tensor beside the shards is whole on every rank: not reduced.
+    whole = torch.tensor([not is_sharded(p) for p in params], device=parts.device)
+    reduced = reduce_sumsq(torch.where(whole, 0.0, parts), params, maximum=ord != 2.0)
+    parts = torch.where(whole, parts, reduced)
+    return parts if ord != 2.0 else parts.sqrt()
 
 
 def _meshes(params) -> list:

@@ -378,12 +378,18 @@ def master_of_param(p: Tensor) -> Tensor | None:
 # when its master last matched it and, at the next step, a weight written since (load_state_dict
 # and set_model_state_dict copy in place; peak's kernels do not bump the counter) makes the master
 # follow it before the step: an fp32 master takes the weight wherever it no longer rounds to it;
-# a remainder, which cannot tell, is cleared (the weight is the master). A loaded optimizer state
-# forgets the versions: the weights that arrive with it are the ones it was saved with. Writes
-# through ``.data`` keep the counter and go unseen.
+# a remainder, which cannot tell, is cleared (the weight is the master). Some writes change
+# nothing (nn.Embedding's max_norm renormalises in place at every forward): a weight written
+# once is watched from then on -- a checksum of its bits after each step, compared on the device
+# at the next -- so its remainder is cleared only when the bits did change. A loaded optimizer
+# state forgets the versions: the weights that arrive with it are the ones it was saved with.
+# Writes through ``.data`` keep the counter and go unseen; a step captured in a CUDA graph follows
+# nothing (a replay would repeat it).
 _loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
-# id(parameter) -> (a weak reference to it, its version when its master last matched it)
+# id(parameter) -> (a weak reference to it, its version when its master last matched it,
+# the checksum of its bits after the last step if it is watched, else None)
 _weight_version: dict[int, tuple] = {}
+_watched: set[int] = set()  # ids of remainder-kept parameters written outside the step once
 _awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loaded before its weight
 
 
@@ -413,17 +419,26 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
             note_weight(p)
 
 
-def note_weight(p: Tensor) -> None:
+def _forget_id(key: int) -> None:
+    _weight_version.pop(key, None)
+    _watched.discard(key)
+
+
+def note_weight(p: Tensor, checksum: Tensor | None = None) -> None:
     key, entry = id(p), _weight_version.get(id(p))
     if entry is None or entry[0]() is not p:  # (a plain dict by id: a step reads it per param)
-        entry = (weakref.ref(p, lambda _, key=key: _weight_version.pop(key, None)),)
-    _weight_version[key] = (entry[0], p._version)
+        entry = (weakref.ref(p, lambda _, key=key: _forget_id(key)),)
+    _weight_version[key] = (entry[0], p._version, checksum)
 
 
 def forget_weight(p: Tensor) -> None:
     entry = _weight_version.get(id(p))
     if entry is not None and entry[0]() is p:
-        del _weight_version[id(p)]
+        _forget_id(id(p))
+
+
+def _checksum(p: Tensor) -> Tensor:
+    return local_shard(p).detach().view(torch.int16).sum(dtype=torch.int64)
 
 
 def follow_weight(p: Tensor, state: dict) -> None:
@@ -436,11 +451,24 @@ def follow_weight(p: Tensor, state: dict) -> None:
             p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat it)
         with torch.no_grad():
             if REMAINDER_KEY in state:
-                state[REMAINDER_KEY].zero_()
+                remainder = state[REMAINDER_KEY]
+                if entry[2] is None:
+                    remainder.zero_()
+                else:  # watched: cleared only if the bits changed
+                    remainder.copy_(torch.where(_checksum(p) == entry[2], remainder, 0))
+                _watched.add(id(p))
             elif MASTER_KEY in state:
                 master = state[MASTER_KEY]
                 master.copy_(torch.where(master.to(p.dtype) == p, master, p.to(torch.float32)))
     note_weight(p)
+
+
+def note_stepped(params: list[Tensor]) -> None:
+    """After the step wrote ``params``: the checksums of the watched ones."""
+    if _watched:
+        for p in params:
+            if id(p) in _watched:
+                note_weight(p, _checksum(p))
 
 
 def weights_settled() -> None:
