@@ -10,7 +10,7 @@ from peak.optimizers import FusedAdam, FusedSGD, MasterWeights
 from peak.optimizers.masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_remainder,
                                      master_in_state, masters_by_param, new_master, store_of)
 from peak.scaling import LossScale
-from peak_testing import assert_bitwise_equal
+from peak_testing import DEVICES, assert_bitwise_equal
 
 LOWS = [torch.float16, torch.bfloat16]
 
@@ -240,14 +240,37 @@ def test_model_and_optimizer_checkpoints_still_resume_bit_for_bit(case, optimize
         assert_bitwise_equal(resumed_opt.master_of(p), opt.master_of(q))
 
 
-def test_the_step_itself_is_not_taken_for_a_reload():
-    """peak's kernels write the weights without bumping their version counter, and a remainder
-    written by the optimizer is noted: ten steps keep every remainder they made (a remainder
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["step", "GradScaler + clip_grad_norm_", "amp O2"])
+def test_the_step_itself_is_not_taken_for_a_reload(path, device):
+    """peak's kernels write the weights without bumping their version counter, and neither do
+    GradScaler, clipping or amp's paths: ten steps keep every remainder they made (a remainder
     cleared by mistake would leave the masters equal to the bf16 weights)."""
-    model = _reload_model(torch.bfloat16)
+    from peak import amp
+
+    model = _reload_model(torch.float32 if path == "amp O2" else torch.bfloat16).to(device)
     opt = FusedAdam(model.parameters(), lr=1e-3, store_param_remainders=True)
+    if path == "amp O2":  # (amp casts the fp32 model; the masters are its exact weights)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0,
+                                    cast_model_type=torch.bfloat16, loss_scale=128.0)
+    scaler = amp.GradScaler(device)
     for s in range(10):
-        _grad_step(model, opt, s)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(s)).to(device, torch.bfloat16)
+        loss = model(x).float().square().mean()
+        if path == "step":
+            loss.backward()
+            opt.step()
+        elif path == "amp O2":
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
     remainders = [opt.state[p][REMAINDER_KEY] for p in model.parameters()]
     assert all(r.count_nonzero() > r.numel() // 2 for r in remainders)
 
