@@ -214,15 +214,18 @@ def agree_on_overflow(optimizer, per_device_found_inf: dict) -> None:
     overflow flags are all-reduced (MAX) over every dimension of the gradients' meshes (what
     torch's ShardedGradScaler does for FSDP1). Ordinary gradients (DDP all-reduced them already,
     or one process) cost nothing here."""
-    meshes = {id(m): m for group in optimizer.param_groups for p in group["params"]
-              if (m := getattr(p.grad, "device_mesh", None)) is not None}
+    meshes = []  # by value: equal meshes may reach one optimizer as different objects
+    for m in (getattr(p.grad, "device_mesh", None) for g in optimizer.param_groups
+              for p in g["params"]):
+        if m is not None and not any(m == k for k in meshes):
+            meshes.append(m)
     if not meshes:
         return
     import torch.distributed as dist  # noqa: PLC0415 (only for sharded gradients)
 
     for device in sorted(per_device_found_inf, key=str):
         flag = per_device_found_inf[device]
-        for mesh in meshes.values():
+        for mesh in meshes:
             for dim in range(mesh.ndim):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
 
