@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from peak.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from peak_testing import assert_bitwise_equal
 
 BF16, U8 = torch.bfloat16, torch.uint8
 
@@ -206,3 +207,35 @@ def test_named_dtensor_parameters_are_checked_at_construction():
                 cls(params, lr=0.1)
     with pytest.raises(TypeError):
         FusedAdam([torch.nn.Parameter(torch.ones(2))]).add_param_group([p])  # not a dict
+
+
+def test_8bit_moments_cast_by_a_loader_are_refused(tmp_path):
+    """torch.distributed.checkpoint loads into the loading optimizer's own storage and casts 8-bit
+    codes to its dtype as numbers: a checkpoint saved with 8-bit moments, loaded that way into
+    fp32 moments, is refused (the saved group says what was 8-bit); the same checkpoint through
+    optimizer.load_state_dict converts (decodes) and loads."""
+    import torch.distributed.checkpoint as dcp
+
+    def build(**lean):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4, 256))
+        opt = FusedAdam([p], lr=1e-2, **lean)
+        p.grad = torch.randn(4, 256)
+        opt.step()
+        return p, opt
+
+    _, saver = build(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    saved = saver.state_dict()
+    assert saved["param_groups"][0]["moments_8bit_layout"] == "flat"
+    dcp.save({"optim": saved}, checkpoint_id=str(tmp_path), no_dist=True)
+    p, loader = build()
+    template = {"optim": loader.state_dict()}
+    dcp.load(template, checkpoint_id=str(tmp_path), no_dist=True)
+    assert template["optim"]["state"][0]["exp_avg"].dtype == torch.float32  # (cast as numbers)
+    before = {k: v.clone() for k, v in loader.state[p].items()}
+    with pytest.raises(ValueError, match="'exp_avg' was saved as uint8 .* but arrives as "
+                                         "torch.float32: a loader cast it"):
+        loader.load_state_dict(template["optim"])
+    assert_bitwise_equal(dict(loader.state[p]), before)  # nothing loaded
+    loader.load_state_dict(saver.state_dict())  # in memory: decoded
+    assert loader.state[p]["exp_avg"].dtype == torch.float32

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ._arguments import check_bool, check_moment_dtype, check_moment_rounding
-from ._checkpoint_check import check_loadable
+from ._checkpoint_check import EIGHT_BIT_LAYOUT, check_loadable
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ..scaling import agree_on_overflow
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
@@ -499,6 +499,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["param_groups"] = [{k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype)
                                else v for k, v in g.items()} for g in sd["param_groups"]]
+        # Whether a group keeps 8-bit moments, and how (_checkpoint_check.EIGHT_BIT_LAYOUT): in
+        # every group that can, as torch.distributed.checkpoint loads the loading side's keys.
+        for saved, own in zip(sd["param_groups"], self.param_groups):
+            if "exp_avg_dtype" in own or "momentum_dtype" in own:
+                sharded = any(is_sharded(p) for p in own["params"])
+                saved[EIGHT_BIT_LAYOUT] = (("rows" if sharded else "flat") if torch.uint8 in
+                                           (own.get(k) for k in LEAN_KEYS) else None)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:

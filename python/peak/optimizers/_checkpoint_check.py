@@ -13,8 +13,16 @@ import numbers
 import torch
 from torch import Tensor
 
-from ._quant import FORMATS, num_blocks, scale_key
+from ._quant import FORMATS, num_blocks, scale_key, whole_block_rows
 from .masters import MASTER_KEY, REMAINDER_KEY
+
+# A param group's entry in state_dict() where some moment is 8-bit: "flat" (one process: every
+# parameter 8-bit) or "rows" (shards: 8-bit where rows are whole blocks, else bf16). A loader
+# that loads into the optimizer's own storage (torch.distributed.checkpoint) casts 8-bit codes
+# to other dtypes as numbers; what the saver kept tells such a cast from a saved moment.
+EIGHT_BIT_LAYOUT = "moments_8bit_layout"
+_STORAGE_KEYS = {"exp_avg": "exp_avg_dtype", "exp_avg_sq": "exp_avg_sq_dtype",
+                 "momentum_buffer": "momentum_dtype"}
 
 
 def check_loadable(optimizer, state_dict) -> None:
@@ -130,4 +138,15 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
         if value.dtype == torch.uint8 and not isinstance(entries.get(scale_key(key)), Tensor):
             refuse(f"'{key}' holds 8-bit codes but '{scale_key(key)}' (their per-block scales) "
                    "is missing")
+        layout = group.get(EIGHT_BIT_LAYOUT)
+        if layout is not None and str(group.get(_STORAGE_KEYS.get(key))).endswith("uint8"):
+            saved = torch.uint8 if layout == "flat" or whole_block_rows(p) else torch.bfloat16
+            if value.dtype != saved:
+                refuse(f"'{key}' was saved as {str(saved).replace('torch.', '')} ({layout} "
+                       f"8-bit layout) but arrives as {value.dtype}: a loader cast it "
+                       "(torch.distributed.checkpoint loads into this optimizer's own storage "
+                       "and casts 8-bit codes as numbers). Resume 8-bit moments with the layout "
+                       "they were saved in (one process: 8-bit for every parameter; shards: bf16 "
+                       "where rows are not whole blocks), or load the whole state dict in one "
+                       "process with optimizer.load_state_dict, which converts")
 
