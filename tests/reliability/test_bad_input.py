@@ -260,6 +260,19 @@ def checkpoint_8bit_without_scale():
     opt.load_state_dict(sd)
 
 
+def checkpoint_8bit_cast_by_a_loader():
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    _, saved = _stepped_adam(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    opt, template = _stepped_adam()  # fp32 moments: the loading side's own storage
+    with tempfile.TemporaryDirectory() as d:
+        dcp.save({"optim": saved}, checkpoint_id=d, no_dist=True)
+        dcp.load({"optim": template}, checkpoint_id=d, no_dist=True)
+    opt.load_state_dict(template)
+
+
 def amp_load_over_static_scale():
     amp.initialize(_model(), opt_level="O1", loss_scale=128.0, verbosity=0)
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}})
