@@ -174,6 +174,7 @@ def worker(rank, world_size):
     results["reloaded"] = {name: reload_without_optimizer_state(rank, name) for name in RELOAD}
     results["norm_over_equal_meshes"] = norm_over_equal_meshes()
     results["plain_beside_shards"] = plain_beside_shards()
+    results["rewritten_unchanged"] = rewritten_unchanged(rank)
     results["column_shards"] = column_shards_keep_bf16_moments()
     return results
 
@@ -192,6 +193,23 @@ def norm_over_equal_meshes():
         p.grad = p.detach().clone()
     opt = FusedAdam(params, max_grad_norm=1.0)
     return opt.grad_norm(), torch.cat([w.reshape(-1) for w in full]).norm()
+
+
+def rewritten_unchanged(rank):
+    """A weight written in place without change before every step (as nn.Embedding's max_norm
+    does): its remainder is cleared once, then kept while its bits hold -- on each rank's shard
+    as in one process."""
+    weights = [w for w in full_tensors(0, torch.bfloat16) if w.dim() == 2]
+    params = [torch.nn.Parameter(sharder(rank)(w)) for w in weights]
+    opt = FusedAdam(params, lr=1e-2, store_param_remainders=True)
+    for step in range(5):
+        with torch.no_grad():
+            for p in params:
+                p.mul_(1)  # (moves the version counter, keeps the bits)
+        for p, g in zip(params, full_tensors(100 + step, torch.float32)):
+            p.grad = sharder(rank)(g.to(torch.bfloat16)) if g.dim() == 2 else None
+        opt.step()
+    return _full_state(params, opt)
 
 
 def plain_beside_shards():

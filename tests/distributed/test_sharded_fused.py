@@ -114,6 +114,13 @@ def test_a_plain_parameter_beside_shards_is_not_summed_over_the_ranks(ranks):
         torch.testing.assert_close(layer_norms, expected_layer_norms, rtol=1e-6, atol=0)
 
 
+def test_a_weight_rewritten_unchanged_keeps_its_remainder_on_shards(ranks):
+    expected = W.rewritten_unchanged(None)
+    assert any(t.dtype == torch.int16 and t.count_nonzero() for t in expected)  # (kept)
+    for r in ranks:
+        assert_bitwise_equal(r["rewritten_unchanged"], expected)
+
+
 def test_8bit_moments_need_row_shards(ranks):
     for r in ranks:
         assert r["column_shards"] == (torch.bfloat16, True)

@@ -451,7 +451,7 @@ def follow_weight(p: Tensor, state: dict) -> None:
             p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat it)
         with torch.no_grad():
             if REMAINDER_KEY in state:
-                remainder = state[REMAINDER_KEY]
+                remainder = local_shard(state[REMAINDER_KEY])  # (each rank: its shard's bits)
                 if entry[2] is None:
                     remainder.zero_()
                 else:  # watched: cleared only if the bits changed
