@@ -16,7 +16,7 @@ from ._checkpoint_check import EIGHT_BIT_LAYOUT, check_loadable
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ..scaling import agree_on_overflow
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
-                       local_states, reduce_sumsq)
+                       local_states, reduce_over_meshes)
 from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, follow_weight,
                       forget_weight, join_remainder, load_master, master_in_state, note_stepped,
                       take_fp32_sums, weights_settled)
@@ -295,7 +295,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 norm, _ = ops.multi_tensor_l2norm(group)  # slices: a dense copy in C++
                 sumsq[i] += norm.to(device)[0] ** 2
         if any(s for _, s in grads):  # each rank's part of its shards; a plain tensor is whole
-            reduce_sumsq(sumsq[:1], params)  # on every rank
+            reduce_over_meshes(sumsq[:1], params)  # on every rank
         return sumsq.sum().sqrt().reshape(1)
 
     @torch.no_grad()
@@ -387,6 +387,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     for g0, g in zip(given, grads):
                         if g is not g0:  # a re-laid-out copy was stepped
                             g0.copy_(g)
+        self._bucket_shards = None
         if stepped_master_grads:
             self.drop_master_grads()  # (the step used them)
         return loss

@@ -66,16 +66,17 @@ def count_empty_steps(states: list[dict], found_inf: Tensor | None) -> None:
             step.add_(1 - found_inf.to(step.device).reshape(()).clamp(max=1))
 
 
-def reduce_sumsq(sumsq: Tensor, params, maximum: bool = False) -> Tensor:
-    """The global sum of squares (or maximum) from each rank's part (every DTensor parameter is
-    sharded over its one mesh dimension: check_sharded_group)."""
+def reduce_over_meshes(parts: Tensor, params, maximum: bool = False) -> Tensor:
+    """``parts`` (each rank's sums of squares, or maxima) summed (or maxed) in place over the
+    meshes of ``params`` (every DTensor parameter is sharded over its one mesh dimension:
+    check_sharded_group)."""
     import torch.distributed as dist  # noqa: PLC0415
 
     op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
     for mesh in _meshes(params):
         for dim in range(mesh.ndim):
-            dist.all_reduce(sumsq, op=op, group=mesh.get_group(dim))
-    return sumsq
+            dist.all_reduce(parts, op=op, group=mesh.get_group(dim))
+    return parts
 
 
 def whole_tensor_norms(shard_lists: list[list[Tensor]], params, ord: float = 2.0) -> Tensor:
@@ -88,7 +89,7 @@ def whole_tensor_norms(shard_lists: list[list[Tensor]], params, ord: float = 2.0
     parts = parts if ord != 2.0 else parts * parts
     # A plain (replicated) tensor beside the shards is whole on every rank: not reduced.
     whole = torch.tensor([not is_sharded(p) for p in params], device=parts.device)
-    reduced = reduce_sumsq(torch.where(whole, 0.0, parts), params, maximum=ord != 2.0)
+    reduced = reduce_over_meshes(torch.where(whole, 0.0, parts), params, maximum=ord != 2.0)
     parts = torch.where(whole, parts, reduced)
     return parts if ord != 2.0 else parts.sqrt()
 

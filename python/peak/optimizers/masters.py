@@ -445,10 +445,11 @@ def follow_weight(p: Tensor, state: dict) -> None:
     """Before p is stepped: its master follows a weight written since the last step (NOTE:
     [Masters after a model reload]); no host sync."""
     entry = _weight_version.get(id(p))
-    if entry is not None and entry[0]() is p and entry[1] == p._version:
-        return
-    if entry is not None and entry[0]() is p and not (
-            p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat it)
+    if entry is None or entry[0]() is not p:  # first seen: the weight is where the master is
+        return note_weight(p)
+    if entry[1] == p._version:
+        return None
+    if not (p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat)
         with torch.no_grad():
             if REMAINDER_KEY in state:
                 remainder = local_shard(state[REMAINDER_KEY])  # (each rank: its shard's bits)
@@ -460,7 +461,7 @@ def follow_weight(p: Tensor, state: dict) -> None:
             elif MASTER_KEY in state:
                 master = state[MASTER_KEY]
                 master.copy_(torch.where(master.to(p.dtype) == p, master, p.to(torch.float32)))
-    note_weight(p)
+    return note_weight(p)
 
 
 def note_stepped(params: list[Tensor]) -> None:
