@@ -23,4 +23,3 @@ def __getattr__(name):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'peak' has no attribute {name!r}")
-

@@ -1,15 +1,7 @@
-"""The one place dtype arguments are read: ``torch.dtype`` objects or the usual strings.
-
-Every peak entry point that takes a dtype (``amp.initialize``'s ``low_precision_dtype``,
-``cast_model_type`` and ``cast_model_outputs``, ``autocast(dtype=...)``,
-``custom_fwd(cast_inputs=...)``, the Lightning and Accelerate integrations) calls
-:func:`parse_dtype`, so ``"bf16"`` means the same everywhere and a bad value gets the same error
-naming the argument and what it accepts.
-
-Also here: the one-time warning when fp16 is chosen on a CPU whose fp16 arithmetic is slower than
-its bf16 arithmetic (torch then runs fp16 matrix products several times slower; see
-docs/integrations.md).
-"""
+"""The one place dtype arguments are read (``torch.dtype`` objects or the usual strings), so that
+``"bf16"`` means the same at every peak entry point and a bad value gets the same error
+(docs/integrations.md, "dtype strings"); and the one-time warning when fp16 is chosen on a CPU
+whose fp16 matrix products are slower than bf16's (docs/integrations.md, "fp16 on the CPU")."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +9,8 @@ import warnings
 
 import torch
 
-__all__ = ["parse_dtype", "DTYPE_NAMES", "LOW_PRECISION", "FLOATING", "MOMENT_STORAGE", "warn_if_slow_fp16", "fp16_cpu_slowdown"]
+__all__ = ["parse_dtype", "DTYPE_NAMES", "LOW_PRECISION", "FLOATING", "MOMENT_STORAGE",
+           "warn_if_slow_fp16", "fp16_cpu_slowdown"]
 
 #: The strings accepted for each dtype (compared case-insensitively; a leading "torch." is ignored).
 DTYPE_NAMES = {
@@ -48,8 +41,7 @@ def parse_dtype(value, argument: str, accepted=LOW_PRECISION, *, allow_none: boo
 
     Args:
         value: a ``torch.dtype``, one of the strings of :data:`DTYPE_NAMES` (``"bf16"``,
-            ``"bfloat16"``, ``"fp16"``, ``"float16"``, ``"half"``, ``"fp32"``, ``"float32"``,
-            ``"float"``), or None.
+            ``"fp16"``, ``"half"``, ``"fp32"``, ...), or None.
         argument: the argument's name as the caller wrote it, for the error message
             (``"low_precision_dtype"``, ``"autocast: dtype"``).
         accepted: the dtypes this argument takes.
@@ -67,27 +59,18 @@ def parse_dtype(value, argument: str, accepted=LOW_PRECISION, *, allow_none: boo
         dtype = _BY_NAME.get(key)
         if dtype in accepted:
             return dtype
-    raise DtypeArgumentError(_message(value, argument, accepted, allow_none, any_dtype))
-
-
-def _message(value, argument, accepted, allow_none, any_dtype) -> str:
     dtypes = "a torch.dtype" if any_dtype else "one of " + ", ".join(str(d) for d in accepted)
     strings = ", ".join(repr(n) for d in accepted for n in DTYPE_NAMES.get(d, ()))
     none = " or None" if allow_none else ""
-    return (f"{argument} must be {dtypes}{none}, or one of the strings {strings}; "
-            f"got {argument.split(': ')[-1]}={value!r}")
+    raise DtypeArgumentError(f"{argument} must be {dtypes}{none}, or one of the strings {strings}; "
+                             f"got {argument.split(': ')[-1]}={value!r}")
 
 
-# ---------------------------------------------------------------------------------------------- fp16 on CPU
-# torch's fp16 matrix products on the CPU are as fast as bf16 only where the CPU has AMX-FP16
-# (Granite Rapids and later). With AVX512-FP16 but AMX for bf16 only (Sapphire/Emerald Rapids)
-# oneDNN runs fp16 on AVX-512 and bf16 on AMX tiles; with neither flag torch computes fp16 in its
-# own scalar-converting GEMM. Slowdowns of fp16 against bf16 measured on this project's CI machine
-# (Xeon with AVX512-FP16 and AMX-BF16, torch 2.13.0, one thread, fastest of 15 runs, three runs of
-# benchmarks/fp16_vs_bf16_cpu.py; the table is in docs/integrations.md): the range over a 512x512
-# matmul and a 1024-wide linear layer's forward + backward.
-FP16_SLOWDOWN_AMX_BF16_ONLY = "5-8x"      # AVX512-FP16, AMX-BF16, no AMX-FP16 (this machine)
-FP16_SLOWDOWN_NO_FP16 = "180-1000x"       # neither AVX512-FP16 nor AMX-FP16: torch's fallback GEMM
+# ---- fp16 on the CPU
+# Slowdowns of fp16 against bf16 measured with benchmarks/fp16_vs_bf16_cpu.py on this project's CI
+# machine (docs/integrations.md, "fp16 on the CPU", has the table, the method and the CPU kinds).
+FP16_SLOWDOWN_AMX_BF16_ONLY = "5-8x"  # AVX512-FP16, AMX-BF16, no AMX-FP16 (this machine)
+FP16_SLOWDOWN_NO_FP16 = "180-1000x"  # neither AVX512-FP16 nor AMX-FP16: torch's fallback GEMM
 
 
 def _cpu_flags() -> frozenset:
@@ -101,27 +84,20 @@ def _cpu_flags() -> frozenset:
     return frozenset()
 
 
-_AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
-_AVX2_VNNI_2 = frozenset({"avx_ne_convert", "avx_vnni_int8"})
-
-
 @functools.lru_cache(maxsize=1)
 def fp16_cpu_slowdown() -> str | None:
     """How much slower than bf16 torch's fp16 matrix products run on this CPU (the measured
-    figure, as text), or None where they are not slower than bf16 or the flags are unknown.
+    figure, as text), or None where they are not slower or the flags are unknown (not Linux).
 
     torch (through oneDNN's checks) runs bf16 products on oneDNN from AVX-512 (or AVX2-VNNI-2) on,
-    fp16 products only with AVX512-FP16 (or AVX2-VNNI-2); everything else goes to torch's
-    fallback GEMM. So: AMX-FP16, AVX2-VNNI-2, or AVX512-FP16 without AMX-BF16: as fast (None);
-    AVX512-FP16 with AMX-BF16 (bf16 on AMX tiles): the first figure; AVX-512 without AVX512-FP16:
-    the second; AVX2 only: None (bf16 is on the fallback too, so bf16 is no cure there; fp32 is
-    the fast type); /proc/cpuinfo unreadable (not Linux): None."""
+    fp16 products only with AVX512-FP16 (or AVX2-VNNI-2), and the rest on its fallback GEMM, where
+    bf16 is no faster (AVX2 only: fp32 is the fast type there, so None)."""
     flags = _cpu_flags()
-    if not flags or "amx_fp16" in flags or _AVX2_VNNI_2 <= flags:
+    if not flags or "amx_fp16" in flags or {"avx_ne_convert", "avx_vnni_int8"} <= flags:  # VNNI-2
         return None
     if "avx512_fp16" in flags:
         return FP16_SLOWDOWN_AMX_BF16_ONLY if "amx_bf16" in flags else None
-    if _AVX512_CORE <= flags:
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:  # AVX-512
         return FP16_SLOWDOWN_NO_FP16
     return None
 

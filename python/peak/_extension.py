@@ -9,18 +9,18 @@ SUPPORTED_TORCH = ((2, 10), (2, 15))
 REBUILD = "pip install --no-build-isolation -e .  (or: make build)"
 
 
-def _major_minor(version: str):
+def major_minor(version: str):
     m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 def check_torch_version(version: str = torch.__version__) -> None:
     lo, hi = SUPPORTED_TORCH
-    if not lo <= _major_minor(version) <= hi:
+    if not lo <= major_minor(version) <= hi:
         raise ImportError(
             f"peak supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, but torch {version} is "
-            f"installed. Install a supported torch (e.g. pip install torch=={hi[0]}.{hi[1]}.0), then "
-            f"rebuild peak: {REBUILD}")
+            f"installed. Install a supported torch (e.g. pip install torch=={hi[0]}.{hi[1]}.0), "
+            f"then rebuild peak: {REBUILD}")
 
 
 def load_extension():

@@ -13,12 +13,11 @@ def collect() -> dict:
     # The level of the CPU kernels this process runs (NOTE: [CPU levels]), and why.
     facts["cpu_level"] = levels["active"] + (
         f" (forced by PEAK_CPU_LEVEL={levels['forced']})" if levels["forced"]
-        else " (the best this CPU runs)" if len(levels["compiled"]) > 1 else " (the only one built)")
-    facts["cpu_levels_supported"] = ",".join(levels["supported"])
-    facts["torch_version_running"] = torch.__version__
-    facts["cuda_available"] = torch.cuda.is_available()
-    facts["python"] = sys.version.split()[0]
-    facts["machine"] = platform.machine()
+        else " (the best this CPU runs)" if len(levels["compiled"]) > 1
+        else " (the only one built)")
+    facts.update(cpu_levels_supported=",".join(levels["supported"]),
+                 torch_version_running=torch.__version__, cuda_available=torch.cuda.is_available(),
+                 python=sys.version.split()[0], machine=platform.machine())
     return facts
 
 

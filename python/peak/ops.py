@@ -4,8 +4,7 @@ Every op works on lists of float32 / float16 / bfloat16 tensors on one device (g
 device and dtype first), does its math in float32, and is one pass over memory. The overflow flag
 ``found_inf`` is a float32 tensor of one element on the tensors' device, set to 1.0 by an op that
 sees inf/NaN and never cleared by one: zero it yourself (``found_inf.zero_()``) when a new step
-begins. Scales may be device tensors so that nothing waits for the host.
-"""
+begins. Scales may be device tensors so that nothing waits for the host."""
 from __future__ import annotations
 
 import math
@@ -14,21 +13,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-__all__ = [
-    "DEFAULT_CHUNK_SIZE",
-    "new_found_inf",
-    "multi_tensor_scale_",
-    "multi_tensor_axpby_",
-    "multi_tensor_l2norm",
-    "update_scale_",
-    "merge_found_infs",
-    "multi_tensor_check_finite_",
-    "fused_adam_",
-    "fused_sgd_",
-    "fused_lamb_",
-    "fused_adagrad_",
-    "fused_novograd_",
-]
+__all__ = ["DEFAULT_CHUNK_SIZE", "new_found_inf", "multi_tensor_scale_", "multi_tensor_axpby_",
+           "multi_tensor_l2norm", "update_scale_", "merge_found_infs", "multi_tensor_check_finite_",
+           "fused_adam_", "fused_sgd_", "fused_lamb_", "fused_adagrad_", "fused_novograd_",
+           "cpu_level", "cpu_levels"]
 
 #: Elements per chunk (one CUDA block, one CPU task); see NOTE: [Chunking] in csrc/core.
 DEFAULT_CHUNK_SIZE = 65536
@@ -84,9 +72,6 @@ def cpu_levels() -> dict:
     return dict(_C.cpu_levels())
 
 
-__all__ += ["cpu_level", "cpu_levels"]
-
-
 def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: float | Tensor,
                         found_inf: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
                         per_tensor_found_inf: Tensor | None = None) -> None:
@@ -95,11 +80,8 @@ def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], sca
     ``outputs`` may be ``inputs`` (in place; passing the very same list object sends it to C++
     once, which is cheaper for long lists). Input and output dtypes may differ (e.g. fp16 grads
     into fp32 master grads); the product is computed in fp32 and rounded once.
-
     ``per_tensor_found_inf`` (optional, float32, one element per input, on the device): the same
-    pass sets element ``i`` to 1.0 when ``inputs[i]`` holds inf/NaN (never clears it) -- which
-    gradients overflowed, at no extra pass.
-    """
+    pass sets element ``i`` to 1.0 when ``inputs[i]`` holds inf/NaN (never clears it)."""
     in_place = outputs is inputs
     inputs = _list("inputs", inputs)
     outputs = None if in_place else _list("outputs", outputs)
@@ -114,8 +96,7 @@ def multi_tensor_scale_(inputs: Sequence[Tensor], outputs: Sequence[Tensor], sca
 
 def multi_tensor_axpby_(xs: Sequence[Tensor], ys: Sequence[Tensor], outputs: Sequence[Tensor],
                         a: float | Tensor, b: float | Tensor, found_inf: Tensor, *,
-                        check: str = "both",
-                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                        check: str = "both", chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
     """``outputs[i] = a * xs[i] + b * ys[i]``; ``check`` ("both", "x", "y", "none") picks which
     inputs set ``found_inf`` when they hold inf/NaN. ``outputs`` may be ``xs`` or ``ys``.
     ``a`` and ``b`` may be float32 tensors of one element on the device (no host sync)."""
@@ -150,10 +131,8 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Seq
     scale becomes ``max(scale * backoff_factor, min_scale)``; the growth tracker resets. Otherwise
     the growth tracker counts up and the hysteresis tracker refills; after ``growth_interval``
     clean updates in a row the scale becomes ``min(scale * growth_factor, max_scale)`` (kept only
-    if finite). With the defaults this is exactly ``torch._amp_update_scale_``.
-
-    ``scale``/``found_inf``: float32, one element; trackers: int32, one element.
-    """
+    if finite). With the defaults this is exactly ``torch._amp_update_scale_``. ``scale`` and
+    ``found_inf``: float32, one element; trackers: int32, one element."""
     found_infs = [found_inf] if isinstance(found_inf, Tensor) else _list("found_inf", found_inf)
     _update_scale_op(scale, growth_tracker, hysteresis_tracker, found_infs,
                      growth_factor=float(growth_factor), backoff_factor=float(backoff_factor),

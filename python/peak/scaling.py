@@ -1,7 +1,6 @@
 """The one loss-scaling core of peak: the scale state, the overflow flags, unscale and update.
 ``peak.amp.GradScaler``, amp's per-loss ``LossScaler`` and ``peak.fp16_utils.FP16_Optimizer`` are
-front doors over it. See docs/core.md, "The overflow flag and the loss scale".
-"""
+front doors over it. See docs/core.md, "The overflow flag and the loss scale"."""
 from __future__ import annotations
 
 import math
@@ -105,7 +104,15 @@ def unscale_grads_(grads: list[Tensor], inv_scale: Tensor | float, found_inf: Ov
                                                           device=device)
         group = columns[0]
         if float64 and dtype == torch.float64 and outputs is None:
-            _unscale_with_torch(group, inv, flag, flags)
+            # A dtype the kernels do not take: torch's per-tensor kernel, any strides.
+            if not isinstance(inv, Tensor):
+                inv = torch.full((), inv, dtype=torch.float32, device=flag.device)
+            if flags is None:
+                torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+            else:
+                for i, g in enumerate(group):
+                    torch._amp_foreach_non_finite_check_and_unscale_([g], flags[i], inv)
+                torch.maximum(flag, flags.max(), out=flag)
         elif check_only:
             ops.multi_tensor_check_finite_(group, flag, per_tensor_found_inf=flags)
         else:
@@ -113,19 +120,6 @@ def unscale_grads_(grads: list[Tensor], inv_scale: Tensor | float, found_inf: Ov
                                     per_tensor_found_inf=flags)
         if on_group is not None:
             on_group(indices, flags)
-
-
-def _unscale_with_torch(grads: list[Tensor], inv_scale, found_inf: Tensor,
-                        flags: Tensor | None) -> None:
-    """A dtype the kernels do not take (float64): torch's per-tensor kernel, any strides."""
-    if not isinstance(inv_scale, Tensor):
-        inv_scale = torch.full((), inv_scale, dtype=torch.float32, device=found_inf.device)
-    if flags is None:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        return
-    for i, g in enumerate(grads):
-        torch._amp_foreach_non_finite_check_and_unscale_([g], flags[i], inv_scale)
-    torch.maximum(found_inf, flags.max(), out=found_inf)
 
 
 class LossScale:
@@ -193,18 +187,16 @@ class LossScale:
         """The scale update from ``found_infs`` (default: this state's own flags)."""
         if found_infs is None:
             found_infs = list(self.found_inf.values())
-        ops.update_scale_(
-            self.scale, self.growth_tracker, found_infs, self.growth_factor,
-            self.backoff_factor, self.growth_interval, hysteresis=self.hysteresis,
-            hysteresis_tracker=self.hysteresis_tracker,
-            min_scale=0.0 if self.min_scale is None else self.min_scale,
-            max_scale=math.inf if self.max_scale is None else self.max_scale)
+        ops.update_scale_(self.scale, self.growth_tracker, found_infs, self.growth_factor,
+                          self.backoff_factor, self.growth_interval, hysteresis=self.hysteresis,
+                          hysteresis_tracker=self.hysteresis_tracker,
+                          min_scale=0.0 if self.min_scale is None else self.min_scale,
+                          max_scale=math.inf if self.max_scale is None else self.max_scale)
 
 
 def core_attribute(name: str, owner: str = "_core") -> property:
-    """A front door's attribute that is ``self.<owner>``'s ``name`` (by default its
-    ``LossScale``'s), read and written through: the front door keeps its own names, the object
-    behind it holds the values."""
+    """A front door's attribute that reads and writes ``self.<owner>``'s ``name`` (by default its
+    ``LossScale``'s): the front door keeps its own names, the object behind it the values."""
     return property(lambda self: getattr(getattr(self, owner), name),
                     lambda self, value: setattr(getattr(self, owner), name, value))
 
@@ -241,7 +233,7 @@ def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:
             grad = param.grad
             if grad is None:
                 continue
-            grad = local_shard(grad)  # a DTensor (FSDP2): its local shard, same storage
+            grad = local_shard(grad)
             if grad.is_sparse:
                 if grad.dtype in (torch.float16, torch.bfloat16):
                     param.grad = grad = grad.coalesce()

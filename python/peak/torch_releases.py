@@ -3,9 +3,9 @@ it cannot be asked of the installed torch: the autocast op lists' changes agains
 (``peak.amp.autocast_mode`` documents 2.13's lists and undoes these on other releases)."""
 from __future__ import annotations
 
-import re
-
 import torch
+
+from ._extension import major_minor
 
 __all__ = ["TORCH_AUTOCAST_LIST_CHANGES", "autocast_list_changes", "cuda_lists_as_of_2_13"]
 
@@ -41,8 +41,7 @@ def autocast_list_changes(version: str | None = None, device: str = "cpu") -> di
     """The recorded changes of torch ``version`` (default: the installed one) against 2.13's
     lists for ``device`` ("cpu" or "cuda"): ``{"added": ..., "removed": ...}``; empty for 2.13
     itself, None for a release with no record."""
-    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
-    key = (int(m.group(1)), int(m.group(2))) if m else None
+    key = major_minor(version or torch.__version__)
     if key == (2, 13):
         return {"added": (), "removed": ()}
     entry = TORCH_AUTOCAST_LIST_CHANGES.get(key)

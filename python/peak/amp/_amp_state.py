@@ -52,17 +52,13 @@ def warn_or_err(msg: str, exc_type: type = RuntimeError) -> None:
 
 def maybe_print(msg: str, rank0: bool = False) -> None:
     dist = torch.distributed
-    if _amp_state.verbosity <= 0 or (rank0 and dist.is_available() and dist.is_initialized()
-                                     and dist.get_rank() != 0):
-        return
-    print(msg)
+    if _amp_state.verbosity > 0 and not (rank0 and dist.is_available() and dist.is_initialized()
+                                         and dist.get_rank() != 0):
+        print(msg)
 
 
 def log_skip_step(step: int, loss_id: int, loss_scale: float, optimizer: str) -> None:
-    """Log an optimizer step skipped because of an inf/NaN gradient (logger ``peak.amp``, INFO):
-    ``event=skip_step step=<n> loss_id=<i> loss_scale=<new scale> optimizer=<class name>``.
-    ``step`` counts the optimizer's ``step()`` calls since ``amp.initialize`` (from 0, skipped ones
-    included); ``loss_scale`` is the scale after the back-off."""
+    """Log a step skipped because of an inf/NaN gradient (the record's format: docs/logging.md)."""
     if logger.isEnabledFor(logging.INFO):
         logger.info("event=skip_step step=%d loss_id=%d loss_scale=%r optimizer=%s",
                     step, loss_id, float(loss_scale), optimizer)

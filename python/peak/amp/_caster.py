@@ -1,8 +1,6 @@
-"""The O1 caster's Python side, and the one owner of its state: which threads have O1 on
-(``enable``/``disable``, per thread), the C++ wrappers put in place of the listed torch callables
-and who holds them, the default lists, the ``register_*_function`` registrations and this thread's
-list-edit frames (``lists.local``, ``peak.amp.autocast``'s region edits). Design: docs/caster.md.
-"""
+"""The O1 caster's Python side, and the one owner of its state: which threads have O1 on, the
+C++ wrappers put in place of the listed torch callables and who holds them, the lists and
+registrations, and this thread's list-edit frames. Design: docs/caster.md."""
 
 from __future__ import annotations
 
@@ -26,21 +24,16 @@ _holds: dict = {"n": 0, "table": False}
 
 # ---- the lists (tables in C++; peak.amp.lists is their public face)
 
-#: policy name -> the C++ table's code.
 CODES = {name: getattr(_c, "POLICY_" + name) for name in (
     "lower", "fp32", "promote", "sequence_promote", "banned", "inplace_fp32", "match_self")}
-#: The policy names ``lists.add`` accepts.
 POLICIES = tuple(CODES)
 _defaults_loaded: dict = {"loaded": False}
 
 
 def ensure_defaults() -> None:
     """Load Apex's O1 lists into the C++ table, once (at the first use of the lists or of O1)."""
-    if not _defaults_loaded["loaded"]:
-        _load_defaults()
-
-
-def _load_defaults() -> None:
+    if _defaults_loaded["loaded"]:
+        return
     import torch.nn.functional as F  # noqa: PLC0415 (torch.nn is imported by then anyway)
 
     _defaults_loaded["loaded"] = True
@@ -59,8 +52,7 @@ def set_policies(funcs, code: int) -> None:
         _c.set_policy(fn, code)
     if code and patched():
         with _lock:
-            for fn in funcs:
-                _patch(fn)
+            _hold(funcs, counted=False)
 
 
 def reset_lists() -> None:
@@ -68,11 +60,11 @@ def reset_lists() -> None:
     _undo_registrations()
     _pending.clear()
     _c.clear_table()
-    _load_defaults()
+    _defaults_loaded["loaded"] = False
+    ensure_defaults()
     if _holds["table"]:
         with _lock:
-            for fn, _code in _c.table():
-                _patch(fn)
+            _hold([fn for fn, _code in _c.table()], counted=False)
 
 
 def is_interceptable(fn) -> bool:
@@ -83,7 +75,7 @@ def is_interceptable(fn) -> bool:
 # ---- list-edit frames (this thread's; C++ frames on top of the process-wide table)
 
 _frames = threading.local()  # .stack: this thread's open frames, (codes, device_type)
-_INPUT_ONLY = ("batch_norm", "instance_norm")  # region edits cast only their input
+_INPUT_ONLY = ("batch_norm", "instance_norm")  # region edits cast the input only (stats in place)
 
 
 def _stack() -> list:
@@ -92,12 +84,9 @@ def _stack() -> list:
 
 def push_edits(codes: dict, device_type: str | None = None) -> None:
     """Open a list-edit frame in this thread: ``codes`` ({unwrapped callable: code, 0 for
-    unlisted}) win over outer frames and the table until ``pop_edits()``.
-
-    ``device_type=None``: an O1 edit (``lists.local``), acting where O1 casts. Otherwise a region
-    edit of ``peak.amp.autocast``: it acts where torch's autocast is on for ``device_type``,
-    casts only tensors on that device type, to float32 or to autocast's dtype (for batch and
-    instance norm only the input: their running statistics are updated in place)."""
+    unlisted}) win over outer frames and the table until ``pop_edits()``. ``device_type=None``:
+    an O1 edit (``lists.local``), acting where O1 casts; else a region edit of
+    ``peak.amp.autocast`` for that device type (docs/caster.md, "Region list edits")."""
     ensure_defaults()
     input_only = [f for f in codes if getattr(f, "__name__", None) in _INPUT_ONLY]
     _c.push_local(codes, device_type, input_only)
@@ -146,12 +135,11 @@ def decorator(policy: str):
 
 
 _pending: list = []  # (module, name, policy), applied by the next enable (as Apex)
-_applied: list = []  # (module, name, policy, original, previous table code) to undo on disable
+_applied: list = []  # (module, name, policy, had, own, original, previous code): undone on disable
 
 
 def register(module, name: str, policy: str) -> None:
-    """Have the next ``enable`` patch ``module.name`` with ``policy``'s wrapper (checked by the
-    caller, ``lists.register_*_function``)."""
+    """Have the next ``enable`` patch ``module.name`` (checked by lists.register_*_function)."""
     _pending.append((module, name, policy))
 
 
@@ -170,19 +158,15 @@ def _apply_registrations() -> None:
         module, name, policy = _pending.pop(0)
         had, own = name in vars(module), vars(module).get(name)
         # The descriptor itself, also when a class inherits it (None: found only through a
-        # metaclass __getattr__). A class's static/class methods stay what they are (wrapping
-        # what getattr returns would turn a staticmethod into an instance method, and bind a
-        # classmethod to this class).
+        # metaclass __getattr__). A class's static/class methods stay what they are (wrapping what
+        # getattr returns would make a staticmethod an instance method, bind a classmethod).
         raw = inspect.getattr_static(module, name, None) if isinstance(module, type) else own
-        if isinstance(raw, (staticmethod, classmethod)):
-            orig = raw.__func__
-            new = type(raw)(decorator(policy)(orig))
-        else:
-            orig = getattr(module, name)
-            new = decorator(policy)(orig)
+        descriptor = isinstance(raw, (staticmethod, classmethod))
+        orig = raw.__func__ if descriptor else getattr(module, name)
+        new = decorator(policy)(orig)
         _applied.append((module, name, policy, had, own, orig, _c.get_policy(orig)))
         _c.set_policy(orig, CODES[policy])
-        setattr(module, name, new)
+        setattr(module, name, type(raw)(new) if descriptor else new)
 
 
 def _undo_registrations() -> None:
@@ -207,10 +191,8 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
     index()  # before anything is patched
     with _lock:
         _apply_registrations()
-        _hold(table=True)
-        for codes, _device in _stack():  # list-edit frames entered before O1
-            for fn in codes:
-                _patch(fn)
+        # the table, and the list-edit frames entered before O1
+        _hold([fn for codes, _device in _stack() for fn in codes], table=True)
         _torch_hooks.install_rnn_check()
         _torch_hooks.install_checkpoint(_under_current_state)
         _on.add(threading.get_ident())
@@ -221,9 +203,8 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
 
 
 def disable() -> None:
-    """Turn O1 casting off in this thread (``initialize`` calls it before a new setup). When no
-    thread has O1 on any more, plain behaviour is restored exactly (wrappers and registrations
-    removed); other threads' casting is not touched."""
+    """Turn O1 casting off in this thread (not in others). When no thread has O1 on any more,
+    plain behaviour is restored exactly (wrappers and registrations removed)."""
     _c.set_thread_active(False)  # from here on this thread's calls go straight through
     _c.set_low_dtype(None)
     _c.set_allow_banned(False)
@@ -241,10 +222,9 @@ def disable() -> None:
 
 
 def _under_current_state(fn):
-    """``fn``, to be run later under the caster state in effect now (NOTE: [Checkpoint
-    recomputation] in csrc/caster/state.cpp), as torch.utils.checkpoint re-enters the forward's
-    autocast state for the recomputation. The wrappers that state needs are held meanwhile, so
-    the recomputation is cast even after O1 (or the region) has been left everywhere."""
+    """``fn``, to be run later under the caster state in effect now, as torch's checkpoint
+    re-enters the forward's autocast state (NOTE: [Checkpoint recomputation] in
+    csrc/caster/state.cpp); it holds the wrappers it needs, even after O1 was left everywhere."""
     state = _c.snapshot()
     funcs = [f for codes, _device in _stack() for f in codes]
     table = bool(_on)
@@ -279,7 +259,10 @@ def _hold(funcs=(), table: bool = False, counted: bool = True) -> None:
 def _release() -> None:
     _holds["n"] -= 1
     if _holds["n"] == 0:
-        _unpatch_all()
+        while _patched:
+            _restore(*_patched.pop())
+        _patched_ids.clear()
+        _holds["table"] = False
 
 
 _sites: dict = {}  # id(callable) -> [(owner, name)] where torch code finds it
@@ -296,13 +279,11 @@ def index() -> dict:
         return _sites
     import torch.nn.functional as F  # noqa: PLC0415
 
-    # torch._C._nn last, and only for what lives nowhere else (F.interpolate calls
-    # torch._C._nn.upsample_nearest2d): F's builtins (F.linear, F.gelu) live there too, and pickle
-    # finds a builtin by its __module__ (torch._C._nn): patching them there would make a model that
-    # holds F.gelu (e.g. an activation module) unpicklable while O1 is on.
-    owners = [torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse,
-              torch._C._nn]
-    for owner in owners:
+    # torch._C._nn last, and only for what lives nowhere else (F.interpolate calls its
+    # upsample_nearest2d): pickle finds a builtin such as F.gelu by its __module__ (torch._C._nn),
+    # so patching it there would make a model holding F.gelu unpicklable while O1 is on.
+    for owner in (torch, F, torch.Tensor, torch.linalg, torch.special, torch.fft, torch.sparse,
+                  torch._C._nn):
         for name in dir(owner):
             try:
                 obj = getattr(owner, name)
@@ -350,21 +331,14 @@ def _restore(owner, name: str, had: bool, prev) -> None:
         delattr(owner, name)  # it was inherited or found through __getattr__
 
 
-def _unpatch_all() -> None:
-    while _patched:
-        _restore(*_patched.pop())
-    _patched_ids.clear()
-    _holds["table"] = False
-
-
 def patched() -> bool:
     """Whether the caster's wrappers are installed (some thread casts, or has a region edit)."""
     return bool(_patched)
 
 
 # The C++ caster's own: ``unwrap(obj)`` (``obj``, or the torch callable behind a wrapper);
-# ``is_enabled()`` (O1 casts in this thread now); this thread's low dtype; its weight-cast cache
-# (``scale_loss`` exit clears it, as Apex) and the cache's counters (hits, casts, stores, size).
+# ``is_enabled()`` (O1 casts in this thread now); this thread's weight-cast cache (``scale_loss``
+# exit clears it, as Apex) and its counters (hits, casts, stores, size).
 unwrap = _c.unwrap
 is_enabled = _c.is_casting
 low_dtype = _c.low_dtype

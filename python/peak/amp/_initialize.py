@@ -107,11 +107,9 @@ def check_inputs(models, optimizers):
 
 
 def check_sharded_optimizers(optimizers_list, properties, models_list=()) -> None:
-    """Master weights live in the optimizer's ``param_groups``; ``ZeroRedundancyOptimizer`` steps
-    an inner optimizer with its own groups (this rank's shard) and broadcasts the model's
-    parameters, so the masters would never be stepped and training would silently stand still.
-    A model already under FSDP2's ``fully_shard`` (DTensor parameters) cannot be cast or given
-    masters by amp: O1 (fp32 weights, casts per op) is what amp does over it."""
+    """Reject what would silently stand still: masters in the ``param_groups`` of a
+    ``ZeroRedundancyOptimizer`` (its inner optimizer steps its own groups), or a model already
+    under FSDP2's ``fully_shard`` cast or given masters (only O1 works over it)."""
     if properties.master_weights or properties.cast_model_type in LOW_DTYPES:
         for i, model in enumerate(models_list):
             if any(getattr(p, "device_mesh", None) is not None for p in model.parameters()):
@@ -221,10 +219,9 @@ def _warn_on_training_without_masters(models, opt_level) -> None:
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> dict:
-    """Cast floating params (with their grads) and buffers to ``dtype`` in place, keeping every
-    ``_BatchNorm`` in fp32 when ``keep_batchnorm_fp32``. Parameters keep their identity (optimizers
-    built before still hold them). Returns each cast parameter's fp32 data by ``id(param)``: the
-    master weights start as the exact fp32 weights."""
+    """Cast floating params (with their grads) and buffers to ``dtype`` in place, keeping their
+    identity (docs/amp_api.md, "O2/O3 models"). Returns each cast parameter's fp32 data by
+    ``id(param)``: the master weights start as the exact fp32 weights."""
     originals = {}
     with torch.no_grad():
         for module in model.modules():
@@ -249,8 +246,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) 
 
 
 def _upcast_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
-    """``model.state_dict()`` of a low-precision model holds fp32 tensors (exact upcasts), so
-    checkpoints load into fp32 models too, and back into the amp model as the same values."""
+    """Upcast to fp32 (exactly): checkpoints load into fp32 models too (docs/amp_api.md)."""
     for name in itertools.chain(module._parameters, module._buffers):
         key = prefix + name
         t = state_dict.get(key)
@@ -266,9 +262,8 @@ class _ForwardConfig(NamedTuple):
 
 
 def patch_forward(model, input_dtype, output_dtype) -> None:
-    """Replace ``model.forward`` (on the instance) by one that casts floating inputs to
-    ``input_dtype``, runs the original forward and casts floating outputs to ``output_dtype``.
-    Bound as a method so that ``copy.deepcopy(model)`` stays correct."""
+    """Cast the forward's floating inputs to ``input_dtype`` and outputs to ``output_dtype`` (None:
+    not cast); a method bound to the instance, so that ``copy.deepcopy(model)`` stays correct."""
     inner = model.__dict__.get("forward")
     model._amp_forward_config = _ForwardConfig(input_dtype, output_dtype, inner)
     model.forward = types.MethodType(_amp_forward, model)
@@ -277,8 +272,7 @@ def patch_forward(model, input_dtype, output_dtype) -> None:
 def _amp_forward(self, *args, **kwargs):
     cfg = self._amp_forward_config
     if cfg.input_dtype is not None:
-        args = cast_tree(args, cfg.input_dtype)
-        kwargs = cast_tree(kwargs, cfg.input_dtype)
+        args, kwargs = cast_tree((args, kwargs), cfg.input_dtype)
     inner = cfg.inner_forward
     # (O1 casts thread-wide, so the forward needs no region of its own: a context manager here
     # would also keep torch.compile from splitting the forward at a graph break.)
@@ -290,10 +284,8 @@ def _amp_forward(self, *args, **kwargs):
 
 
 def cast_tree(value, dtype):
-    """Cast the floating tensors in ``value`` to ``dtype``: tensors, objects with a ``.to`` method
-    (custom batch classes; they win over the container rules, as in Apex), mappings (type kept
-    when it can be rebuilt from pairs, else a dict), lists, tuples, namedtuples and sets. Strings,
-    numpy arrays, modules and anything else pass through unchanged."""
+    """Cast the floating tensors in ``value`` to ``dtype``, recursively (docs/amp_api.md, "O2/O3
+    models"); objects with a ``.to`` win over the container rules, as in Apex."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
     if (value is None or isinstance(value, (str, bytes, nn.Module, int, float, bool))

@@ -1,8 +1,6 @@
-"""What ``amp.initialize`` does to optimizers: ``optimizer._amp_stash`` (``ScaledGradsState``: a
-peak fused optimizer that owns its masters reads the scaled gradients; ``UnscaledGradsState``: a
-``peak.optimizers.MasterWeights`` store takes them) and instance-level ``step``, ``zero_grad`` and
-``add_param_group``. A step that takes ``found_inf`` skips on the device; otherwise one host read
-at ``scale_loss`` exit decides (docs/amp_api.md, "The skip on overflow")."""
+"""What ``amp.initialize`` does to optimizers: ``optimizer._amp_stash`` (one of two kinds) and
+instance-level ``step``, ``zero_grad`` and ``add_param_group``; the skip on overflow, on the
+device or the host (docs/amp_api.md, "Master weights (O2)" and "Fused optimizers under amp")."""
 
 from __future__ import annotations
 
@@ -21,12 +19,9 @@ from ..scaling import OverflowFlags, group_by_device_dtype, unscale_grads_
 
 
 def inner_optimizer(optimizer):
-    """The torch optimizer behind an optimizer wrapper, or ``optimizer`` itself.
-
-    Wrappers that trainers and libraries put around a torch optimizer (Accelerate's
-    ``AcceleratedOptimizer`` keeps it in ``.optimizer``, Apex's and peak's ``LARC`` in ``.optim``)
-    share its ``param_groups`` and forward ``step``/``zero_grad``/``state_dict`` to it: amp sets up
-    the inner optimizer, and the wrapper keeps working around it."""
+    """The torch optimizer behind a wrapper that shares its ``param_groups`` (Accelerate's
+    ``AcceleratedOptimizer`` keeps it in ``.optimizer``, ``LARC`` in ``.optim``), else
+    ``optimizer``: amp sets up the inner optimizer, and the wrapper keeps working around it."""
     for _ in range(8):  # wrappers of wrappers, not a cycle
         for attr in ("optimizer", "optim"):
             inner = getattr(optimizer, attr, None) if not isinstance(optimizer, type) else None
@@ -58,11 +53,9 @@ class AmpOptimizerState:
                            for group in optimizer.param_groups for p in group["params"])
         self.found_inf = None  # device skip: the flag the next step() hands over
         self.pending_skip = None  # host skip: (loss_id, scaler) of an overflow
-        # device skip: (step, loss_id, [flag, new scale] on the host, copy event) for the message
-        self.in_flight: list = []
+        self.in_flight: list = []  # device skip: (step, loss_id, host [flag, new scale], event)
         self.step_count = 0  # step() calls since initialize, skipped ones included (log line)
-        self.warned_no_master_grads = False
-        self.warned_no_grads = False
+        self.warned_no_master_grads = self.warned_no_grads = False
         self.orig_step = optimizer.step
         self.orig_zero_grad = optimizer.zero_grad
         self.orig_add_param_group = optimizer.add_param_group
@@ -73,9 +66,9 @@ class AmpOptimizerState:
                                                  and bool(self.found_inf.any()))
 
     def skips_on_device(self) -> bool:
-        """Not torch's fused SGD before its momentum buffers exist: its first step makes them with
-        empty_like, which a skip on the device would leave uninitialised."""
-        opt = self.optimizer  # (a parameter with a gradient and no buffer yet makes one)
+        """Not torch's fused SGD before its momentum buffers exist: its first step makes them (for
+        each parameter with a gradient) with empty_like, which a skip would leave uninitialised."""
+        opt = self.optimizer
         return self.device_skip and not (isinstance(opt, torch.optim.SGD) and any(
             g.get("momentum") and p.grad is not None
             and "momentum_buffer" not in opt.state.get(p, {})
@@ -132,10 +125,9 @@ class ScaledGradsState(AmpOptimizerState):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.params: list[torch.Tensor] = []
-        # The pending grads' scale (a static 1: step() neither unscales nor stores them back),
-        # their global norm when the optimizer clips (the check's pass), the grads set aside while
-        # a later pass runs ((params, grads, scale)), and whether amp.master_params gave the masters
-        # fp32 gradients (which the step then reads).
+        # The pending grads' scale (static 1: step() neither unscales nor stores them back), their
+        # norm when the optimizer clips, the grads set aside while a later pass runs ((params,
+        # grads, scale)), whether amp.master_params gave the masters fp32 grads (the step reads).
         self.grad_scale = self.grad_norm = self.set_aside = None
         self.scale_is_one = self.master_grads_given = False
 
@@ -164,9 +156,8 @@ class ScaledGradsState(AmpOptimizerState):
         self.drop_pending()  # (the optimizer's zero_grad dropped the masters' gradients)
 
     def prepare_backward(self, scaler) -> None:
-        """Gradients still pending from an earlier pass carry that pass's scale and may hold an
-        inf/NaN already charged to its scaler: set them aside while this pass runs; its exit
-        checks the new gradients alone, then adds the earlier ones back at the new scale."""
+        """Set aside the gradients an earlier pass left (they carry its scale and may hold an
+        inf/NaN charged to its scaler); exit checks the new ones alone, then adds them back."""
         if self.master_grads_given:
             raise RuntimeError(
                 "amp.scale_loss: amp.master_params(optimizer) already gave this fused optimizer's "
@@ -193,8 +184,7 @@ class ScaledGradsState(AmpOptimizerState):
         got_grads = any(p.grad is not None for p in self.params)
         with torch.no_grad():
             if self.set_aside is None and self.optimizer.clips_by_norm:
-                # The optimizer clips: the global norm's pass is the inf/NaN check as well (a
-                # non-finite gradient makes the norm non-finite): NOTE [Clipping inside the step].
+                # The global norm's pass is the inf/NaN check too: NOTE [Clipping inside the step].
                 norm = self.optimizer.grad_norm()
                 if norm is not None:
                     flag = scaler.found_inf_for(norm.device)
@@ -270,9 +260,8 @@ class ScaledGradsState(AmpOptimizerState):
 
 
 class UnscaledGradsState(AmpOptimizerState):
-    """Any other optimizer: the gradients are unscaled into the fp32 masters of a
-    ``MasterWeights`` store (O2: the masters stand in for the fp16/bf16 params in the groups)
-    or in place (fp32 params, and every param without master weights)."""
+    """Any other optimizer: the gradients are unscaled into the fp32 masters of a ``MasterWeights``
+    store (O2: the masters stand in for the fp16/bf16 params in the groups) or in place."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -332,9 +321,8 @@ class UnscaledGradsState(AmpOptimizerState):
 
 
 def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool = False) -> None:
-    """``wrapped``: ``optimizer`` is the inner optimizer of a wrapper (see ``inner_optimizer``),
-    which may read the gradients before the inner step (as LARC does): they are unscaled by then.
-    """
+    """``wrapped``: ``optimizer`` is a wrapper's inner optimizer (``inner_optimizer``); the wrapper
+    may read the gradients before the inner step (as LARC does): they are unscaled by then."""
     from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (it imports nothing of amp)
 
     master_weights = bool(properties.master_weights)
@@ -363,8 +351,7 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
 
 def _step(self, closure=None):
     stash = self._amp_stash
-    loss = None
-    args = ()
+    loss, args = None, ()
     if closure is not None:
         if isinstance(self, torch.optim.LBFGS):  # calls its closure several times in step()
             if stash.master_weights or stash.pending_skip is not None:
@@ -408,20 +395,16 @@ def _add_param_group(self, param_group):
     if not isinstance(param_group, dict):
         raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
     params = param_group["params"]
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    elif isinstance(params, set):
+    if isinstance(params, set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, but "
                         "the ordering of tensors in sets will change between runs. Please use a "
                         "list instead.")
-    else:
-        params = list(params)
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
     if any(stash.holds(p) for p in params):
         raise ValueError("some parameters appear in more than one parameter group (this "
                          "optimizer already steps them through their fp32 master weights)")
     mark = stash.mark()
-    group = dict(param_group)
-    group["params"] = stash.register_params(params)
+    group = dict(param_group, params=stash.register_params(params))
     try:
         stash.orig_add_param_group(group)
     except BaseException:  # leave nothing half-registered

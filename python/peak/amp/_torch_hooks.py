@@ -1,7 +1,6 @@
-"""The O1 caster's hooks into torch internals (checked against torch 2.13 and 2.14), installed
-by ``_caster.enable`` and removed when no thread has O1 on: ``RNNBase.check_input``'s dtype check
-relaxed while O1 casts; ``torch.utils.checkpoint`` recomputing under the forward's caster state.
-"""
+"""The O1 caster's hooks into torch internals (checked against torch 2.13 and 2.14), installed by
+``_caster.enable`` and removed when no thread has O1 on: ``RNNBase.check_input``'s dtype check
+relaxed while O1 casts; ``torch.utils.checkpoint`` recomputing under the forward's caster state."""
 
 from __future__ import annotations
 
@@ -18,10 +17,9 @@ _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # what O1 casts (not
 
 
 def _rnn_check_input(self, input, batch_sizes):
-    """RNNBase.check_input, without its input-vs-weight dtype check while O1 casts in this thread:
-    O1 casts the RNN op's input and weights alike (torch._VF.lstm & co. are listed), and torch
-    skips the same check under autocast for the same reason. An fp16/bf16 input (the output of a
-    cast Linear, of a previous LSTM) would otherwise be refused by the fp32 module."""
+    """RNNBase.check_input without its input-vs-weight dtype check while O1 casts in this thread:
+    O1 casts the RNN op's input and weights alike (torch._VF.lstm & co. are listed; torch skips
+    the check under autocast too), so an fp16/bf16 input (a cast Linear's output) is fine."""
     weights = self._flat_weights
     w = weights[0] if weights else None
     if (w is not None and input.dtype != w.dtype and input.dtype in _CASTABLE
@@ -63,11 +61,10 @@ class _CheckpointFunctionProxy:
 
 
 def install_checkpoint(wrap_recompute) -> None:
-    """Make checkpoint() recompute ``wrap_recompute(fn)`` instead of ``fn``. checkpoint() looks
-    both of these up in its module at each call: the non-reentrant path calls the generator
-    (whose ``fn`` is used only to recompute), the reentrant one CheckpointFunction (whose
-    run_function runs in the forward, under the state it captures itself, and again in
-    backward)."""
+    """Make checkpoint() recompute ``wrap_recompute(fn)`` instead of ``fn``; it looks both of these
+    up in its module at each call: the non-reentrant path calls the generator (whose ``fn`` only
+    recomputes), the reentrant one CheckpointFunction (whose run_function runs in the forward,
+    under the state it captures itself, and again in backward)."""
     if _checkpoint:
         return
     import torch.utils.checkpoint as ckpt  # noqa: PLC0415 (only when O1 is turned on)

@@ -1,7 +1,6 @@
-"""``peak.amp.autocast``, ``custom_fwd`` and ``custom_bwd``: torch.amp's autocast API (``autocast``
-is a ``torch.autocast`` subclass that enters it), plus per-region edits of the op lists
-(``fp32_ops``/``lower_ops``: a list-edit frame on the O1 caster, ``_caster.push_edits``). See
-docs/torch_dialect.md and docs/caster.md."""
+"""``peak.amp.autocast`` (a ``torch.autocast`` subclass), ``custom_fwd`` and ``custom_bwd``:
+torch.amp's autocast API, plus per-region edits of the op lists (``fp32_ops``/``lower_ops``, a
+list-edit frame on the O1 caster). See docs/torch_dialect.md and docs/caster.md."""
 from __future__ import annotations
 
 import contextlib
@@ -21,9 +20,8 @@ __all__ = ["autocast", "custom_fwd", "custom_bwd", "TORCH_AUTOCAST_LISTS",
            "TORCH_AUTOCAST_LIST_CHANGES", "autocast_list_changes"]
 
 
-#: The CPU lists' lower-precision and promote ops. torch keeps its CPU lists inside ATen's
-#: autocast_mode.cpp and exposes only which ops have an AutocastCPU kernel (the dispatcher), not
-#: their policy: these two are named here, and every other op with a kernel is fp32.
+#: The CPU lists' lower-precision and promote ops: torch exposes which ops have an AutocastCPU
+#: kernel, not their policy (docs/caster.md, "torch's autocast lists"); the others are fp32.
 _CPU_NOT_FP32 = {
     "lower_precision_fp": (
         "conv1d", "conv1d.padding", "conv2d", "conv2d.padding", "conv3d", "conv3d.padding",
@@ -37,11 +35,9 @@ _CPU_NOT_FP32 = {
 
 
 def _torch_lists() -> dict:
-    """torch 2.13's autocast op lists (aten ``op[.overload]`` names) by device type and policy.
-    CUDA's (which also serve XPU, MTIA, MAIA) come from torch's own header (``AT_FORALL_*`` in
-    ATen/autocast_mode.h, expanded by peak._C) plus the three ops registered outside those
-    macros; CPU's fp32 list is the dispatcher's AutocastCPU ops but ``_CPU_NOT_FP32``'s, as
-    torch 2.13 registered them (another release's recorded changes undone)."""
+    """torch 2.13's autocast op lists (aten ``op[.overload]`` names) by device type (``"cuda"``'s
+    also serve XPU, MTIA, MAIA) and policy, another release's recorded changes undone
+    (docs/caster.md, "torch's autocast lists")."""
     cuda = {policy: tuple(ops) for policy, ops in _C.caster.torch_autocast_lists().items()}
     cuda["lower_precision_fp"] += ("cudnn_convolution", "cudnn_convolution_transpose")
     cuda["banned"] = ("binary_cross_entropy",)
@@ -97,9 +93,8 @@ def _edit_codes(fp32_ops, lower_ops) -> dict | None:
         if entries is None:
             continue
         if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
-            raise TypeError(f"autocast: {arg} must be a list of torch functions or names, "
-                            f"got {type(entries).__name__}; wrap a single op in a list: "
-                            f"{arg}=[...]")
+            raise TypeError(f"autocast: {arg} must be a list of torch functions or names, got "
+                            f"{type(entries).__name__}; wrap a single op in a list: {arg}=[...]")
         for entry in entries:
             key = _op_name(arg, entry)
             if names.setdefault(key, policy) != policy:
@@ -123,8 +118,7 @@ class autocast(torch.amp.autocast_mode.autocast):
     def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
                  cache_enabled: bool | None = None, *, fp32_ops: Iterable | None = None,
                  lower_ops: Iterable | None = None) -> None:
-        # torch.dtype objects go to torch as they are (torch decides what it supports); strings
-        # ("bf16", "fp16", ...) are read by peak's one dtype parser.
+        # torch.dtype objects go to torch as they are (torch decides what it supports)
         dtype = _dtypes.parse_dtype(dtype, "autocast: dtype", any_dtype=True)
         if not isinstance(enabled, bool):
             raise TypeError(f"autocast: enabled must be a bool, got {type(enabled).__name__}")
@@ -175,9 +169,8 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
     edits). ``cast_inputs=dtype`` (a torch.dtype, or a string such as ``"fp32"``, ``"bf16"``):
     inside an autocast-enabled region, floating tensors on ``device_type`` (not float64; also
     inside lists, tuples, dicts and other iterables) are cast to ``dtype`` and ``forward`` runs
-    with autocast (and so peak's list edits) off; outside such a region it is a no-op. Records
-    the state for ``custom_bwd`` on ``ctx``.
-    """
+    with autocast (and so peak's list edits) off; outside such a region it is a no-op. Records the
+    state for ``custom_bwd`` on ``ctx``."""
     _check_device_type(device_type)
     if cast_inputs in (float, int, bool, complex):
         # torch takes Python's types where it takes dtypes (Tensor.to(float) is float64)
@@ -219,8 +212,7 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
 
 def custom_bwd(bwd: Callable | None = None, *, device_type: str):
     """``torch.amp.custom_bwd``: runs ``backward`` of a ``torch.autograd.Function`` under the
-    autocast state its ``custom_fwd``-decorated ``forward`` saw (enabled flag, dtype, and peak's
-    list edits)."""
+    autocast state its ``custom_fwd``-decorated ``forward`` saw (enabled, dtype, list edits)."""
     _check_device_type(device_type)
     if bwd is None:
         return functools.partial(custom_bwd, device_type=device_type)
@@ -236,8 +228,7 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
             raise AttributeError("custom_bwd: the forward of this Function was not decorated "
                                  "with custom_fwd (peak.amp.custom_fwd or "
                                  "torch.amp.custom_fwd); decorate both forward and backward")
-        region = autocast(device_type=device_type, enabled=ctx._fwd_used_autocast,
-                          dtype=ctx._dtype)
+        region = autocast(device_type=device_type, enabled=ctx._fwd_used_autocast, dtype=ctx._dtype)
         # The forward's open edits, outer first: inner edits win.
         region._edits = {fn: code for codes in getattr(ctx, "_peak_edits", [])
                          for fn, code in codes.items()} or None

@@ -1,9 +1,6 @@
 """``amp.initialize``, the legacy ``amp.init`` and ``amp.state_dict`` / ``amp.load_state_dict``;
-Apex's opt_levels and the ``Properties`` they set.
-
-The property tables, override order, messages and verbosity output are Apex's; peak's additions
-(bf16, ``low_precision_dtype``, "True"/"False" strings, type checks) are in docs/amp_api.md.
-"""
+Apex's opt_levels and the ``Properties`` they set (tables, override order, messages and verbosity
+output are Apex's; peak's additions are in docs/amp_api.md, "Low-precision dtype")."""
 
 from __future__ import annotations
 
@@ -62,10 +59,9 @@ class Properties:
         if name == "cast_model_type":
             if not (value is None or value is False
                     or (isinstance(value, torch.dtype) and value.is_floating_point)):
-                raise TypeError(
-                    "cast_model_type must be a floating torch.dtype (torch.float16, "
-                    "torch.bfloat16, torch.float32), False (do not cast the model) or None; "
-                    f"found cast_model_type={value!r}")
+                raise TypeError("cast_model_type must be a floating torch.dtype (torch.float16, "
+                                "torch.bfloat16, torch.float32), False (do not cast the model) "
+                                f"or None; found cast_model_type={value!r}")
             if o1 and value not in (None, False, torch.float32):
                 warn_or_err(
                     "O1 inserts casts around Torch functions rather than model weights, so with "
@@ -155,17 +151,14 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.0**24, *, low_precision_dtype=None):
-    """Initialize models, optimizers and the amp state for the chosen ``opt_level`` and overrides.
-
-    Apex's ``apex.amp.initialize`` with the same arguments, defaults and return shape: ``models``
-    is a module or a list of modules, ``optimizers`` an optimizer, a list of optimizers or None;
-    the same objects come back (mutated in place), as ``model`` / ``(model, optimizer)`` in the
-    shape passed in.
+    """Initialize models, optimizers and the amp state for the chosen ``opt_level`` and overrides:
+    Apex's ``apex.amp.initialize`` with the same arguments, defaults and return shape (``models``:
+    a module or a list of them; ``optimizers``: an optimizer, a list of them or None; the same
+    objects come back, mutated in place, as ``model`` / ``(model, optimizer)``).
 
     peak additions (docs/amp_api.md, "Low-precision dtype"): ``low_precision_dtype`` (keyword
     only, ``torch.bfloat16`` or ``"bf16"``, default fp16), the run's lower precision at any
-    opt_level (bf16: loss scale 1.0 unless ``loss_scale`` is passed); dtype strings; CPU models.
-    """
+    opt_level (bf16: loss scale 1.0 unless ``loss_scale`` is passed); dtype strings; CPU models."""
     _amp_state.verbosity = verbosity
 
     if not enabled:
@@ -174,15 +167,13 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         return models if optimizers is None else (models, optimizers)
 
     if opt_level not in opt_levels:
-        raise RuntimeError(
-            "Unexpected optimization level {}. ".format(opt_level)
-            + "Options are 'O0', 'O1', 'O2', 'O3'.  Note that in `O0`, `O1`, etc., the prefix O "
-            "is the letter O, not the number zero.")
+        raise RuntimeError(f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', "
+                           "'O2', 'O3'.  Note that in `O0`, `O1`, etc., the prefix O is the letter "
+                           "O, not the number zero.")
     # Strings ("bf16", "fp16", "float32", ...) are read by the one parser every dtype argument uses.
     low_precision_dtype = _dtypes.parse_dtype(low_precision_dtype, "low_precision_dtype")
     if isinstance(cast_model_type, str):
-        cast_model_type = _dtypes.parse_dtype(cast_model_type, "cast_model_type",
-                                              _dtypes.FLOATING)
+        cast_model_type = _dtypes.parse_dtype(cast_model_type, "cast_model_type", _dtypes.FLOATING)
     if isinstance(cast_model_outputs, str):
         cast_model_outputs = _dtypes.parse_dtype(cast_model_outputs, "cast_model_outputs",
                                                  _dtypes.FLOATING)
@@ -191,9 +182,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                          f"num_losses={num_losses!r}")
     if cast_model_outputs is not None and not (
             isinstance(cast_model_outputs, torch.dtype) and cast_model_outputs.is_floating_point):
-        raise TypeError(
-            "cast_model_outputs must be a floating torch.dtype (e.g. torch.float32) or None; "
-            f"found cast_model_outputs={cast_model_outputs!r}")
+        raise TypeError("cast_model_outputs must be a floating torch.dtype (e.g. torch.float32) or "
+                        f"None; found cast_model_outputs={cast_model_outputs!r}")
     min_scale = _check_loss_scale_bound("min_loss_scale", min_loss_scale)
     max_scale = _check_loss_scale_bound("max_loss_scale", max_loss_scale)
     if min_scale and max_scale is not None and min_scale > max_scale:
@@ -289,8 +279,7 @@ def state_dict(destination=None):
     """Every loss scaler's state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int},
     ...}``."""
     _require_initialized("amp.state_dict()")
-    if destination is None:
-        destination = OrderedDict()
+    destination = OrderedDict() if destination is None else destination
     for idx, scaler in enumerate(_amp_state.loss_scalers):
         destination["loss_scaler%d" % idx] = scaler.state_dict()
     return destination
@@ -320,6 +309,5 @@ def load_state_dict(state_dict):
 
 def _require_initialized(what: str) -> None:
     if not _amp_state.initialized:
-        raise RuntimeError(
-            f"{what} was called before amp.initialize(); call "
-            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) first.")
+        raise RuntimeError(f"{what} was called before amp.initialize(); call model, optimizer = "
+                           "amp.initialize(model, optimizer, opt_level=...) first.")

@@ -36,8 +36,7 @@ class _ConfigError(ValueError, AssertionError):
 
 
 def _number(kind: type, name: str, value):
-    """``value`` as a ``kind`` (float: a real number -- Python, numpy or a one-element floating
-    tensor, as torch takes; int: an integral one), else a TypeError."""
+    """``value`` as a ``kind`` (a float may be a one-element floating tensor, as torch takes)."""
     if (kind is float and isinstance(value, torch.Tensor) and value.numel() == 1
             and value.is_floating_point()):
         return float(value)
@@ -82,16 +81,13 @@ def check_options(options: dict, on_min_scale) -> dict:
 
 
 class GradScaler(OverflowAttribution, torch.amp.GradScaler):
-    """Gradient scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``
-    (a subclass, so ``isinstance(scaler, torch.amp.GradScaler)`` holds; every method is peak's,
-    a few of them running torch's code over peak's state).
-
-    ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()`` as with torch,
-    whose arguments mean what they mean there. Beyond torch (docs/torch_dialect.md): back off
-    only after ``hysteresis`` overflowing iterations in a row (overflowing steps are always
-    skipped); ``min_scale``/``max_scale`` bound the scale (None: unbounded); ``on_min_scale``
-    ("warn", "raise" or "keep"): what ``update()`` does when gradients overflow at the floor.
-    """
+    """Gradient scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler`` (a
+    subclass: ``isinstance(scaler, torch.amp.GradScaler)`` holds), used as torch's,
+    ``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``, with the same
+    arguments. Beyond torch (docs/torch_dialect.md): back off only after ``hysteresis``
+    overflowing iterations in a row (overflowing steps are always skipped);
+    ``min_scale``/``max_scale`` bound the scale (None: unbounded); ``on_min_scale`` ("warn",
+    "raise" or "keep"): what ``update()`` does when gradients overflow at the floor."""
 
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -104,18 +100,15 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             raise TypeError(f"GradScaler: device must be a device type string such as 'cuda' or "
                             f"'cpu', got {type(device).__name__}")
         try:
-            # Only the device type matters ("cuda:1" means "cuda"): the scaler's tensors go to
-            # the device of the first tensor passed to scale().
-            self._device = torch.device(device).type
+            self._device = torch.device(device).type  # only the type matters: "cuda:1" is "cuda"
         except RuntimeError as e:
             raise ValueError(f"GradScaler: device={device!r} is not a device type "
                              f"(use 'cuda', 'cpu', ...): {e}") from None
         self._enabled = bool(enabled)  # torch takes any truthy value (1, None, ...)
         if (self._device == "cuda" and self._enabled
                 and not (torch.cuda.is_available() or find_spec("torch_xla") is not None)):
-            warnings.warn(
-                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.",
-                stacklevel=2)
+            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  "
+                          "Disabling.", stacklevel=2)
             self._enabled = False
 
         options = dict(init_scale=init_scale, growth_factor=growth_factor,
@@ -146,9 +139,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool, *, _check_only: bool = False
                         ) -> dict[torch.device, torch.Tensor]:
-        """Unscale (multiply by ``inv_scale``) and check every gradient of ``optimizer`` in place,
-        one multi-tensor pass per (device, dtype); returns ``{device: found_inf}``. ``allow_fp16``
-        is ignored (fp16/bf16 gradients are unscaled in fp32 math). ``_check_only``: check only."""
+        """Unscale and check ``optimizer``'s gradients in place, one multi-tensor pass per (device,
+        dtype): ``{device: found_inf}``. ``allow_fp16`` is ignored (fp16/bf16: fp32 math)."""
         flags = OverflowFlags((), first=found_inf)
         report = self._report_enabled
         if not report and inv_scale.device == found_inf.device:
@@ -295,9 +287,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                 optimizer.found_inf = found_inf
                 if takes_scale_kwargs:
                     # peak's fused optimizers take them as keywords; torch's read the attributes.
-                    kwargs_ = dict(kwargs)
-                    kwargs_.setdefault("grad_scale", optimizer.grad_scale)
-                    kwargs_.setdefault("found_inf", found_inf)
+                    kwargs_ = {"grad_scale": optimizer.grad_scale, "found_inf": found_inf, **kwargs}
                     if grad_norm is not None:
                         kwargs_.setdefault("grad_norm", grad_norm)
             retval = optimizer.step(*args, **kwargs_)
@@ -320,10 +310,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         """Update the scale at the end of an iteration (after ``step`` for every optimizer):
         back off if any step overflowed (after ``hysteresis`` overflowing iterations in a row, not
         below ``min_scale``), grow after ``growth_interval`` clean iterations (not above
-        ``max_scale``). On the device: no host sync (see ``on_min_scale`` for the exception).
-
-        ``new_scale`` (a float, or a one-element tensor on the scaler's device type) sets the scale
-        instead."""
+        ``max_scale``), on the device (no host sync; see ``on_min_scale`` for the exception); or
+        set it to ``new_scale`` (a float, or a one-element tensor on the scaler's device type)."""
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
@@ -385,18 +373,12 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         ``_skipped_steps``), which it ignores. Empty when disabled. Call it after ``update()``."""
         if not self._enabled:
             return {}
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-            "hysteresis": self._hysteresis,
-            "_hysteresis_tracker": self._get_hysteresis_tracker(),
-            "min_scale": self._min_scale,
-            "max_scale": self._max_scale,
-            "_skipped_steps": self.skipped_steps,
-        }
+        return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
+                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
+                "_growth_tracker": self._get_growth_tracker(), "hysteresis": self._hysteresis,
+                "_hysteresis_tracker": self._get_hysteresis_tracker(),
+                "min_scale": self._min_scale, "max_scale": self._max_scale,
+                "_skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by this class or by ``torch.amp.GradScaler`` (then the hysteresis
@@ -426,8 +408,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
         self._min_scale = state_dict.get("min_scale", self._min_scale)
         self._max_scale = state_dict.get("max_scale", self._max_scale)
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker",
-                                                           self._hysteresis))
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
         self._skipped_steps_host = int(state_dict.get("_skipped_steps", 0))
@@ -486,8 +467,7 @@ def _run_torch_code(name: str) -> None:
 
 for _attr in ("scale", "get_scale", "_get_scale_async", "_get_growth_tracker", "is_enabled",
               "_check_scale_growth_tracker", "_found_inf_per_device", "get_growth_factor",
-              "set_growth_factor",
-              "get_backoff_factor", "set_backoff_factor", "get_growth_interval",
-              "set_growth_interval"):
+              "set_growth_factor", "get_backoff_factor", "set_backoff_factor",
+              "get_growth_interval", "set_growth_interval"):
     _run_torch_code(_attr)
 del _attr

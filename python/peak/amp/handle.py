@@ -1,7 +1,6 @@
-"""``amp.scale_loss``; ``LossScaler``, Apex's per-loss scaler (one per ``loss_id``: a front door
-over ``peak.scaling.LossScale`` with Apex's names and checkpoint format, docs/amp_api.md); the O1
-handle (``amp._amp_state.handle``, what the legacy ``amp.init`` returns); ``amp.disable_casts``.
-"""
+"""``amp.scale_loss``; ``LossScaler``, Apex's per-loss scaler (a front door over
+``peak.scaling.LossScale``, docs/amp_api.md, "Loss scaler"); the O1 handle
+(``amp._amp_state.handle``, what the legacy ``amp.init`` returns); ``amp.disable_casts``."""
 
 from __future__ import annotations
 
@@ -57,9 +56,7 @@ class LossScaler:
 
     def loss_scale(self) -> float:
         """The current scale as a Python float (a host sync for a dynamic scaler)."""
-        if self._static_value is not None:
-            return self._static_value
-        return float(self.scale.item())
+        return self._static_value if self._static_value is not None else float(self.scale.item())
 
     def is_static_one(self) -> bool:
         """True for a static scale of exactly 1.0 (known on the host, no sync)."""
@@ -137,11 +134,10 @@ class LossScaler:
 
     def update(self) -> None:
         """Update the scale on the device from the overflow flags (no host sync)."""
-        if not self.dynamic:
-            # A static scaler never looks at overflows; it only counts updates (Apex's _unskipped).
+        if self.dynamic:
+            self._core.update()
+        else:  # a static scaler never looks at overflows, only counts updates (Apex's _unskipped)
             self.growth_tracker.add_(1)
-            return
-        self._core.update()
 
     def update_scale(self) -> bool:
         """Apex's ``update_scale``: update S and return whether the step must be skipped (for a
@@ -198,8 +194,7 @@ def _check_optimizers(optimizers) -> list:
 @contextlib.contextmanager
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
                delay_overflow_check=False):
-    """Context manager yielding ``loss.float() * S`` (S: the current scale of loss scaler
-    ``loss_id``)::
+    """Context manager yielding ``loss.float() * S``, S the current scale of scaler ``loss_id``::
 
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
@@ -211,8 +206,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
     Args:
         loss: a scalar tensor.
-        optimizers: every optimizer (from ``amp.initialize``) owning a parameter that gets a
-            gradient.
+        optimizers: every optimizer (from ``amp.initialize``) owning a parameter given a gradient.
         loss_id: which loss scaler (``0 <= loss_id < num_losses``).
         model: unused (reserved, as in Apex).
         delay_unscale: leave the gradients scaled and unchecked (gradient accumulation); do not
@@ -220,20 +214,16 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         delay_overflow_check: unscale, but neither check for overflow nor update the scale.
     """
     try:
-        with _scale_loss(loss, optimizers, loss_id, delay_unscale,
-                         delay_overflow_check) as scaled:
-            yield scaled
+        yield from _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
     finally:
         _caster.clear_cache()  # the O1 weight-cast cache lives for one iteration (as Apex)
 
 
-@contextlib.contextmanager
 def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
     if not _amp_state.initialized:
-        raise RuntimeError(
-            "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
-            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
-            "before `with amp.scale_loss`.")
+        raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been "
+                           "initialized.  model, optimizer = amp.initialize(model, optimizer, "
+                           "opt_level=...) must be called before `with amp.scale_loss`.")
     if not _amp_state.opt_properties.enabled:
         yield loss
         return
@@ -245,10 +235,9 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
     optimizers = _check_optimizers(optimizers)
     scalers = _amp_state.loss_scalers
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
-        raise IndexError(
-            f"amp.scale_loss: loss_id={loss_id!r} but amp.initialize(num_losses={len(scalers)}) "
-            f"created loss scalers 0..{len(scalers) - 1}; pass num_losses=<number of losses> to "
-            "amp.initialize.")
+        raise IndexError(f"amp.scale_loss: loss_id={loss_id!r} but amp.initialize(num_losses="
+                         f"{len(scalers)}) created loss scalers 0..{len(scalers) - 1}; pass "
+                         "num_losses=<number of losses> to amp.initialize.")
     scaler = scalers[loss_id]
     stashes = [opt._amp_stash for opt in optimizers]
 
@@ -286,7 +275,7 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         warnings.warn("amp.scale_loss: the backward pass gave none of the optimizer's parameters "
                       "a gradient, so step() changes nothing. Parameters replaced after "
                       "amp.initialize (as FSDP2's fully_shard does) are not the optimizer's: "
-                      "fully_shard first, then opt_level='O1' (docs/distributed.md)", stacklevel=3)
+                      "fully_shard first, then opt_level='O1' (docs/distributed.md)", stacklevel=2)
     if delay_overflow_check:
         return
     if scaler.dynamic and any(stash.sharded for stash in stashes):
@@ -356,12 +345,10 @@ class AmpHandle:
 
 class NoOpHandle:
     has_cache = verbose = False
+    _disable_casts = staticmethod(contextlib.nullcontext)
 
     def is_active(self) -> bool:
         return False
-
-    def _disable_casts(self):
-        return contextlib.nullcontext()
 
     def wrap_optimizer(self, optimizer, num_loss: int = 1):
         return optimizer

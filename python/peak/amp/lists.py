@@ -1,7 +1,6 @@
 """``peak.amp.lists``: the O1 caster's op lists (torch callable -> policy; Apex's O1 lists by
 default), editable at run time: in every thread, persisting across ``amp.initialize``; ``local``
-edits one thread and one block. See docs/caster.md, "Editing the lists".
-"""
+edits one thread and one block. See docs/caster.md, "Editing the lists"."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ __all__ = ["POLICIES", "add", "remove", "local", "policy_of", "entries", "reset"
            "promote_function", "register_half_function", "register_float_function",
            "register_promote_function"]
 
-_CODES = _caster.CODES
-_NAMES = {code: name for name, code in _CODES.items()}
+_NAMES = {code: name for name, code in _caster.CODES.items()}
 #: The policy names ``add`` accepts.
 POLICIES = _caster.POLICIES
 _unwrap = _caster.unwrap
@@ -29,10 +27,10 @@ _unwrap = _caster.unwrap
 def _code(policy) -> int:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
-    return _CODES[policy]
+    return _caster.CODES[policy]
 
 
-def _check_callable(fn, arg: str = "func") -> None:
+def _check_callable(fn, arg: str = "func", *, torch_own: bool = False) -> None:
     if not callable(fn):
         raise TypeError(f"{arg} must be a callable (e.g. torch.nn.functional.gelu, torch.mm, "
                         f"torch.Tensor.add), got {type(fn).__name__}: {fn!r}")
@@ -44,21 +42,17 @@ def _check_callable(fn, arg: str = "func") -> None:
         raise TypeError(f"{arg} is an aten op ({fn}); the O1 lists take the Python-level torch "
                         f"functions that code calls (e.g. torch.sigmoid, torch.Tensor.sigmoid, "
                         f"torch.nn.functional.sigmoid)")
-
-
-def _check_interceptable(fn, arg: str = "func") -> None:
-    """Only torch's own callables are looked up in the lists: a Python function of the user's (or
-    a module class) never reaches the caster, so listing it would silently do nothing."""
-    if _caster.is_interceptable(fn):
-        return
-    raise TypeError(
-        f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
-        "torch.nn.functional, torch.Tensor, torch.linalg, torch.special, torch.fft or "
-        "torch.sparse, so O1 never sees its calls. For your own functions use the decorators "
-        "amp.half_function / amp.float_function / amp.promote_function, or "
-        "amp.register_half_function(module, name) "
-        "(and register_float/promote_function) before amp.initialize; for a module (e.g. "
-        "nn.GELU) list the function it calls (torch.nn.functional.gelu).")
+    if torch_own and not _caster.is_interceptable(fn):
+        # Only torch's own callables are looked up in the lists: a function of the user's (or a
+        # module class) never reaches the caster, so listing it would silently do nothing.
+        raise TypeError(
+            f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
+            "torch.nn.functional, torch.Tensor, torch.linalg, torch.special, torch.fft or "
+            "torch.sparse, so O1 never sees its calls. For your own functions use the decorators "
+            "amp.half_function / amp.float_function / amp.promote_function, or "
+            "amp.register_half_function(module, name) (and register_float/promote_function) "
+            "before amp.initialize; for a module (e.g. nn.GELU) list the function it calls "
+            "(torch.nn.functional.gelu).")
 
 
 def add(policy: str, *funcs) -> None:
@@ -68,8 +62,7 @@ def add(policy: str, *funcs) -> None:
         raise TypeError("lists.add(policy, *funcs): pass at least one function, "
                         "e.g. lists.add('fp32', torch.nn.functional.gelu)")
     for fn in funcs:
-        _check_callable(fn)
-        _check_interceptable(fn)
+        _check_callable(fn, torch_own=True)
     _caster.set_policies([_unwrap(fn) for fn in funcs], code)
 
 
@@ -110,8 +103,7 @@ def local(edits: dict):
                         f"{type(edits).__name__}")
     codes = {}
     for fn, policy in edits.items():
-        _check_callable(fn, "edits key")
-        _check_interceptable(fn, "edits key")
+        _check_callable(fn, "edits key", torch_own=True)
         codes[_unwrap(fn)] = 0 if policy is None else _code(policy)
     _caster.push_edits(codes)
     try:
@@ -132,9 +124,8 @@ def reset() -> None:
 
 
 def set_dispatch(dispatch: str) -> None:
-    """Kept for scripts written for earlier peak: O1 has one dispatch, ``"patch"`` (C++ wrappers
-    in place of the listed callables; unlisted ops pay nothing), so this accepts only that.
-    The ``"mode"`` dispatch was removed (docs/caster.md, "One dispatch")."""
+    """Kept for scripts written for earlier peak: accepts only ``"patch"``, O1's one dispatch
+    (the ``"mode"`` dispatch was removed: docs/caster.md, "One dispatch")."""
     if dispatch == "mode":
         raise ValueError("lists.set_dispatch('mode'): the TorchFunctionMode dispatch was removed; "
                          "O1 always uses the patch dispatch, which casts the same ops at lower "
@@ -145,8 +136,8 @@ def set_dispatch(dispatch: str) -> None:
 
 def set_allow_banned(allow: bool) -> None:
     """Let banned functions (binary_cross_entropy) run in fp32 instead of raising (Apex's
-    ``allow_banned``) in this thread, until O1 is next enabled (``amp.initialize`` sets it from
-    its own ``allow_banned`` argument: pass it there to have it from the start)."""
+    ``allow_banned``) in this thread, until O1 is next enabled (``amp.initialize`` sets it from its
+    own ``allow_banned`` argument: pass it there to have it from the start)."""
     if allow not in (True, False):
         raise TypeError(f"allow must be True or False, got {allow!r}")
     _c.set_allow_banned(bool(allow))
@@ -179,8 +170,8 @@ def _register(module, name, policy: str) -> None:
         raise ValueError(f"No function named {name} in module {module}.")
     if not callable(getattr(module, name)):
         raise TypeError(f"{module!r}.{name} is a {type(getattr(module, name)).__name__}, not a "
-                        f"function: register_*_function takes the name of a function to cast the "
-                        f"arguments of")
+                        "function: register_*_function takes the name of a function to cast the "
+                        "arguments of")
     _caster.register(module, name, policy)
 
 

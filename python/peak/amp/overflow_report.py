@@ -1,6 +1,5 @@
 """What GradScaler tells about overflows beyond torch: skipped-step counts (no host sync in
-``step()``) and ``overflow_report()``. A mixin of ``peak.amp.GradScaler``, its state on the
-scaler (so that pickling sees one object)."""
+``step()``) and ``overflow_report()``. A mixin, its state on the scaler (pickled as one object)."""
 from __future__ import annotations
 
 import weakref
@@ -86,8 +85,7 @@ class OverflowAttribution:
         ``model``: a ``torch.nn.Module`` (names from ``named_parameters()``), a mapping
         ``{name: parameter}`` or an iterable of ``(name, parameter)`` pairs; ``prefix`` is put in
         front of every name (for two models with the same layout). May be called several times.
-        The per-gradient flags are written by the unscale pass itself (one float per gradient),
-        not by a second pass. Returns the scaler."""
+        Costs no second pass (docs/torch_dialect.md, "Overflow attribution"). Returns the scaler."""
         if isinstance(model, torch.nn.Module):
             pairs = model.named_parameters()
         elif isinstance(model, abc.Mapping):
@@ -120,8 +118,7 @@ class OverflowAttribution:
 
     def _record_flags(self, optimizer, owners, flags: torch.Tensor) -> None:
         if self._report_records_iteration != self._iteration:
-            self._finish_report_records()
-            self._report_records = []
+            self._finish_report_records()  # (leaves no records)
             self._report_records_iteration = self._iteration
         self._report_records.append((optimizer, owners, flags))
 
@@ -131,10 +128,8 @@ class OverflowAttribution:
         records = self._report_records
         if not records:
             return
-        names = []
-        for optimizer, owners, flags in records:
-            names.extend(self._param_name(optimizer, *owner)
-                         for owner, hit in zip(owners, flags.tolist()) if hit)
+        names = [self._param_name(optimizer, *owner) for optimizer, owners, flags in records
+                 for owner, hit in zip(owners, flags.tolist()) if hit]
         for name in dict.fromkeys(names):
             self._overflow_counts[name] = self._overflow_counts.get(name, 0) + 1
         if names:

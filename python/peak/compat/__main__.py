@@ -14,9 +14,8 @@ def main(argv=None) -> int:
         prog="python -m peak.compat",
         description="Make `import apex` / `import amp_C` resolve to peak in this environment.")
     parser.add_argument("command", choices=["install", "uninstall", "status"])
-    parser.add_argument("--site-dir", default=None,
-                        help="where to write the .pth file (default: this environment's "
-                             "site-packages)")
+    parser.add_argument("--site-dir", default=None, help="where to write the .pth file "
+                        "(default: this environment's site-packages)")
     args = parser.parse_args(argv)
     if args.command == "install":
         try:
@@ -29,7 +28,8 @@ def main(argv=None) -> int:
               "`python -m peak.compat uninstall` removes it.")
     elif args.command == "uninstall":
         removed = uninstall_pth(args.site_dir)
-        print("removed: " + ", ".join(removed) if removed else "peak's Apex alias was not installed")
+        print("removed: " + ", ".join(removed) if removed
+              else "peak's Apex alias was not installed")
     else:
         pth, _ = pth_paths(args.site_dir)
         real = _finder.real_apex_location("apex")

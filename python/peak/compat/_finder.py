@@ -44,9 +44,9 @@ def target_of(fullname: str) -> str | None:
     """The peak module for an aliased name; None if the name is not Apex's."""
     if fullname in ALIASES:
         return ALIASES[fullname]
-    for prefix in ("apex.amp", "apex.fp16_utils", "apex.optimizers", "apex.multi_tensor_apply"):
-        if fullname.startswith(prefix + "."):
-            return ALIASES[prefix + ".*"] + fullname[len(prefix):]
+    for pattern, target in ALIASES.items():  # "apex.amp.*": apex.amp.x -> peak.amp.x
+        if pattern.endswith(".*") and fullname.startswith(pattern[:-1]):
+            return target + fullname[len(pattern) - 2:]
     return None
 
 
@@ -69,10 +69,9 @@ class _AliasLoader(importlib.abc.Loader):
     def create_module(self, spec):
         module = importlib.import_module(self.target)
         self._saved_spec = getattr(module, "__spec__", None)
-        # The target's submodules imported already are known under their Apex names too: an
-        # `import apex.amp._amp_state` then finds the module in sys.modules, and the import
-        # system does not set peak.amp._amp_state (the AmpState object, as in Apex's
-        # amp/__init__.py) to the module of the same name.
+        # Submodules of the target imported already get their Apex names too: `import
+        # apex.amp._amp_state` then finds the module in sys.modules, and the import system does not
+        # set peak.amp._amp_state (the AmpState object, as Apex's amp/__init__.py) to that module.
         prefix = self.target + "."
         for name in [n for n in sys.modules if n.startswith(prefix)]:
             sys.modules.setdefault(spec.name + name[len(self.target):], sys.modules[name])
@@ -125,10 +124,7 @@ class ApexAliasFinder(importlib.abc.MetaPathFinder):
 
 
 def installed_finder():
-    for finder in sys.meta_path:
-        if getattr(finder, "_peak_apex_alias", False):
-            return finder
-    return None
+    return next((f for f in sys.meta_path if getattr(f, "_peak_apex_alias", False)), None)
 
 
 def activate() -> bool:
@@ -151,7 +147,6 @@ def deactivate() -> None:
     """Removes the finder and forgets the aliased modules (peak's own modules stay loaded)."""
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_peak_apex_alias", False)]
     for name in list(sys.modules):
-        if name == "amp_C" or name == "apex" or name.startswith("apex."):
-            module = sys.modules[name]
-            if getattr(module, "__name__", "").startswith("peak"):
+        if name in ("amp_C", "apex") or name.startswith("apex."):
+            if getattr(sys.modules[name], "__name__", "").startswith("peak"):
                 del sys.modules[name]

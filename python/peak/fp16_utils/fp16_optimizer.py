@@ -1,14 +1,5 @@
-"""``FP16_Optimizer``: Apex's deprecated wrapper, kept so that old scripts run. Use
-``amp.initialize(model, optimizer, opt_level="O2")`` instead (the seeds' transition guide: O2 is
-FP16_Optimizer with ``dynamic_loss_scale=True``).
-
-It wraps any optimizer over a fp16/bf16 model: fp32 master copies replace the low-precision
-parameters in the optimizer's ``param_groups`` (fp32 parameters stay, as their own masters);
-``backward(loss)`` scales the loss; gradients are unscaled -- the low-precision ones into the
-masters' ``.grad``, the fp32 ones in place -- by one multi-tensor pass per (device, dtype) that
-also checks every one of them for inf/NaN; ``step()`` skips on overflow (backing the scale off)
-or steps the masters and copies them back into the model in one pass.
-"""
+"""``FP16_Optimizer``: Apex's deprecated wrapper, kept so that old scripts run (docs/migrating.md,
+"From FP16_Optimizer")."""
 from __future__ import annotations
 
 import math
@@ -22,13 +13,18 @@ from ..scaling import LossScale, core_attribute
 
 class FP16_Optimizer:
     """Apex's ``FP16_Optimizer(init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
-    dynamic_loss_args=None, verbose=True)``.
+    dynamic_loss_args=None, verbose=True)``, deprecated: ``amp.initialize(model, optimizer,
+    opt_level="O2")`` is FP16_Optimizer with ``dynamic_loss_scale=True``.
 
-    ``dynamic_loss_args`` may set ``init_scale`` (default 2**32), ``scale_factor`` (2.0) and
-    ``scale_window`` (1000), as Apex's DynamicLossScaler, whose scale never drops below 1.
-    As in Apex, per parameter group: ``fp16_groups`` (the model's fp16/bf16 parameters),
-    ``fp32_from_fp16_groups`` (their fp32 masters) and ``fp32_from_fp32_groups`` (fp32
-    parameters, stepped as they are).
+    fp32 master copies replace the fp16/bf16 parameters in the wrapped optimizer's
+    ``param_groups`` (fp32 parameters are their own masters). ``backward(loss)`` scales the loss
+    and unscales every gradient into the masters (fp32 ones in place), checking them for inf/NaN;
+    ``step()`` skips on overflow (backing the scale off; printed if ``verbose``) or steps the
+    masters and copies them into the model. ``dynamic_loss_args`` may set ``init_scale`` (default
+    2**32), ``scale_factor`` (2.0) and ``scale_window`` (1000), as Apex's DynamicLossScaler, whose
+    scale never drops below 1. As in Apex, per parameter group: ``fp16_groups`` (the model's
+    fp16/bf16 parameters), ``fp32_from_fp16_groups`` (their fp32 masters) and
+    ``fp32_from_fp32_groups`` (fp32 parameters, stepped as they are).
     """
 
     def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
@@ -51,8 +47,7 @@ class FP16_Optimizer:
         # checkpoints of peak 0.1, whose groups kept the parameters in their original order.
         self._legacy_layout: list[list[tuple[str, int]]] = []
         for group in self.optimizer.param_groups:
-            low, masters, fp32 = [], [], []
-            layout = []
+            low, masters, fp32, layout = [], [], [], []
             for p in group["params"]:
                 if not p.requires_grad:  # frozen: nothing to step (Apex leaves them out too)
                     layout.append(("frozen", -1))
@@ -81,12 +76,10 @@ class FP16_Optimizer:
             raise ValueError("FP16_Optimizer found no float16/bfloat16 parameters in the "
                              "optimizer: convert the model with .half() first, or better, use "
                              "peak.amp.initialize(opt_level='O2') which does it for you")
-        device = self.model_params[0].device
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         args = dict(init_scale=2.0 ** 32, scale_factor=2.0, scale_window=1000)
         if dynamic_loss_args is not None:
-            unknown = set(dynamic_loss_args) - set(args)
-            if unknown:
+            if unknown := set(dynamic_loss_args) - set(args):
                 raise ValueError(f"dynamic_loss_args: unknown keys {sorted(unknown)}; valid: "
                                  f"{sorted(args)}")
             args.update(dynamic_loss_args)
@@ -95,13 +88,10 @@ class FP16_Optimizer:
         scale_factor = float(args["scale_factor"])
         self._core = LossScale(init, growth_factor=scale_factor, backoff_factor=1.0 / scale_factor,
                                growth_interval=int(args["scale_window"]), min_scale=1.0,
-                               device=device)
-        self._scale = self._core.scale
-        self._growth_tracker = self._core.growth_tracker
+                               device=self.model_params[0].device)
         self.overflow = False
         self.first_closure_call_this_step = True
 
-    # The flat views (group order), as the store keeps them.
     @property
     def model_params(self) -> list[torch.Tensor]:
         return self._store.model_params
@@ -116,10 +106,9 @@ class FP16_Optimizer:
     def __setstate__(self, state):
         raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
 
-    # -- loss scale ------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
-        return self._scale.item()
+        return self._core.scale.item()
 
     @loss_scale.setter
     def loss_scale(self, value) -> None:
@@ -127,21 +116,20 @@ class FP16_Optimizer:
         value = float(value)
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"loss_scale must be a finite positive number, got {value}")
-        self._scale.fill_(value)
+        self._core.scale.fill_(value)
 
     def backward(self, loss, update_master_grads=True, retain_graph=False):
         """``(loss.float() * loss_scale).backward()``, then (by default) unscale into the
         masters' gradients."""
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
-        (loss.float() * self._scale).backward(retain_graph=retain_graph)
+        (loss.float() * self._core.scale).backward(retain_graph=retain_graph)
         if update_master_grads:
             self.update_master_grads()
 
     def update_master_grads(self):
-        """Unscale every gradient the optimizer will step: the model's fp16/bf16 gradients into
-        the masters' ``.grad`` (fp32), fp32 parameters' gradients in place; all of them are
-        checked for inf/NaN in the same pass (one per (device, dtype))."""
+        """Unscale every gradient the optimizer will step (fp16/bf16 ones into the masters'
+        ``.grad``, fp32 ones in place), checked for inf/NaN in one pass per (device, dtype)."""
         ins, outs = [], []
         for p, m in zip(self.model_params, self.master_params):
             if p.grad is None:
@@ -151,10 +139,9 @@ class FP16_Optimizer:
                 m.grad = torch.empty_like(m)
             ins.append(p.grad)
             outs.append(m.grad)
-        for p in (p for group in self.fp32_from_fp32_groups for p in group):
-            if p.grad is not None:
-                ins.append(p.grad)
-                outs.append(p.grad)
+        fp32_grads = [p.grad for g in self.fp32_from_fp32_groups for p in g if p.grad is not None]
+        ins += fp32_grads
+        outs += fp32_grads
         self._core.found_inf.zero_()
         self._core.unscale_(ins, outputs=outs)
         self.overflow = self.dynamic_loss_scale and self._core.found_inf.any_()
@@ -177,7 +164,6 @@ class FP16_Optimizer:
         fp32 = [p for g in self.optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(fp32, max_norm, norm_type).item()
 
-    # -- step ------------------------------------------------------------------------------------
     def step(self, closure=None):
         """Skip on overflow (backing the scale off), else step the masters and copy them into
         the model. A closure (static loss scale only, as Apex) must call ``zero_grad()`` and
@@ -193,53 +179,46 @@ class FP16_Optimizer:
                 print(f"OVERFLOW! Skipping step. Attempted loss scale: {old}, reducing to "
                       f"{self.loss_scale}")
             return None
-        if closure is not None:
-            result = self._step_with_closure(closure)
-        else:
+        if closure is None:
             result = self.optimizer.step()
+        else:
+            def wrapped_closure():
+                # The optimizer may call the closure more than once (LBFGS): from the second call
+                # on, the masters moved, so the model must see them before the next forward.
+                if self.first_closure_call_this_step:
+                    self.first_closure_call_this_step = False
+                else:
+                    self._store.copy_to_model()
+                return closure()
+
+            try:
+                result = self.optimizer.step(wrapped_closure)
+            finally:
+                self.first_closure_call_this_step = True
         self._store.copy_to_model()
         self._update_scale()
         return result
-
-    def _step_with_closure(self, closure):
-        def wrapped_closure():
-            # The optimizer may call the closure more than once (LBFGS): from the second call
-            # on, the masters moved, so the model must see them before the next forward.
-            if self.first_closure_call_this_step:
-                self.first_closure_call_this_step = False
-            else:
-                self._store.copy_to_model()
-            return closure()
-
-        try:
-            return self.optimizer.step(wrapped_closure)
-        finally:
-            self.first_closure_call_this_step = True
 
     def _update_scale(self):
         if self.dynamic_loss_scale:
             self._core.update()
 
     def zero_grad(self, set_grads_to_None=False):
-        fp32 = [p for group in self.fp32_from_fp32_groups for p in group]
-        for p in self.model_params + self.master_params + fp32:
+        for p in self.model_params + self.master_params + sum(self.fp32_from_fp32_groups, []):
             if set_grads_to_None:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.detach_().zero_()
 
-    # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self):
         return {
             "loss_scaler": {"loss_scale": self.loss_scale,
-                            "growth_tracker": int(self._growth_tracker.item())},
-            "dynamic_loss_scale": self.dynamic_loss_scale,
-            "overflow": self.overflow,
+                            "growth_tracker": int(self._core.growth_tracker.item())},
+            "dynamic_loss_scale": self.dynamic_loss_scale, "overflow": self.overflow,
             "first_closure_call_this_step": self.first_closure_call_this_step,
             "optimizer_state_dict": self.optimizer.state_dict(),
             # One list per parameter group, as Apex.
-            "fp32_from_fp16": [[m.detach().clone() for m in group]
-                               for group in self.fp32_from_fp16_groups],
+            "fp32_from_fp16": [[m.detach().clone() for m in g] for g in self.fp32_from_fp16_groups],
         }
 
     def _from_legacy(self, state_dict):
@@ -249,17 +228,17 @@ class FP16_Optimizer:
         flat = list(state_dict["fp32_from_fp16"])
         opt_sd = state_dict["optimizer_state_dict"]
         old_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
-        if old_sizes != [len(layout) for layout in self._legacy_layout]:
+        sizes = [len(layout) for layout in self._legacy_layout]
+        if old_sizes != sizes:
             raise ValueError(f"checkpoint (written by peak 0.1) has parameter groups of sizes "
-                             f"{old_sizes}, this optimizer was built on groups of sizes "
-                             f"{[len(layout) for layout in self._legacy_layout]}: not the same "
-                             f"model and optimizer")
+                             f"{old_sizes}, this optimizer was built on groups of sizes {sizes}: "
+                             f"not the same model and optimizer")
         saved, renumber, new_groups, start = [], {}, [], 0
         for layout, old_group, masters in zip(self._legacy_layout, opt_sd["param_groups"],
                                               self.fp32_from_fp16_groups):
-            saved.append(flat[:len(masters)])
-            flat = flat[len(masters):]
             n_masters = len(masters)
+            saved.append(flat[:n_masters])
+            flat = flat[n_masters:]
             for (kind, index), old_id in zip(layout, old_group["params"]):
                 if kind != "frozen":
                     renumber[old_id] = start + (index if kind == "master" else n_masters + index)
@@ -280,8 +259,8 @@ class FP16_Optimizer:
             raise ValueError(f"checkpoint has fp32 master weights for groups of sizes {shapes}, "
                              f"this optimizer has {mine}: not the same model and optimizer")
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
-        self._scale.fill_(state_dict["loss_scaler"]["loss_scale"])
-        self._growth_tracker.fill_(state_dict["loss_scaler"].get("growth_tracker", 0))
+        self._core.scale.fill_(state_dict["loss_scaler"]["loss_scale"])
+        self._core.growth_tracker.fill_(state_dict["loss_scaler"].get("growth_tracker", 0))
         self.overflow = state_dict["overflow"]
         self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
         self.optimizer.load_state_dict(opt_sd)

@@ -1,9 +1,5 @@
-"""Apex's manual mixed-precision helpers (``apex.fp16_utils.fp16util``): half models that keep
-batch norm in fp32, fp32 master copies of a model's parameters and the copies between them.
-
-The recipe they serve -- fp16 model, fp32 masters, copy gradients up and weights down by hand --
-is what ``amp.initialize(..., opt_level="O2")`` or a ``peak.optimizers`` fused optimizer does in
-one call; these keep scripts written for it running unchanged.
+"""Apex's manual mixed-precision helpers (``apex.fp16_utils.fp16util``), kept so that scripts
+written for them run unchanged: ``amp.initialize(..., opt_level="O2")`` does the same in one call.
 """
 from __future__ import annotations
 
@@ -35,10 +31,9 @@ class tofp16(nn.Module):  # noqa: N801 (Apex's name)
 def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802 (Apex's name)
     """Turns every batch norm with affine parameters inside ``module`` back to fp32 (its running
     statistics and weights need fp32's range); returns ``module``."""
-    if _affine_batch_norm(module):
-        module.float()
-    for child in module.children():
-        BN_convert_float(child)
+    for m in module.modules():
+        if _affine_batch_norm(m):
+            m.float()
     return module
 
 
@@ -68,9 +63,8 @@ def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
         raise TypeError(f"convert_network: dtype must be a floating-point torch.dtype (e.g. "
                         f"torch.half), got {dtype!r}")
     for module in network.modules():
-        if _affine_batch_norm(module):
-            continue
-        convert_module(module, dtype)
+        if not _affine_batch_norm(module):
+            convert_module(module, dtype)
         if isinstance(module, nn.RNNBase):
             module.flatten_parameters()  # the cuDNN weight buffer must be rebuilt in the new dtype
     return network
@@ -111,8 +105,7 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False):
         master = nn.Parameter(flat, requires_grad=True)
         master.grad = torch.zeros_like(master)  # as Apex: allocated, ready for the copy
         return model_params, [master]
-    master_params = [p.detach().clone().float().requires_grad_() for p in model_params]
-    return model_params, master_params
+    return model_params, [p.detach().clone().float().requires_grad_() for p in model_params]
 
 
 @torch.no_grad()
@@ -145,10 +138,9 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
 def master_params_to_model_params(model_params, master_params, flat_master: bool = False) -> None:
     """Copies the (fp32) masters into the model's parameters, rounding to their dtype."""
     if flat_master:
-        copy_to_model(list(_unflatten_dense_tensors(master_params[0], model_params)),
-                      list(model_params))
-        return
-    _check_pairs(model_params, master_params)
+        master_params = _unflatten_dense_tensors(master_params[0], model_params)
+    else:
+        _check_pairs(model_params, master_params)
     copy_to_model(list(master_params), list(model_params))
 
 

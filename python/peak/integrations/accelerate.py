@@ -1,22 +1,7 @@
-"""peak with Hugging Face Accelerate, both dialects (docs/integrations.md).
-
-Apex dialect -- ``amp.initialize`` decides the precision, the ``Accelerator`` stays at
-``mixed_precision="no"``:
-
-* :func:`initialize`: ``amp.initialize`` for objects before *or after* ``accelerator.prepare``
-  (an ``AcceleratedOptimizer`` is unwrapped to the optimizer it keeps in ``.optimizer``), and
-  amp's loss-scaler state registered for ``accelerator.save_state`` / ``load_state``.
-* :func:`prepare`: :func:`initialize` then ``accelerator.prepare``, in one call.
-* :func:`backward`: ``amp.scale_loss`` around ``accelerator.backward``.
-
-torch dialect -- ``Accelerator(mixed_precision="fp16"|"bf16")`` decides the precision:
-
-* :func:`use_grad_scaler`: ``accelerator.scaler`` becomes a ``peak.amp.GradScaler``
-  (Accelerate's ``GradScalerKwargs`` cannot name a scaler class); on the CPU, where Accelerate does
-  not run fp16 itself, it also switches Accelerate's fp16 autocast on.
-* :func:`autocast`: ``accelerator.autocast()`` as a ``peak.amp.autocast``, with list edits.
-
-Needs the ``accelerate`` package (tested with 1.15.0).
+"""peak with Hugging Face Accelerate (tested with accelerate 1.15.0), both dialects
+(docs/integrations.md, "Accelerate"): the Apex dialect (:func:`prepare` or :func:`initialize`,
+then :func:`backward`) leaves the ``Accelerator`` at ``mixed_precision="no"``; the torch dialect
+(:func:`use_grad_scaler`, :func:`autocast`) follows its ``mixed_precision="fp16"|"bf16"``.
 """
 from __future__ import annotations
 
@@ -51,61 +36,60 @@ class _AmpCheckpointState:
 
 
 def initialize(accelerator, models, optimizers=None, **amp_kwargs):
-    """``amp.initialize(models, optimizers, **amp_kwargs)`` in a script that uses Accelerate.
-
-    Works before or after ``accelerator.prepare`` (single process): prepared optimizers
+    """``amp.initialize(models, optimizers, **amp_kwargs)`` in a script that uses Accelerate,
+    before or after ``accelerator.prepare`` (single process): prepared optimizers
     (``AcceleratedOptimizer``) are unwrapped, and the objects passed in come back, wrappers
     included, in the shape passed in. Registers amp's loss-scaler state with
     ``accelerator.register_for_checkpointing`` (once per accelerator), so ``save_state`` /
     ``load_state`` carry it; the masters are in the optimizer's state already.
 
-    The Accelerator must be at ``mixed_precision="no"``: amp's opt_level does the mixed
-    precision, and Accelerate's autocast and GradScaler on top would do it twice. For
-    multi-process runs call it before ``accelerator.prepare`` (DDP must wrap the model after
-    ``amp.initialize``).
+    The Accelerator must be at ``mixed_precision="no"``: amp's opt_level does the mixed precision,
+    and Accelerate's autocast and GradScaler on top would do it twice. In multi-process runs call
+    it before ``accelerator.prepare`` (DDP must wrap the model after ``amp.initialize``).
     """
-    if accelerator.mixed_precision != "no" or accelerator.scaler is not None or accelerator.native_amp:
+    mixed = accelerator.mixed_precision
+    if mixed != "no" or accelerator.scaler is not None or accelerator.native_amp:
         raise ValueError(
-            f"peak.integrations.accelerate.initialize: the Accelerator runs "
-            f"mixed_precision={accelerator.mixed_precision!r}, and amp's opt_level would cast on top of "
-            "Accelerate's autocast and GradScaler. Create it as Accelerator(mixed_precision='no') (the "
-            "default) and choose the precision with opt_level= and low_precision_dtype= here; or keep "
-            "Accelerate's mixed precision and use peak's torch dialect (use_grad_scaler).")
+            f"peak.integrations.accelerate.initialize: the Accelerator runs mixed_precision="
+            f"{mixed!r}, and amp's opt_level would cast on top of Accelerate's autocast and "
+            "GradScaler. Create it as Accelerator(mixed_precision='no') (the default) and choose "
+            "the precision with opt_level= and low_precision_dtype= here; or keep Accelerate's "
+            "mixed precision and use peak's torch dialect (use_grad_scaler).")
     model_list = _as_list(models)
     for i, model in enumerate(model_list):
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             raise RuntimeError(
                 f"peak.integrations.accelerate.initialize: models[{i}] was already wrapped in "
-                f"{type(model).__name__} by accelerator.prepare, and amp.initialize must see the model "
-                "before the wrapper registers its parameters. Call initialize(accelerator, model, "
-                "optimizer, ...) first, then accelerator.prepare(model, optimizer, ...).")
+                f"{type(model).__name__} by accelerator.prepare, and amp.initialize must see the "
+                "model before the wrapper registers its parameters. Call initialize(accelerator, "
+                "model, optimizer, ...) first, then accelerator.prepare(model, optimizer, ...).")
     inner = None if optimizers is None else [unwrap_optimizer(o) for o in _as_list(optimizers)]
     amp.initialize(model_list, inner, **amp_kwargs)
     if not getattr(accelerator, "_peak_amp_state_registered", False):
         accelerator.register_for_checkpointing(_AmpCheckpointState())
         accelerator._peak_amp_state_registered = True
-    if optimizers is None:
-        return models
-    return models, optimizers
+    return models if optimizers is None else (models, optimizers)
 
 
 def prepare(accelerator, *objects, opt_level: str, **amp_kwargs):
     """:func:`initialize` on the models and optimizers among ``objects``, then
     ``accelerator.prepare(*objects)``; returns what ``prepare`` returns::
 
-        model, optimizer, loader = peak_accelerate.prepare(accelerator, model, optimizer, loader,
-                                                           opt_level="O2", low_precision_dtype="bf16")
+        model, optimizer, loader = peak_accelerate.prepare(
+            accelerator, model, optimizer, loader, opt_level="O2", low_precision_dtype="bf16")
     """
     models = [o for o in objects if isinstance(o, torch.nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     if not models:
-        raise ValueError("peak.integrations.accelerate.prepare: no torch.nn.Module among the objects; "
-                         "pass the model(s) and optimizer(s) to prepare, as to accelerator.prepare.")
+        raise ValueError("peak.integrations.accelerate.prepare: no torch.nn.Module among the "
+                         "objects; pass the model(s) and optimizer(s) to prepare, as to "
+                         "accelerator.prepare.")
     initialize(accelerator, models, optimizers or None, opt_level=opt_level, **amp_kwargs)
     return accelerator.prepare(*objects)
 
 
-def backward(accelerator, loss, optimizers, *, loss_id: int = 0, delay_unscale: bool = False, **kwargs):
+def backward(accelerator, loss, optimizers, *, loss_id: int = 0, delay_unscale: bool = False,
+             **kwargs):
     """``accelerator.backward(loss)`` for the Apex dialect: the loss is scaled by amp for
     ``optimizers`` (prepared or not) and the gradients unscaled into them on the way out::
 
@@ -121,9 +105,9 @@ def _dtype_of(accelerator) -> torch.dtype:
     mixed = accelerator.mixed_precision
     if mixed not in ("fp16", "bf16"):
         raise ValueError(
-            f"peak's torch dialect with Accelerate follows Accelerator(mixed_precision=...), which is "
-            f"{mixed!r} here; create the Accelerator with mixed_precision='fp16' or 'bf16' (or use the Apex "
-            "dialect: peak.integrations.accelerate.initialize with an opt_level).")
+            f"peak's torch dialect with Accelerate follows Accelerator(mixed_precision=...), which "
+            f"is {mixed!r} here; create the Accelerator with mixed_precision='fp16' or 'bf16' (or "
+            "use the Apex dialect: peak.integrations.accelerate.initialize with an opt_level).")
     return _dtypes.parse_dtype(mixed, "Accelerator.mixed_precision")
 
 
@@ -146,18 +130,20 @@ def use_grad_scaler(accelerator, scaler=None):
             "single-process, DDP and FSDP2 (fully_shard) runs.")
     if accelerator._models or accelerator._optimizers:
         raise RuntimeError(
-            "peak.integrations.accelerate.use_grad_scaler: call it before accelerator.prepare; the "
-            "prepared optimizers and models already hold Accelerate's scaler and autocast.")
+            "peak.integrations.accelerate.use_grad_scaler: call it before accelerator.prepare; "
+            "the prepared optimizers and models already hold Accelerate's scaler and autocast.")
     if dtype == torch.bfloat16:
         if scaler is not None:
-            raise ValueError("use_grad_scaler: bf16 needs no loss scaling (it has fp32's range); pass no scaler.")
+            raise ValueError("use_grad_scaler: bf16 needs no loss scaling (it has fp32's range); "
+                             "pass no scaler.")
         return None
     if scaler is not None and not isinstance(scaler, amp.GradScaler):
-        raise TypeError(f"use_grad_scaler: scaler must be a peak.amp.GradScaler or None; got {type(scaler).__name__}")
+        raise TypeError(f"use_grad_scaler: scaler must be a peak.amp.GradScaler or None; got "
+                        f"{type(scaler).__name__}")
     device_type = accelerator.device.type
     if scaler is None:
-        kwargs = accelerator.scaler_handler.to_kwargs() if accelerator.scaler_handler is not None else {}
-        scaler = amp.GradScaler(device_type, **kwargs)
+        handler = accelerator.scaler_handler
+        scaler = amp.GradScaler(device_type, **(handler.to_kwargs() if handler is not None else {}))
     accelerator.scaler = scaler
     # Accelerate turns fp16 autocast on only off the CPU; its forward wrapper and backward follow
     # these two attributes.

@@ -1,18 +1,5 @@
-"""Lightning ``Precision`` plugins for both of peak's dialects (docs/integrations.md).
-
-* :class:`AmpPrecision` -- the Apex dialect: ``amp.initialize`` when Lightning connects the model
-  and optimizers, ``amp.scale_loss`` around every backward, fp32 master weights (O2) and amp's
-  loss-scaler state in Lightning's checkpoints::
-
-      trainer = L.Trainer(plugins=[AmpPrecision("O2", low_precision_dtype="bf16")])
-
-* :class:`MixedPrecision` -- the torch dialect: Lightning's own ``MixedPrecision`` with
-  ``peak.amp.GradScaler`` (fp16) and ``peak.amp.autocast``, whose ``fp32_ops`` / ``lower_ops``
-  edit the op lists for the training, validation, test and predict steps::
-
-      trainer = L.Trainer(plugins=[MixedPrecision("16-mixed", fp32_ops=[torch.nn.functional.softmax])])
-
-Needs the ``lightning`` package (tested with 2.6.6).
+"""Lightning ``Precision`` plugins (tested with lightning 2.6.6) for both of peak's dialects:
+:class:`AmpPrecision` (Apex) and :class:`MixedPrecision` (torch); docs/integrations.md, "Lightning".
 """
 from __future__ import annotations
 
@@ -36,46 +23,34 @@ def _unwrap(optimizer):
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _precision_name(opt_level: str, dtype: torch.dtype | None) -> str:
-    """Lightning's name for the precision (``trainer.precision``, logs)."""
-    if opt_level == "O0":
-        return "32-true"
-    prefix = "bf16" if dtype == torch.bfloat16 else "16"
-    return f"{prefix}-true" if opt_level == "O3" else f"{prefix}-mixed"
-
-
 class AmpPrecision(Precision):
-    """Apex-style mixed precision (``amp.initialize`` / ``amp.scale_loss``) for Lightning's Trainer.
+    """Apex-style mixed precision (``amp.initialize`` / ``amp.scale_loss``) for Lightning's
+    Trainer (docs/integrations.md, "Apex dialect: AmpPrecision").
 
     Args:
         opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (as ``amp.initialize``).
         low_precision_dtype: ``torch.float16`` / ``torch.bfloat16`` or a string (``"fp16"``,
             ``"bf16"``, ...); None: amp's default (fp16, as Apex).
-        **others: ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``,
-            ``keep_batchnorm_fp32``, ``master_weights``, ``cast_model_outputs``, ``num_losses``
-            and ``verbosity`` go to ``amp.initialize`` (``verbosity`` defaults to 0 here:
-            Lightning prints its own summary).
+        **others: ``loss_scale``, ``min_loss_scale``, ``max_loss_scale``, ``keep_batchnorm_fp32``,
+            ``master_weights``, ``cast_model_outputs``, ``num_losses`` and ``verbosity`` go to
+            ``amp.initialize`` (``verbosity`` defaults to 0 here: Lightning prints its summary).
 
-    What it does, hook by hook:
-
-    * ``connect``: ``amp.initialize(model, optimizers, ...)`` on the LightningModule and the
-      optimizers of ``configure_optimizers`` (before Lightning moves optimizer state and before a
-      checkpoint's optimizer state is loaded, so the fp32 masters come back bit for bit).
-    * ``backward``: ``with amp.scale_loss(loss, optimizer) as scaled: model.backward(scaled)``.
-      In manual optimization ``self.manual_backward(loss, loss_id=1)`` picks the loss scaler
-      (with ``num_losses=2``); without an optimizer the loss is scaled for all of them.
-    * ``optimizer_step``: runs Lightning's closure (forward, backward) first, then its hooks and
-      gradient clipping (on the unscaled fp32 master gradients, ``amp.master_params``), then
-      ``optimizer.step()`` without the closure, so the step only ever sees finished gradients.
-      A ``training_step`` that returns None skips the step, as in Lightning's own plugins.
-    * ``state_dict`` / ``load_state_dict``: ``amp.state_dict()`` (the loss scalers) under the
-      checkpoint key ``"AmpPrecision"``; the masters travel in the optimizer's state.
+    ``connect`` runs ``amp.initialize(model, optimizers, ...)`` on the LightningModule and the
+    optimizers of ``configure_optimizers``, before Lightning moves optimizer state or loads a
+    checkpoint's (so the fp32 masters come back bit for bit). ``backward`` runs under
+    ``amp.scale_loss(loss, optimizer)`` (all optimizers when none is given); in manual optimization
+    ``self.manual_backward(loss, loss_id=1)`` picks the loss scaler (with ``num_losses=2``).
+    ``optimizer_step`` runs Lightning's closure (forward, backward), then its hooks and gradient
+    clipping (on the unscaled fp32 master gradients, ``amp.master_params``), then
+    ``optimizer.step()`` without the closure, so the step only sees finished gradients; a
+    ``training_step`` that returns None skips the step, as in Lightning's plugins. Checkpoints hold
+    ``amp.state_dict()`` (the loss scalers) under ``"AmpPrecision"``; the masters travel in the
+    optimizer's state.
 
     amp's state is process-wide (as with ``amp.initialize``): it stays on after ``fit`` returns
     (O1's casts included), and a later ``amp.initialize`` replaces it. Single-device strategies
     only: Lightning wraps the model for DDP/FSDP before the precision plugin connects, and
-    ``amp.initialize`` must see the unwrapped model; with those strategies use
-    :class:`MixedPrecision`.
+    ``amp.initialize`` must see the unwrapped model; with those use :class:`MixedPrecision`.
     """
 
     def __init__(self, opt_level: str = "O1", low_precision_dtype=None, *, loss_scale=None,
@@ -83,10 +58,11 @@ class AmpPrecision(Precision):
                  master_weights=None, cast_model_outputs=None, num_losses: int = 1,
                  verbosity: int = 0) -> None:
         if opt_level not in opt_levels:
-            raise ValueError(f"AmpPrecision: opt_level must be one of 'O0', 'O1', 'O2', 'O3' (the letter "
-                             f"O, not zero); got opt_level={opt_level!r}")
+            raise ValueError(f"AmpPrecision: opt_level must be one of 'O0', 'O1', 'O2', 'O3' (the "
+                             f"letter O, not zero); got opt_level={opt_level!r}")
         self.opt_level = opt_level
-        self.low_precision_dtype = _dtypes.parse_dtype(low_precision_dtype, "AmpPrecision: low_precision_dtype")
+        self.low_precision_dtype = _dtypes.parse_dtype(low_precision_dtype,
+                                                       "AmpPrecision: low_precision_dtype")
         if loss_scale is not None:
             parse_loss_scale(loss_scale)  # an error now rather than when fit() starts
         # the rest is checked by amp.initialize in connect(), before it changes anything
@@ -95,7 +71,10 @@ class AmpPrecision(Precision):
             keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
             cast_model_outputs=cast_model_outputs, num_losses=num_losses, verbosity=verbosity,
             low_precision_dtype=self.low_precision_dtype)
-        self.precision = _precision_name(opt_level, self.low_precision_dtype)
+        # Lightning's name for the precision (trainer.precision, logs)
+        prefix = "bf16" if self.low_precision_dtype == torch.bfloat16 else "16"
+        self.precision = ("32-true" if opt_level == "O0" else
+                          f"{prefix}-true" if opt_level == "O3" else f"{prefix}-mixed")
         self._model = None
         self._optimizers: list = []
 
@@ -112,8 +91,8 @@ class AmpPrecision(Precision):
                 "AmpPrecision and a freshly built LightningModule.")
         if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             raise RuntimeError(
-                f"AmpPrecision: the strategy wrapped the model in {type(model).__name__} before the "
-                "precision plugin connected, and amp.initialize needs the unwrapped model. Use "
+                f"AmpPrecision: the strategy wrapped the model in {type(model).__name__} before "
+                "the precision plugin connected, and amp.initialize needs the unwrapped model. Use "
                 "AmpPrecision with a single-device strategy, or peak.integrations.lightning."
                 "MixedPrecision (the torch dialect) with DDP/FSDP.")
         amp.initialize(model, raw or None, opt_level=self.opt_level, **self._initialize_kwargs)
@@ -129,11 +108,10 @@ class AmpPrecision(Precision):
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if isinstance(_unwrap(optimizer), torch.optim.LBFGS):
             raise MisconfigurationException(
-                "AmpPrecision: LBFGS re-evaluates its closure inside step(), which amp's loss scaling "
-                "cannot follow; use another optimizer or the fp32 default precision.")
-        # The closure first (training_step, zero_grad, backward under amp.scale_loss), then the
-        # step without it: the step reads the loss scale and overflow flag only after the
-        # gradients exist, whatever the optimizer does with a closure.
+                "AmpPrecision: LBFGS re-evaluates its closure inside step(), which amp's loss "
+                "scaling cannot follow; use another optimizer or the fp32 default precision.")
+        # The closure first, then the step without it: the step reads the loss scale and overflow
+        # flag only after the gradients exist, whatever the optimizer does with a closure.
         closure_result = closure()
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
@@ -171,9 +149,9 @@ def _mixed_dtype(precision) -> torch.dtype:
         return _dtypes.parse_dtype(precision, "MixedPrecision: precision", allow_none=False)
     except _dtypes.DtypeArgumentError:
         strings = ", ".join(repr(n) for d in _dtypes.LOW_PRECISION for n in _dtypes.DTYPE_NAMES[d])
-        raise ValueError(f"MixedPrecision: precision must be '16-mixed' or 'bf16-mixed' (Lightning's "
-                         f"names), torch.float16, torch.bfloat16, or one of the strings {strings}; "
-                         f"got precision={precision!r}") from None
+        raise ValueError(f"MixedPrecision: precision must be '16-mixed' or 'bf16-mixed' "
+                         f"(Lightning's names), torch.float16, torch.bfloat16, or one of the "
+                         f"strings {strings}; got precision={precision!r}") from None
 
 
 class MixedPrecision(_LightningMixedPrecision):
@@ -200,16 +178,16 @@ class MixedPrecision(_LightningMixedPrecision):
         self._dtype = _mixed_dtype(precision)
         self.precision = "bf16-mixed" if self._dtype == torch.bfloat16 else "16-mixed"
         if scaler is not None and self._dtype == torch.bfloat16:
-            raise MisconfigurationException(
-                f"MixedPrecision: bf16 needs no loss scaling (fp32's range); pass scaler=None, found {scaler}.")
+            raise MisconfigurationException(f"MixedPrecision: bf16 needs no loss scaling (fp32's "
+                                            f"range); pass scaler=None, found {scaler}.")
         if device is not None and not isinstance(device, str):
-            raise TypeError(f"MixedPrecision: device must be a device type string ('cpu', 'cuda') or None; "
-                            f"got device={device!r}")
-        self.device = device
-        self.scaler = scaler
+            raise TypeError(f"MixedPrecision: device must be a device type string ('cpu', 'cuda') "
+                            f"or None; got device={device!r}")
+        self.device, self.scaler = device, scaler
         self._fp32_ops, self._lower_ops = fp32_ops, lower_ops
         # check the list edits now (an unknown op name raises here, not in the first step)
-        amp.autocast("cpu", dtype=torch.bfloat16, enabled=False, fp32_ops=fp32_ops, lower_ops=lower_ops)
+        amp.autocast("cpu", dtype=torch.bfloat16, enabled=False, fp32_ops=fp32_ops,
+                     lower_ops=lower_ops)
 
     def connect(self, model, optimizers, lr_schedulers):
         if self.device is None:

@@ -11,8 +11,8 @@ skip happen inside the step. ``LARC`` wraps any optimizer (Apex's ``apex.paralle
 Lean state (bf16 models): ``store_param_remainders=True`` keeps each master as the 16 bits the
 bf16 weight drops, and ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (SGD: ``momentum_dtype``) may be
 ``torch.bfloat16`` (10 bytes per parameter instead of 16) or ``torch.uint8`` (8-bit
-block-quantized: ~8.03 bytes); ``memory_report(model, optimizer)``
-shows where they go. See "Lean optimizer state" in docs/core.md.
+block-quantized: ~8.03 bytes); ``memory_report(model, optimizer)`` shows where they go. See "Lean
+optimizer state" in docs/core.md.
 """
 from ._base import FusedOptimizer
 from ._export import export_fp32_optimizer_state_dict, export_fp32_state_dict
@@ -24,5 +24,5 @@ from .masters import MasterWeights, join_remainder, split_master
 
 __all__ = ["FusedSGD", "FusedAdam", "FusedAdamW", "FusedLAMB", "FusedMixedPrecisionLamb",
            "FusedAdagrad", "FusedNovoGrad", "LARC", "FusedOptimizer", "export_fp32_state_dict",
-           "export_fp32_optimizer_state_dict",
-           "memory_report", "MemoryReport", "join_remainder", "split_master", "MasterWeights"]
+           "export_fp32_optimizer_state_dict", "memory_report", "MemoryReport", "join_remainder",
+           "split_master", "MasterWeights"]

@@ -11,24 +11,23 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
+from .. import ops
+from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
 from ._arguments import check_bool, check_moment_dtype, check_moment_rounding
-from ._checkpoint_check import EIGHT_BIT_LAYOUT, check_loadable
+from ._checkpoint_check import EIGHT_BIT_LAYOUT, STORAGE_KEYS, check_loadable
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
-from ..scaling import agree_on_overflow
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
 from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, follow_weight,
                       forget_weight, join_remainder, load_master, master_in_state, note_stepped,
                       take_fp32_sums, weights_settled)
 
-# State entries whose dtype the optimizer chooses, whatever the parameter's (torch's
-# Optimizer.load_state_dict would cast them to the parameter's dtype: we restore them ourselves):
-# fp32, or the lean storage a group asks for (see "Lean optimizer state" in docs/core.md).
+# State whose dtype the optimizer chooses, not the parameter's: fp32 or a group's lean storage
+# (docs/core.md, "Lean optimizer state"). torch's load_state_dict would cast it: we restore it.
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
-# The per-block scales of 8-bit moments (``exp_avg_scale``...: optimizers/_quant.py).
+# The per-block scales of 8-bit moments (``exp_avg_scale``...: _quant.py).
 SCALE_KEYS = tuple(scale_key(k) for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
-FP32_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                   "sum", "master_param", "master_param_remainder") + SCALE_KEYS
+FP32_STATE_KEYS = ("step", "sum", MASTER_KEY, REMAINDER_KEY) + MOMENT_KEYS + SCALE_KEYS
 LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
              "moment_rounding")
 
@@ -59,16 +58,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                             ("store_unscaled_grads", store_unscaled_grads)):
             check_bool(name, value)
         self.master_weights = master_weights
-        # Apex's option: what zero_grad() does when not told (torch's default: set to None).
-        self.set_grad_none = set_grad_none
+        self.set_grad_none = set_grad_none  # Apex's option: zero_grad()'s default
         # After a step handed grad_scale, p.grad holds the unscaled gradient, as torch's fused
         # optimizers leave it (NOTE: [Unscaled gradients after the step]); False skips that store.
         self.store_unscaled_grads = store_unscaled_grads
         self._step_store_grads = False  # this step's choice (set by step())
-        # In param_groups, so that checkpoints carry them: the rounding's hash key (NOTE:
-        # [Stochastic rounding to bf16]; from torch's seed, so torch.manual_seed repeats runs),
-        # capturable (the step never syncs either way: True is what it asks for) and the lean
-        # state's options ("Lean optimizer state" in docs/core.md).
+        # In param_groups, so checkpoints carry them: the rounding's hash key (NOTE: [Stochastic
+        # rounding to bf16]; from torch's seed, so torch.manual_seed repeats runs), capturable (the
+        # step never syncs either way: True is what it asks for) and the lean state's options.
         lean = dict(lean or {})
         if lean:
             check_bool("store_param_remainders", lean.get("store_param_remainders", False))
@@ -83,8 +80,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if len(q8) == 1:
                 other = ({"exp_avg_dtype", "exp_avg_sq_dtype"} - set(q8)).pop()
                 raise ValueError(f"{q8[0]}=torch.uint8 (8-bit block-quantized moments) needs "
-                                 f"{other}=torch.uint8 as well: both moments are 8-bit or "
-                                 "neither")
+                                 f"{other}=torch.uint8 as well: both moments are 8-bit or neither")
             check_moment_rounding(lean.get("moment_rounding", "stochastic"))
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
                         stochastic_rounding_seed=torch.initial_seed() % 2**32,
@@ -114,7 +110,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- state -----------------------------------------------------------------------------------
     def wants_master(self, p: Tensor) -> bool:
-        """``p`` is stepped through an fp32 master (fp16/bf16 ``p``, unless master_weights=False)."""
+        """``p`` is stepped through an fp32 master (fp16/bf16, unless master_weights=False)."""
         if p.dtype == torch.float32:
             return False
         if p.dtype not in (torch.float16, torch.bfloat16):
@@ -132,8 +128,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             return False
         if p.dtype != torch.bfloat16:
             raise TypeError(
-                f"{type(self).__name__}(store_param_remainders=True) keeps bf16 weights' masters as "
-                f"the 16 bits the weight drops; this group has a {p.dtype} parameter, which has "
+                f"{type(self).__name__}(store_param_remainders=True) keeps bf16 weights' masters "
+                f"as the 16 bits the weight drops; this group has a {p.dtype} parameter, which has "
                 "no exact 16-bit remainder. Use a bfloat16 model, or keep fp32 masters "
                 "(store_param_remainders=False), or step without masters "
                 "(master_weights=False, with stochastic_rounding=True for bf16)")
@@ -143,15 +139,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def _state_dtype(self, group: dict, key: str, p: Tensor | None = None) -> torch.dtype:
-        """The storage dtype of a moment ``key`` in ``group`` (fp32 unless the group asks) for
-        ``p``: on shards, 8-bit only where its rows are whole blocks, else bf16 (NOTE: [Sharded
-        steps])."""
-        dtype = torch.float32
-        if key in ("exp_avg", "momentum_buffer"):
-            dtype = group.get("momentum_dtype" if key == "momentum_buffer" else "exp_avg_dtype",
-                              torch.float32)
-        elif key == "exp_avg_sq":
-            dtype = group.get("exp_avg_sq_dtype", torch.float32)
+        """The storage dtype of state ``key`` in ``group`` (fp32 unless the group asks) for ``p``:
+        on shards, 8-bit only where its rows are whole blocks, else bf16 (NOTE: [Sharded steps])."""
+        option = STORAGE_KEYS.get(key)
+        dtype = group.get(option, torch.float32) if option else torch.float32
         if dtype == torch.uint8 and p is not None and is_sharded(p) and not whole_block_rows(p):
             return torch.bfloat16
         return dtype
@@ -186,9 +177,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _master_list_entry(state: dict):
-        """What the kernel's master_params list holds for a parameter: its fp32 master or its
-        int16 remainder (None: no master)."""
-        master = state.get("master_param")
+        """The kernel's master_params entry: the fp32 master, the int16 remainder or None."""
+        master = state.get(MASTER_KEY)
         return master if master is not None else state.get(REMAINDER_KEY)
 
     def _state_keys_for(self, group: dict) -> tuple[str, ...]:
@@ -198,11 +188,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Hook: ``state[key]`` was just created (zeros) for a parameter."""
 
     # -- the master-weight protocol (docs/core.md, "Who owns the master weights") ---------------
-    # wants_master(p) / keeps_remainder(p): how p is stepped; set_master(p, fp32): p's exact
-    # master (amp O2 hands over the weights from before its cast); master_of(p): the exact fp32
-    # master; master_params(): the fp32 weights stepped; clips_by_norm / grad_norm(): the global
-    # norm clipping uses; give_master_grads(grad_scale): fp32 master gradients to clip, which the
-    # next step() reads; step(grad_scale=, found_inf=, grad_norm=): the step, skipped on the device.
     def set_master(self, p: Tensor, master: Tensor) -> None:
         """Make the fp32 ``master`` p's master (amp O2: the weights from before its cast)."""
         master_in_state(self, p, self.state[p], original=master)
@@ -228,8 +213,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         power-of-two scales loss scalers use), an fp32 or remainder-kept parameter its own,
         unscaled in place. The next ``step()`` (with no ``grad_scale``) steps with them; it or
         ``zero_grad()`` drops the masters' gradients. Returns ``master_params()``."""
-        from ..scaling import OverflowFlags, unscale_grads_  # noqa: PLC0415
-
         lows, masters, own = [], [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -250,8 +233,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def accumulate_grads(self) -> None:
         """Add every fp16/bf16 gradient into an fp32 sum and drop it (after each micro-batch's
-        backward): the next ``step()`` steps the exact sum (NOTE: [fp32 gradient accumulation]
-        in masters.py)."""
+        backward): the next ``step()`` steps the exact sum (NOTE: [fp32 gradient accumulation])."""
         with torch.no_grad():
             accumulate_fp32(self)
 
@@ -268,8 +250,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return any(g.get("max_grad_norm", 0.0) > 0 for g in self.param_groups)
 
     def _grad_read(self, p: Tensor) -> Tensor:
-        """The gradient the step reads for ``p``: its master's fp32 gradient when
-        ``give_master_grads`` gave it one (see ``_step_masters``), else ``p.grad``."""
+        """Its master's fp32 gradient from ``give_master_grads`` (``_step_masters``), or p.grad."""
         state = self.state.get(p)
         master = state.get(MASTER_KEY) if state else None
         return master.grad if master is not None and master.grad is not None else p.grad
@@ -279,9 +260,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The L2 norm of every gradient of the optimizer (all groups and dtypes) as they are
         (scaled, if a scaler scaled them): one read pass per (device, dtype), combined on the
         first gradient's device, no host sync. inf/NaN in any gradient makes it non-finite."""
-        from .. import ops  # noqa: PLC0415 (ops imports the extension)
-        from ..scaling import group_by_device_dtype  # noqa: PLC0415 (so does the core)
-
         params = [p for group in self.param_groups for p in group["params"]
                   if p.grad is not None and not p.grad.is_sparse]
         if not params:
@@ -301,39 +279,36 @@ class FusedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Tensor | None = None,
              found_inf: Tensor | None = None, grad_norm: Tensor | None = None):
-        """One fused step. ``grad_scale``/``found_inf`` (float32, one element) come from a
-        loss scaler: grads are divided by ``grad_scale`` inside the step, and a set
-        ``found_inf`` skips it on the device, leaving every weight and state bit-for-bit.
+        """One fused step. ``grad_scale``/``found_inf`` (float32, one element) come from a loss
+        scaler: grads are divided by ``grad_scale`` inside the step, and a set ``found_inf`` skips
+        it on the device, leaving every weight and state bit-for-bit.
 
         Groups with ``max_grad_norm > 0`` clip every gradient by the global norm inside the same
         step, as ``torch.nn.utils.clip_grad_norm_`` over all the optimizer's gradients would.
-        ``grad_norm`` (the norm of the gradients as passed, still scaled) is that norm when a
-        loss scaler already computed it in its inf/NaN check (``peak.amp.GradScaler`` does);
-        otherwise the step computes it (one read pass)."""
+        ``grad_norm`` (the norm of the gradients as passed, still scaled) is that norm when a loss
+        scaler already computed it in its inf/NaN check (``peak.amp.GradScaler`` does); otherwise
+        the step computes it (one read pass)."""
         loss = None
         if closure is not None:  # first: what the step reads below is the closure's doing
             with torch.enable_grad():
                 loss = closure()
         # torch.amp.GradScaler hands these over as attributes of the optimizer instead.
-        if grad_scale is None:
-            grad_scale = getattr(self, "grad_scale", None)
-        if found_inf is None:
-            found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
+        found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
         take_fp32_sums(self, grad_scale)
         weights_settled()
         self._check_stochastic_rounding()
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
             agree_on_overflow(self, {found_inf.device: found_inf})  # flag too
-        self._step_store_grads = grad_scale is not None and getattr(self, "store_unscaled_grads", True)
-        if grad_norm is not None:
-            if not isinstance(grad_norm, Tensor) or grad_norm.numel() != 1:
-                raise TypeError("grad_norm must be a one-element tensor (the global norm of the "
-                                "gradients as passed), got "
-                                f"{type(grad_norm).__name__}")
-            self._step_grad_norm = grad_norm
-        else:
-            self._step_grad_norm = self.grad_norm() if self.clips_by_norm else None
+        self._step_store_grads = (grad_scale is not None
+                                  and getattr(self, "store_unscaled_grads", True))
+        if grad_norm is not None and (not isinstance(grad_norm, Tensor) or grad_norm.numel() != 1):
+            raise TypeError("grad_norm must be a one-element tensor (the global norm of the "
+                            f"gradients as passed), got {type(grad_norm).__name__}")
+        if grad_norm is None and self.clips_by_norm:
+            grad_norm = self.grad_norm()
+        self._step_grad_norm = grad_norm
         stepped_master_grads = False
         for group in self.param_groups:
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
@@ -351,14 +326,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 master = self._master_list_entry(state)
                 # (8-bit groups on shards hold bf16 moments where rows are not whole blocks)
                 storage = scale_key("exp_avg") in state or scale_key("momentum_buffer") in state
-                if master is not None and master.grad is not None:
-                    buckets[(p.device, p.dtype, _MASTER_GRADS, storage)].append(p)
-                else:
-                    buckets[(p.device, p.dtype, master is not None, storage)].append(p)
+                has_grads = master is not None and master.grad is not None
+                kind = _MASTER_GRADS if has_grads else master is not None
+                buckets[(p.device, p.dtype, kind, storage)].append(p)
             for (device, _dtype, kind, _storage), params in buckets.items():
                 lr_t = self._lr_tensor(group, device)
-                gs = self._on(grad_scale, device)
-                fi = self._on(found_inf, device)
+                gs, fi = self._on(grad_scale, device), self._on(found_inf, device)
                 states = [self.state[p] for p in params]
                 given = [p.grad for p in params]
                 mgrads = [s[MASTER_KEY].grad for s in states] if kind is _MASTER_GRADS else []
@@ -376,17 +349,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                         continue
                 if kind is _MASTER_GRADS:
                     self._step_masters(group, params, states, mgrads, given, lr_t, gs, fi)
-                    note_stepped(bucket)
-                    continue
-                grads = [self._grad_like(p, g) for p, g in zip(params, given)]
-                self._launch(group, params, grads,
-                             [self._master_list_entry(s) for s in states] if kind else [],
-                             states, lr_t, gs, fi)
+                else:
+                    grads = [self._grad_like(p, g) for p, g in zip(params, given)]
+                    self._launch(group, params, grads,
+                                 [self._master_list_entry(s) for s in states] if kind else [],
+                                 states, lr_t, gs, fi)
+                    if self._step_store_grads:
+                        for g0, g in zip(given, grads):
+                            if g is not g0:  # a re-laid-out copy was stepped
+                                g0.copy_(g)
                 note_stepped(bucket)
-                if self._step_store_grads:
-                    for g0, g in zip(given, grads):
-                        if g is not g0:  # a re-laid-out copy was stepped
-                            g0.copy_(g)
         self._bucket_shards = None
         if stepped_master_grads:
             self.drop_master_grads()  # (the step used them)
@@ -395,13 +367,12 @@ class FusedOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _lr_tensor(group: dict, device: torch.device) -> Tensor:
         """The learning rate the kernels read: a one-element float32 tensor on ``device``.
-
-        NOTE: [Learning rate under CUDA-graph capture] A float lr becomes a new tensor each step
-        (torch.full), so a captured step keeps the value it had at capture, as torch's optimizers
-        do. A float32 tensor lr on the parameters' device is read from its own memory (reshape
-        is a view): changing it in place between replays (``group["lr"].fill_(x)``, as torch's LR
-        schedulers do to a tensor lr) changes the replayed step. A CPU tensor cannot be read by
-        a replay (a host copy in a graph is refused or frozen): refused here, with the fix."""
+        NOTE: [Learning rate under CUDA-graph capture] A float lr becomes a new tensor each step,
+        so a captured step keeps its value at capture, as torch's optimizers do. A float32 tensor
+        lr on the parameters' device is read from its own memory (reshape is a view): changing it
+        in place between replays (``group["lr"].fill_(x)``, as torch's LR schedulers do) changes
+        the replayed step. A replay cannot read a CPU tensor (a host copy in a graph is refused or
+        frozen): refused here, with the fix."""
         lr = group["lr"]
         if not isinstance(lr, Tensor):
             return torch.full((1,), float(lr), dtype=torch.float32, device=device)
@@ -414,8 +385,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "and change it in place between replays")
         return lr.to(device=device, dtype=torch.float32).reshape(1)
 
-    def _step_masters(self, group, params, states, grads, given, lr, grad_scale,
-                      found_inf) -> None:
+    def _step_masters(self, group, params, states, grads, given, lr, grad_scale, found_inf):
         """Step parameters whose fp32 masters were given fp32 gradients (``amp.master_params``,
         maybe clipped since): the masters are the weights stepped, with those gradients, then
         rounded into the model (as the kernel's own store would round them); the model's gradient
@@ -434,20 +404,17 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _check_stochastic_rounding(self) -> None:
         """Before any group steps: stochastic rounding is defined for bf16 weights only."""
         for group in self.param_groups:
-            if not group.get("stochastic_rounding", False):
-                continue
-            for p in group["params"]:
-                if p.grad is not None and p.dtype == torch.float16:
-                    raise TypeError(
-                        f"{type(self).__name__}(stochastic_rounding=True) rounds bfloat16 "
-                        "weights; this group has a float16 parameter. Keep fp32 master weights "
-                        "for fp16 models (master_weights=None), or use bfloat16")
+            if group.get("stochastic_rounding", False) and any(
+                    p.grad is not None and p.dtype == torch.float16 for p in group["params"]):
+                raise TypeError(
+                    f"{type(self).__name__}(stochastic_rounding=True) rounds bfloat16 weights; "
+                    "this group has a float16 parameter. Keep fp32 master weights for fp16 "
+                    "models (master_weights=None), or use bfloat16")
 
     @staticmethod
     def _rounding_seed(group: dict, params: list[Tensor]) -> int | None:
         """The kernel's stochastic_rounding_seed for a bucket: None (round to nearest) unless the
-        group asks for stochastic rounding and the bucket holds bf16 weights without masters
-        (fp32 weights need no rounding)."""
+        group asks for stochastic rounding and the bucket holds bf16 weights (without masters)."""
         if not group.get("stochastic_rounding", False) or params[0].dtype != torch.bfloat16:
             return None
         return int(group["stochastic_rounding_seed"])
@@ -480,9 +447,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _grad_like(p: Tensor, g: Tensor) -> Tensor:
         # The kernels walk a parameter and its gradient in the same memory order.
-        if g.stride() == p.stride():
-            return g
-        return torch.empty_like(p).copy_(g)
+        return g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
 
     @staticmethod
     def _on(t: Tensor | None, device) -> Tensor | None:
@@ -534,11 +499,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         # saved with fp32 state loads into a lean optimizer (and back), converted below.
         storage = [{k: g[k] for k in LEAN_KEYS if k in g} for g in self.param_groups]
         super().load_state_dict(stripped)
+        own_keys = getattr(self, "_group_keys", tuple(self.defaults))
         for group, own in zip(self.param_groups, storage):
             group.update(own)
-        own_keys = getattr(self, "_group_keys", tuple(self.defaults))
-        for group in self.param_groups:  # a torch.optim checkpoint lacks our own options
-            self._translate_torch_group(group)
+            self._translate_torch_group(group)  # a torch.optim checkpoint lacks our own options
             for key in own_keys:
                 if key in self.defaults:
                     group.setdefault(key, self.defaults[key])
@@ -549,20 +513,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             p = id_to_param.get(pid)
             if p is None:
                 continue
-            state = self.state[p]
-            group = self._group_of(p)
+            state, group = self.state[p], self._group_of(p)
             for key, value in entries.items():
-                if key in ("master_param", REMAINDER_KEY) or key in SCALE_KEYS:
+                if key in (MASTER_KEY, REMAINDER_KEY) or key in SCALE_KEYS:
                     continue  # below: the masters follow this optimizer's choice
                 if isinstance(value, Tensor) and key in MOMENT_KEYS:
                     load_moment(state, key, value, entries.get(scale_key(key)),
                                 self._state_dtype(group, key, p), p)
-                elif isinstance(value, Tensor):
+                elif isinstance(value, Tensor):  # 'step', Adagrad's 'sum': fp32, bit for bit
                     value = value.reshape(()) if key == "step" and value.numel() == 1 else value
-                    # Moments in this group's storage: fp32 -> bf16 rounds to nearest even,
-                    # bf16 -> fp32 is exact; same dtype is a bit-for-bit copy.
-                    state[key] = value.to(device=p.device, dtype=self._state_dtype(group, key),
-                                          copy=True)
+                    state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
                 else:  # a Python number (older torch 'step', Apex's group step)
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
             load_master(self, p, state, group, entries)

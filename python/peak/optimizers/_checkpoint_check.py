@@ -1,11 +1,10 @@
 """An optimizer state dict checked against the optimizer that loads it, before anything loads.
 
 A damaged checkpoint (a missing, extra, mis-shaped or mis-typed entry, an 8-bit moment without
-its scale, a missing step count) is refused with the entry named; the optimizer's state, its
-param_groups and the weights stay as they were. Without the check a missing ``exp_avg`` loaded
-and stepped: the moment restarted at zero beside the parameter's ``exp_avg_sq`` and step count,
-a silently wrong update (torch.optim.AdamW raises a KeyError there, after loading).
-"""
+its scale, a missing step count) is refused with the entry named; state, param_groups and weights
+stay as they were. Without the check a missing ``exp_avg`` loaded and restarted at zero beside
+its ``exp_avg_sq`` and step count: a silently wrong update (torch.optim.AdamW raises a KeyError
+there, after loading)."""
 from __future__ import annotations
 
 import numbers
@@ -21,8 +20,8 @@ from .masters import MASTER_KEY, REMAINDER_KEY
 # that loads into the optimizer's own storage (torch.distributed.checkpoint) casts 8-bit codes
 # to other dtypes as numbers; what the saver kept tells such a cast from a saved moment.
 EIGHT_BIT_LAYOUT = "moments_8bit_layout"
-_STORAGE_KEYS = {"exp_avg": "exp_avg_dtype", "exp_avg_sq": "exp_avg_sq_dtype",
-                 "momentum_buffer": "momentum_dtype"}
+STORAGE_KEYS = {"exp_avg": "exp_avg_dtype", "exp_avg_sq": "exp_avg_sq_dtype",
+                "momentum_buffer": "momentum_dtype"}
 
 
 def check_loadable(optimizer, state_dict) -> None:
@@ -67,17 +66,15 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
         refuse(f"expected a dict of state tensors, got {type(entries).__name__}")
     # An optimizer class says which state it can keep (``_all_state_keys``, default its
     # ``_state_keys``), which a started parameter must have (``_state_keys_for(group)`` plus
-    # ``_also_required_state_keys``), whether a step count is required, and which state is one
-    # number per parameter (NovoGrad's layer norm).
+    # ``_also_required_state_keys``), whether a step count is required (``_loaded_step_required``)
+    # and which state is one number per parameter (``_scalar_state_keys``: NovoGrad's norm).
     known = set(getattr(optimizer, "_all_state_keys", ()) or optimizer._state_keys)
     known |= {"step", MASTER_KEY, REMAINDER_KEY}
-    extra = sorted(k for k in entries if k not in known and k not in
-                   {scale_key(m) for m in known})
+    extra = sorted(k for k in entries if k not in known and k not in {scale_key(m) for m in known})
     if extra:
         refuse(f"unknown entries {extra} (this optimizer keeps {sorted(known)})")
     moments = [k for k in known if k not in ("step", MASTER_KEY, REMAINDER_KEY)]
-    started = "step" in entries or any(entries.get(k) is not None for k in moments)
-    if started:
+    if "step" in entries or any(entries.get(k) is not None for k in moments):  # started
         # (State an option switched on mid-run starts at the next step, as _init_state does:
         # FusedSGD's momentum buffer, FusedAdam's max_exp_avg_sq; not required.)
         mid_run = getattr(optimizer, "_mid_run_state_keys", ())
@@ -93,11 +90,10 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
     for key, value in entries.items():
         if key == "step":
             if isinstance(value, Tensor):
-                if (value.numel() != 1 or value.is_complex() or value.dtype == torch.bool
-                        or value.is_meta):
+                meta = " on the meta device" if value.is_meta else ""
+                if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool or meta:
                     refuse(f"'step' must be one real number, got a {value.dtype} tensor of "
-                           f"shape {tuple(value.shape)}" + (" on the meta device" if
-                                                              value.is_meta else ""))
+                           f"shape {tuple(value.shape)}{meta}")
                 value = value.item()
             elif isinstance(value, bool) or not isinstance(value, numbers.Real):
                 refuse(f"'step' must be a number or a one-element tensor, got "
@@ -139,7 +135,7 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
             refuse(f"'{key}' holds 8-bit codes but '{scale_key(key)}' (their per-block scales) "
                    "is missing")
         layout = group.get(EIGHT_BIT_LAYOUT)
-        if layout is not None and str(group.get(_STORAGE_KEYS.get(key))).endswith("uint8"):
+        if layout is not None and str(group.get(STORAGE_KEYS.get(key))).endswith("uint8"):
             saved = torch.uint8 if layout == "flat" or whole_block_rows(p) else torch.bfloat16
             if value.dtype != saved:
                 refuse(f"'{key}' was saved as {str(saved).replace('torch.', '')} ({layout} "

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ._base import MOMENT_KEYS
-from .masters import REMAINDER_KEY
+from .masters import MASTER_KEY, REMAINDER_KEY
 
 PARTS = ("weights", "grads", "masters", "moments", "scales", "other")
 
@@ -71,14 +71,10 @@ def memory_report(model: torch.nn.Module, optimizer, *, print_report: bool = Fal
             if not isinstance(value, Tensor) or id(value) in counted:
                 continue
             counted.add(id(value))
-            if key in ("master_param", REMAINDER_KEY):
-                parts["masters"] += _nbytes(value)
-            elif key in MOMENT_KEYS:
-                parts["moments"] += _nbytes(value)
-            elif key.endswith("_scale") or key.endswith("_scales"):
-                parts["scales"] += _nbytes(value)
-            else:
-                parts["other"] += _nbytes(value)
+            part = ("masters" if key in (MASTER_KEY, REMAINDER_KEY)
+                    else "moments" if key in MOMENT_KEYS
+                    else "scales" if key.endswith(("_scale", "_scales")) else "other")
+            parts[part] += _nbytes(value)
     report = MemoryReport(params=n, bytes=parts)
     if print_report:
         print(report)

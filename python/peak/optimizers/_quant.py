@@ -1,15 +1,7 @@
-"""8-bit block-quantized moments outside the step: converting a checkpoint's moments to and from
-codes and scales (NOTE: [8-bit moments] in csrc/core/block_quant.h, "Lean optimizer state" in
-docs/core.md). The step itself quantizes in C++; these float32 torch expressions follow the same
-operations in the same order, so a moment quantized here codes as the kernels would code it.
-
-Format: one uint8 code per element and one float32 scale per block of 256 consecutive elements
-(the last block of a tensor may be short); the scale is the block's absmax (of ``|m|`` for
-``exp_avg`` and the momentum buffer, of ``v`` for ``exp_avg_sq``). A code is a small float of
-the value relative to its block: ``exp_avg``: sign + 3 exponent + 4 mantissa bits of
-``|m| / absmax``; ``exp_avg_sq``: 3 exponent + 5 mantissa bits of ``sqrt(v) / sqrt(absmax)``.
-Code 0 is 0; a positive ``v`` never codes as 0.
-"""
+"""8-bit block-quantized moments outside the step: a checkpoint's moments to and from codes and
+scales. The format is NOTE: [8-bit moments] in csrc/core/block_quant.h (docs/core.md, "8-bit
+moments"); these float32 torch expressions follow the kernels' operations in the same order, so a
+moment quantized here codes as the kernels would code it."""
 from __future__ import annotations
 
 import math
@@ -19,14 +11,13 @@ import torch
 from torch import Tensor
 
 BLOCK = 256
-SCALE_SUFFIX = "_scale"
 # (exponent bits, mantissa bits, signed, sqrt-coded) per moment key.
 FORMATS = {"exp_avg": (3, 4, True, False), "momentum_buffer": (3, 4, True, False),
            "exp_avg_sq": (3, 5, False, True)}
 
 
 def scale_key(key: str) -> str:
-    return key + SCALE_SUFFIX
+    return key + "_scale"
 
 
 def num_blocks(numel: int) -> int:
@@ -39,10 +30,6 @@ def _memory_order(x: Tensor) -> list[int]:
     return sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
 
 
-def _flat(x: Tensor) -> Tensor:
-    return x.detach().permute(_memory_order(x)).reshape(-1)
-
-
 def _unflat(flat: Tensor, like: Tensor, dtype) -> Tensor:
     out = torch.empty_like(like, dtype=dtype, memory_format=torch.preserve_format)
     out.permute(_memory_order(out)).copy_(flat.view([like.shape[d] for d in _memory_order(like)]))
@@ -50,7 +37,7 @@ def _unflat(flat: Tensor, like: Tensor, dtype) -> Tensor:
 
 
 def _blocks(x: Tensor) -> Tensor:
-    flat = _flat(x).to(torch.float32)
+    flat = x.detach().permute(_memory_order(x)).reshape(-1).to(torch.float32)
     pad = num_blocks(flat.numel()) * BLOCK - flat.numel()
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, BLOCK)
 
@@ -74,7 +61,8 @@ def quantize(x: Tensor, key: str) -> tuple[Tensor, Tensor]:
     t = torch.where(t < top, t, top)
     f = (t.view(torch.int32).to(torch.int64) + (1 << (22 - m))) & ~((1 << (23 - m)) - 1)
     k = (f >> 23) - (127 - (2 ** e - 1))
-    q = torch.where(k < 0, torch.zeros_like(k), (k.clamp(min=0) << m) | ((f >> (23 - m)) & (2 ** m - 1)))
+    q = torch.where(k < 0, torch.zeros_like(k),
+                    (k.clamp(min=0) << m) | ((f >> (23 - m)) & (2 ** m - 1)))
     if signed:
         q = q | torch.where(blocks < 0, 0x80, 0)
     else:
@@ -84,12 +72,12 @@ def quantize(x: Tensor, key: str) -> tuple[Tensor, Tensor]:
 
 
 def dequantize(codes: Tensor, scales: Tensor, key: str) -> Tensor:
-    """The float32 moments that ``codes`` and ``scales`` stand for (exactly as the kernels
-    decode them)."""
+    """The float32 moments ``codes`` and ``scales`` stand for (exactly as the kernels decode)."""
     e, m, signed, sqrt = FORMATS[key]
     q = _blocks(codes.to(torch.int32)).to(torch.int64)  # (exact: codes < 2**24)
     mag_bits = q & (2 ** (e + m) - 1)
-    bits = (((mag_bits >> m) + (127 - (2 ** e - 1))) << 23) | ((mag_bits & (2 ** m - 1)) << (23 - m))
+    bits = ((((mag_bits >> m) + (127 - (2 ** e - 1))) << 23)
+            | ((mag_bits & (2 ** m - 1)) << (23 - m)))
     level = torch.where(mag_bits == 0, 0, bits).to(torch.int32).view(torch.float32)
     scales = scales.detach().reshape(-1).to(torch.float32)
     coded = scales.sqrt() if sqrt else scales
@@ -106,8 +94,7 @@ def whole_block_rows(p: Tensor) -> bool:
     """p's rows are whole blocks and p is sharded by rows (FSDP2's default ``Shard(0)``): sharding
     cuts no block, and its blocks are those of the whole tensor on any number of ranks (from the
     global shape alone)."""
-    placements = getattr(p, "placements", None) or ()
-    if any(getattr(pl, "dim", 0) != 0 for pl in placements):
+    if any(getattr(pl, "dim", 0) != 0 for pl in getattr(p, "placements", None) or ()):
         return False
     return p.dim() >= 2 and p.shape[0] > 0 and (p.numel() // p.shape[0]) % BLOCK == 0
 
@@ -126,10 +113,9 @@ def new_state(p: Tensor) -> tuple[Tensor, Tensor]:
 
 def load_moment(state: dict, key: str, value: Tensor, scales: Tensor | None, want: torch.dtype,
                 p: Tensor) -> None:
-    """A saved moment into ``state`` in the storage ``want``: the same storage is a bit-for-bit
-    copy; fp32 -> bf16 rounds to nearest even; bf16 -> fp32 is exact; 8-bit codes decode exactly
-    to fp32 (then round to bf16 if asked); fp32/bf16 -> 8-bit quantizes per block, to nearest,
-    as the step does."""
+    """A saved moment into ``state`` in the storage ``want``: the same storage bit for bit; fp32 ->
+    bf16 to nearest even, bf16 -> fp32 exactly; 8-bit codes decoded exactly (then rounded to bf16
+    if asked); fp32/bf16 -> 8-bit quantized per block to nearest, as the step does."""
     if getattr(p, "device_mesh", None) is not None and value.dtype != want and torch.uint8 in (
             value.dtype, want):
         raise NotImplementedError(

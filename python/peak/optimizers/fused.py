@@ -17,9 +17,8 @@ _ADAM_SCALES = {"exp_avg_scales": "exp_avg", "exp_avg_sq_scales": "exp_avg_sq"}
 
 
 def _check_materialize(materialize_master_grads) -> None:
-    """Apex's option (its FusedSGD/FusedAdam build fp32 master gradients unless it is False).
-    peak's step reads the fp16/bf16 gradients directly and never builds them, so both values
-    step alike."""
+    """Apex's option (fp32 master gradients unless False): peak's step reads the fp16/bf16
+    gradients directly and never builds them, so both values step alike."""
     check_bool("materialize_master_grads", materialize_master_grads)
 
 
@@ -48,10 +47,9 @@ class FusedSGD(FusedOptimizer):
                 "algorithm (weight decay added to the gradient before momentum). Leave "
                 "wd_after_momentum=False")
         _check_materialize(materialize_master_grads)
-        check_hyper("learning rate", lr, lo=0.0)
-        check_hyper("momentum value", momentum, lo=0.0)
-        check_hyper("weight_decay value", weight_decay, lo=0.0)
-        check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+        for name, value in (("learning rate", lr), ("momentum value", momentum),
+                            ("weight_decay value", weight_decay), ("max_grad_norm", max_grad_norm)):
+            check_hyper(name, value, lo=0.0)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
@@ -84,8 +82,7 @@ class FusedSGD(FusedOptimizer):
             stochastic_rounding_seed=self._rounding_seed(group, params),
             store_unscaled_grads=self._step_store_grads, **self._moment_args(group, states),
             **self._clip_args(group, lr.device),
-            **self._scale_args(states if buffers else [],
-                               {"momentum_scales": "momentum_buffer"}))
+            **self._scale_args(states if buffers else [], {"momentum_scales": "momentum_buffer"}))
 
     def _complete_loaded_state(self, p, state):
         had_step = "step" in state
@@ -96,23 +93,19 @@ class FusedSGD(FusedOptimizer):
 
 class FusedAdam(FusedOptimizer):
     """Adam, or AdamW with ``adam_w_mode=True`` (decoupled weight decay), as ``torch.optim.Adam``
-    / ``AdamW``; ``amsgrad``, ``bias_correction`` and ``set_grad_none`` as Apex's FusedAdam.
-    The arguments are in torch.optim.Adam's order and ``adam_w_mode`` defaults to False (torch's
-    Adam); Apex's FusedAdam defaults to AdamW: pass ``adam_w_mode=True`` for Apex's behaviour.
-    ``master_weights``, ``stochastic_rounding`` and ``max_grad_norm`` as for :class:`FusedSGD`.
+    / ``AdamW``, in torch.optim.Adam's argument order and with its ``adam_w_mode=False`` default
+    (Apex's FusedAdam defaults to AdamW: pass ``adam_w_mode=True`` for Apex's behaviour).
+    ``amsgrad``, ``bias_correction`` and ``set_grad_none`` as Apex's FusedAdam; ``master_weights``,
+    ``stochastic_rounding`` and ``max_grad_norm`` as for :class:`FusedSGD`.
 
-    Lean state (see "Lean optimizer state" in docs/core.md): ``store_param_remainders=True``
-    keeps the master of each bf16 parameter as the 16 low bits its bf16 weight drops (exact fp32
-    masters in 2 bytes; the weight is the master rounded to nearest with ties away from zero);
-    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``torch.float32``, ``torch.bfloat16``, or
-    ``torch.uint8`` for 8-bit block-quantized moments; strings ``"fp32"``, ``"bf16"``, ``"8bit"``
-    too) choose the moments' storage. bf16 moments are rounded stochastically
-    (``moment_rounding="stochastic"``, the default) or to nearest even (``"nearest"``). 8-bit
-    moments (both or neither) are uint8 codes with one fp32 scale per 256 elements
-    (``state["exp_avg_scale"]``, ``state["exp_avg_sq_scale"]``), rounded to nearest: a signed
-    small-float map for ``exp_avg``, one of ``sqrt(exp_avg_sq)`` for ``exp_avg_sq``. With a bf16
-    model and remainders: 10 bytes per parameter for weights, gradients and optimizer state with
-    bf16 moments, ~8.03 with 8-bit ones, against 16 for fp32 state."""
+    Lean state (docs/core.md, "Lean optimizer state"): ``store_param_remainders=True`` keeps each
+    bf16 parameter's exact fp32 master as the 16 low bits its weight drops (the weight: the master
+    rounded to nearest, ties away from zero); ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` store the
+    moments as ``torch.float32``, ``torch.bfloat16`` or ``torch.uint8`` (8-bit block-quantized:
+    codes and one fp32 scale per 256 elements, ``state["exp_avg_scale"]``...; both or neither),
+    or as the strings ``"fp32"``, ``"bf16"``, ``"8bit"``. ``moment_rounding``: ``"stochastic"``
+    (the default) or ``"nearest"`` (even) for bf16 moments. A bf16 model with remainders keeps 10
+    bytes per parameter with bf16 moments, ~8.03 with 8-bit ones, against 16 for fp32 state."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, adam_w_mode=False, bias_correction=True, maximize=False,
@@ -123,9 +116,8 @@ class FusedAdam(FusedOptimizer):
                  moment_rounding="stochastic"):
         check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, adam_w_mode=adam_w_mode,
-                        bias_correction=bias_correction, maximize=maximize,
-                        max_grad_norm=float(max_grad_norm))
+                        amsgrad=amsgrad, adam_w_mode=adam_w_mode, bias_correction=bias_correction,
+                        maximize=maximize, max_grad_norm=float(max_grad_norm))
         _check_materialize(materialize_master_grads)
         exp_avg_dtype = check_moment_dtype("exp_avg_dtype", exp_avg_dtype)
         exp_avg_sq_dtype = check_moment_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -170,15 +162,12 @@ class FusedAdam(FusedOptimizer):
             maximize=group["maximize"], bias_correction=group["bias_correction"],
             grad_scale=grad_scale, found_inf=found_inf,
             stochastic_rounding_seed=self._rounding_seed(group, params),
-            store_unscaled_grads=self._step_store_grads,
-            **self._moment_args(group, states),
-            **self._clip_args(group, lr.device),
-            **self._scale_args(states, _ADAM_SCALES))
+            store_unscaled_grads=self._step_store_grads, **self._moment_args(group, states),
+            **self._clip_args(group, lr.device), **self._scale_args(states, _ADAM_SCALES))
 
     def _complete_loaded_state(self, p, state):
         super()._complete_loaded_state(p, state)
-        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+        if self._group_of(p)["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
 
 
@@ -209,11 +198,10 @@ class FusedLAMB(FusedOptimizer):
                         grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         use_nvlamb=use_nvlamb)
         _check_materialize(materialize_master_grads)
-        lean = dict(exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
-                    moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, set_grad_none=set_grad_none,
                          store_unscaled_grads=store_unscaled_grads, capturable=capturable,
-                         lean=lean)
+                         lean=dict(exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
+                                   moment_rounding=moment_rounding))
 
     _state_keys = ("exp_avg", "exp_avg_sq")
     _takes_tensor_norms = True
@@ -258,8 +246,7 @@ class FusedAdamW(FusedAdam):
             raise ValueError("FusedAdamW always decouples weight decay (adam_w_mode=True); for "
                              "L2 weight decay added to the gradient use FusedAdam(..., "
                              "adam_w_mode=False)")
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, adam_w_mode=True,
-                         **kwargs)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, adam_w_mode=True, **kwargs)
 
     def _translate_torch_group(self, group):
         group["adam_w_mode"] = True  # any checkpoint loaded here keeps stepping as AdamW
@@ -276,11 +263,10 @@ class FusedAdagrad(FusedOptimizer):
                  adagrad_w_mode=False, *, lr_decay=0.0, initial_accumulator_value=0.0,
                  master_weights=None, capturable=False, materialize_master_grads=True,
                  store_unscaled_grads=True):
-        check_hyper("learning rate", lr, lo=0.0)
-        check_hyper("epsilon value", eps, lo=0.0)
-        check_hyper("weight_decay value", weight_decay, lo=0.0)
-        check_hyper("lr_decay", lr_decay, lo=0.0)
-        check_hyper("initial_accumulator_value", initial_accumulator_value, lo=0.0)
+        for name, value in (("learning rate", lr), ("epsilon value", eps),
+                            ("weight_decay value", weight_decay), ("lr_decay", lr_decay),
+                            ("initial_accumulator_value", initial_accumulator_value)):
+            check_hyper(name, value, lo=0.0)
         check_bool("adagrad_w_mode", adagrad_w_mode)
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
                         lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value)
@@ -313,8 +299,7 @@ class FusedAdagrad(FusedOptimizer):
             params, grads, masters, [s["sum"] for s in states], [s["step"] for s in states],
             lr=lr, eps=group["eps"], weight_decay=group["weight_decay"],
             adagrad_w_mode=group["adagrad_w_mode"], lr_decay=group["lr_decay"],
-            grad_scale=grad_scale, found_inf=found_inf,
-            store_unscaled_grads=self._step_store_grads)
+            grad_scale=grad_scale, found_inf=found_inf, store_unscaled_grads=self._step_store_grads)
 
 
 class FusedNovoGrad(FusedOptimizer):

@@ -22,8 +22,7 @@ class LARC(torch.optim.Optimizer):
     and GradScaler take it as they take any optimizer. GradScaler unscales the gradients before
     ``step()`` (the norms must be of true gradients), so LARC never asks it for the scale."""
 
-    # The local learning rates need unscaled gradients: a scaler must unscale before step().
-    _step_supports_amp_scaling = False
+    _step_supports_amp_scaling = False  # (the norms need unscaled gradients: see above)
 
     def __init__(self, optimizer, trust_coefficient=0.02, clip=True, eps=1e-8):
         if not isinstance(optimizer, torch.optim.Optimizer):

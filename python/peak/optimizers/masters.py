@@ -1,18 +1,7 @@
 """Master weights: the one owner of the fp32 weights that fp16/bf16 parameters are stepped
-through (docs/core.md, "Who owns the master weights").
-
-Two placements, one set of functions:
-
-- **in the optimizer's state** (peak's fused optimizers): ``state[p]["master_param"]`` (fp32) or
-  ``state[p]["master_param_remainder"]`` (the 16 bits a bf16 weight drops); the optimizer reads
-  the model's gradients, scaled or not, and writes the model weights itself;
-- **in place of the parameters** (a torch optimizer under amp O2, ``FP16_Optimizer``): a
-  :class:`MasterWeights` store puts fp32 master Parameters into the optimizer's ``param_groups``
-  (the view Apex scripts use), and its owner unscales the model's gradients into them.
-
-Both write one checkpoint entry per parameter, ``state[i]["master_param"]`` (a remainder:
-``"master_param_remainder"``), and both copy masters into the model with :func:`copy_to_model`.
-"""
+through, in a fused optimizer's state (``state[p]["master_param"]`` or a remainder) or in a
+:class:`MasterWeights` store in place of a torch optimizer's parameters (amp O2,
+``FP16_Optimizer``): docs/core.md, "Who owns the master weights"."""
 from __future__ import annotations
 
 import weakref
@@ -26,8 +15,7 @@ from ..scaling import group_by_device_dtype, local_shard
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
            "copy_to_model", "join_remainder", "split_master", "keep_as_remainder", "load_master",
-           "master_in_state",
-           "store_of", "master_of_param", "masters_by_param"]
+           "master_in_state", "store_of", "master_of_param", "masters_by_param"]
 
 MASTER_KEY = "master_param"
 REMAINDER_KEY = "master_param_remainder"
@@ -35,19 +23,14 @@ LOW_DTYPES = (torch.float16, torch.bfloat16)
 # The checkpoint layout amp wrote before masters had one owner ({flat index: master}): still read.
 EARLIER_AMP_KEY = "amp_master_params"
 
-# optimizer (or the FP16_Optimizer wrapping it) -> its MasterWeights store.
-_stores = WeakIdKeyDictionary()
-# model parameter -> its master in some store (for a model's load_state_dict hook).
-_master_of_param = WeakIdKeyDictionary()
+_stores = WeakIdKeyDictionary()  # optimizer (or the FP16_Optimizer wrapping it) -> its store
+_master_of_param = WeakIdKeyDictionary()  # model parameter -> its master in some store
 _owner_of_param = WeakIdKeyDictionary()  # model parameter -> the fused optimizer holding it
 
 
 def new_master(p: Tensor, original: Tensor | None = None) -> Tensor:
-    """The one way a master is made: the exact fp32 weights from before a cast when known
-    (``original``), else ``p`` widened exactly."""
-    if original is not None:
-        return original
-    return p.detach().to(torch.float32, copy=True)
+    """The one maker of masters: ``original`` (fp32 weights from before a cast) or p widened."""
+    return original if original is not None else p.detach().to(torch.float32, copy=True)
 
 
 @torch.no_grad()
@@ -92,10 +75,9 @@ def keep_as_remainder(p: Tensor, state: dict, master: Tensor) -> None:
 
 def master_in_state(optimizer, p: Tensor, state: dict, group: dict | None = None,
                     original: Tensor | None = None) -> Tensor | None:
-    """Give ``p`` its master in ``state`` (a peak fused optimizer's) unless it has one: a
-    remainder where the optimizer keeps remainders (``original``, or an fp32 master already there,
-    split; else zeros: the weight is its master), else an fp32 master (``new_master``). Returns
-    the fp32 master, if that is the form."""
+    """Give ``p`` its master in a fused optimizer's ``state`` unless it has one: a remainder where
+    the optimizer keeps remainders (``original``, or an fp32 master already there, split; else
+    zeros: the weight is its master), else an fp32 master. Returns the fp32 master, if any."""
     if optimizer.keeps_remainder(p, group):
         if REMAINDER_KEY not in state:
             master = state.pop(MASTER_KEY, original)  # (amp O2's exact fp32 original)
@@ -109,14 +91,12 @@ def master_in_state(optimizer, p: Tensor, state: dict, group: dict | None = None
 
 
 def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> None:
-    """A saved master (``entries``: one parameter's checkpoint state) into ``optimizer``'s form
-    for ``p``: a remainder as it is, or rebuilt into an fp32 master with p's current (bf16) value,
-    which must be the weight saved with it (load the model's state_dict too); an fp32 master as
-    it is, or split into p's rounding (ties rounded up in magnitude) and a remainder."""
+    """A saved master (``entries``: p's checkpoint state) into ``optimizer``'s form: a remainder
+    as is, or joined with p's current bf16 value, which must be the weight saved with it (load the
+    model's state_dict too); an fp32 master as is, or split into p's rounding and a remainder."""
     state.pop(MASTER_KEY, None)
     state.pop(REMAINDER_KEY, None)
-    master = entries.get(MASTER_KEY)
-    remainder = entries.get(REMAINDER_KEY)
+    master, remainder = entries.get(MASTER_KEY), entries.get(REMAINDER_KEY)
     if remainder is not None:
         remainder = remainder.to(device=p.device, dtype=torch.int16)
         if optimizer.keeps_remainder(p, group):
@@ -132,13 +112,11 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
         state[MASTER_KEY] = master.to(device=p.device, dtype=torch.float32, copy=True)
 
 
-# NOTE: [fp32 gradient accumulation] Over several micro-batches, fp16/bf16 gradients accumulated
-# by autograd in their own dtype round every partial sum (FSDP2 hands bf16 shards bf16
-# gradients). A fused optimizer's accumulate_grads() adds each one into an fp32 sum instead (as
-# Megatron's main_grad) and drops it; the step then steps the exact sum: an fp32 master takes it
-# as its own gradient (no rounding at all), a remainder or master-less parameter gets it rounded
-# once to its dtype. Loss scaling does not apply (the sums would carry scales GradScaler never
-# sees): it is for bf16 training.
+# NOTE: [fp32 gradient accumulation] fp16/bf16 gradients accumulated by autograd over micro-batches
+# round every partial sum (FSDP2 gives bf16 shards bf16 gradients). accumulate_grads() adds each
+# into an fp32 sum instead (Megatron's main_grad) and drops it; the step steps the exact sum: an
+# fp32 master takes it as its gradient, a remainder or master-less parameter gets it rounded once.
+# Not with loss scaling (the sums would carry scales GradScaler never sees): for bf16 training.
 def accumulate_fp32(optimizer) -> None:
     sums = optimizer.__dict__.setdefault("_fp32_grad_sums", {})
     for group in optimizer.param_groups:
@@ -146,10 +124,7 @@ def accumulate_fp32(optimizer) -> None:
             if p.grad is None or p.dtype == torch.float32:
                 continue  # (fp32 gradients accumulate in fp32 already)
             total = sums.get(p)
-            if total is None:
-                sums[p] = p.grad.to(torch.float32)
-            else:
-                total.add_(p.grad)
+            sums[p] = p.grad.to(torch.float32) if total is None else total.add_(p.grad)
             p.grad = None
 
 
@@ -186,7 +161,7 @@ class MasterWeights:
     def __init__(self) -> None:
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
-        self.own_params: list[Tensor] = []  # stepped as they are (fp32), gradients unscaled in place
+        self.own_params: list[Tensor] = []  # stepped as they are, gradients unscaled in place
         self._grad_stash: list | None = None
         self._loaded: dict | None = None
 
@@ -240,10 +215,8 @@ class MasterWeights:
     def set_grads_aside(self) -> None:
         """Before a backward pass: the model's gradients go (the masters hold them unscaled), the
         own params' are set aside, so that the pass's new ones can be told apart."""
-        for p in self.model_params:
-            p.grad = None
         self._grad_stash = [p.grad for p in self.own_params]
-        for p in self.own_params:
+        for p in self.model_params + self.own_params:
             p.grad = None
 
     def restore_grads(self) -> None:
@@ -264,11 +237,10 @@ class MasterWeights:
         rows = []  # (new gradient, earlier gradient or None, output)
         for p, m in zip(self.model_params, self.masters):
             if p.grad is not None:
-                if m.grad is None:
+                earlier = m.grad
+                if earlier is None:
                     m.grad = torch.empty_like(m)
-                    rows.append((p.grad, None, m.grad))
-                else:
-                    rows.append((p.grad, m.grad, m.grad))
+                rows.append((p.grad, earlier, m.grad))
         stash = self._grad_stash or [None] * len(self.own_params)
         for p, g in zip(self.own_params, stash):
             if p.grad is None:
@@ -366,25 +338,20 @@ def master_of_param(p: Tensor) -> Tensor | None:
     return master
 
 
-# NOTE: [Masters after a model reload] model.load_state_dict under amp (its hooks below): a
-# master that no longer rounds to its reloaded weight is re-derived from it; one that still does
-# is kept, so the model and optimizer checkpoints restore exactly in either order. A remainder
-# joins any weight, so that test cannot tell: a remainder is re-split from the loaded value when
-# the load changes the weight, unless the optimizer's own load_state_dict just restored it for
-# the weight arriving now (the optimizer loaded first).
-#
-# Outside amp no hook sees the model (a fused optimizer alone, with GradScaler, under FSDP2, where
-# torch.distributed.checkpoint loads the model): the optimizer notes each weight's version counter
-# when its master last matched it and, at the next step, a weight written since (load_state_dict
-# and set_model_state_dict copy in place; peak's kernels do not bump the counter) makes the master
-# follow it before the step: an fp32 master takes the weight wherever it no longer rounds to it;
-# a remainder, which cannot tell, is cleared (the weight is the master). Some writes change
-# nothing (nn.Embedding's max_norm renormalises in place at every forward): a weight written
-# once is watched from then on -- a checksum of its bits after each step, compared on the device
-# at the next -- so its remainder is cleared only when the bits did change. A loaded optimizer
-# state forgets the versions: the weights that arrive with it are the ones it was saved with.
-# Writes through ``.data`` keep the counter and go unseen; a step captured in a CUDA graph follows
-# nothing (a replay would repeat it).
+# NOTE: [Masters after a model reload] (docs/amp_api.md, "Checkpoints") Under amp, the model's
+# load_state_dict hooks (below) re-derive a master that no longer rounds to its reloaded weight
+# and keep one that does, so model and optimizer checkpoints restore exactly in either order. A
+# remainder joins any weight, so it is re-split from a loaded value that changes the weight, unless
+# the optimizer's own load_state_dict just restored it for the weight arriving now.
+# Outside amp no hook sees the model (a fused optimizer alone, with GradScaler, under FSDP2): the
+# optimizer notes each weight's version counter when its master last matched it, and a weight
+# written since (in-place loads; peak's kernels do not bump the counter) makes the master follow it
+# before the next step: an fp32 master takes the weight where it no longer rounds to it; a
+# remainder, which cannot tell, is cleared. Some writes change nothing (nn.Embedding's max_norm):
+# a weight written once is watched from then on by a checksum of its bits after each step, its
+# remainder cleared only when the bits changed. A loaded optimizer state forgets the versions (the
+# weights arriving with it are the ones it was saved with). Writes through ``.data`` go unseen; a
+# step captured in a CUDA graph follows nothing (a replay would repeat it).
 _loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
 # id(parameter) -> (a weak reference to it, its version when its master last matched it,
 # the checksum of its bits after the last step if it is watched, else None)
@@ -473,8 +440,7 @@ def note_stepped(params: list[Tensor]) -> None:
 
 
 def weights_settled() -> None:
-    """A step: remainders loaded before their weights wait no longer (the weights are what the
-    step starts from)."""
+    """A step: remainders loaded before their weights wait no longer (the step starts from them)."""
     if _awaiting_weight:
         _awaiting_weight.clear()
 
@@ -490,8 +456,7 @@ def masters_by_param(optimizer) -> dict[int, Tensor]:
     (amp O2 with a torch optimizer, ``FP16_Optimizer``) or its state (peak's fused optimizers;
     a remainder joined with its bf16 weight)."""
     store = store_of(optimizer)
-    masters = {} if store is None else {id(p): m for p, m in zip(store.model_params,
-                                                                 store.masters)}
+    masters = {id(p): m for p, m in zip(store.model_params, store.masters)} if store else {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             st = optimizer.state.get(p, {})

@@ -2,13 +2,11 @@
 ``(chunk_size, noop_flag, tensor_lists, *scalars)``, on peak's ops (CPU and CUDA).
 
 ``noop_flag`` is Apex's int32 one-element overflow buffer: ops that check for inf/NaN set it to
-1 (never clear it), on the device. Like Apex's kernels, the unscale ops (scale, axpby) always
-write their outputs, and multi_tensor_sgd skips the step when the flag is already set; the
-other optimizer ops step regardless (Apex's do too). Optimizer state lists must be float32:
-peak keeps optimizer state in fp32 (an fp16 ``exp_avg`` is refused with a message).
+1 (never clear it), on the device. As Apex's kernels, the unscale ops (scale, axpby) always write
+their outputs, multi_tensor_sgd skips the step when the flag is set and the other optimizer ops
+step regardless. Optimizer state lists must be float32 (peak keeps optimizer state in fp32).
 """
 from __future__ import annotations
-
 
 import torch
 
@@ -20,14 +18,16 @@ __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
            "multi_tensor_adam", "multi_tensor_adagrad", "multi_tensor_novograd",
            "multi_tensor_lamb"]
 
-_AXPBY_CHECK = {-1: "both", 0: "x", 1: "y"}  # Apex's arg_to_check -> peak's check (both, x, y; else none)
+# Apex's arg_to_check -> peak's check (any other value: "none")
+_AXPBY_CHECK = {-1: "both", 0: "x", 1: "y"}
 
 
 def _lists(name, tensor_lists, depths):
-    if not isinstance(tensor_lists, (list, tuple)) or len(tensor_lists) not in depths:
+    is_list = isinstance(tensor_lists, (list, tuple))
+    if not is_list or len(tensor_lists) not in depths:
+        got = len(tensor_lists) if is_list else type(tensor_lists).__name__
         raise RuntimeError(f"{name}: tensor_lists must be a list of {' or '.join(map(str, depths))}"
-                           f" lists of tensors (Apex's layout), got "
-                           f"{len(tensor_lists) if isinstance(tensor_lists, (list, tuple)) else type(tensor_lists).__name__}")
+                           f" lists of tensors (Apex's layout), got {got}")
     return [list(t) for t in tensor_lists]
 
 
@@ -58,15 +58,13 @@ def _check_fp32_state(name, label, tensors):
                 "under the alias, which do")
 
 
-# ---------------------------------------------------------------------------- amp's kernels
 def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     """``out = in * scale``; sets noop_flag if an input holds inf/NaN."""
     ins, outs = _lists("multi_tensor_scale", tensor_lists, (2,))
     if not ins:
         return
     found = _ops.new_found_inf(noop_flag.device)
-    _ops.multi_tensor_scale_(ins, outs, _scalar(scale, found.device), found,
-                            chunk_size=chunk_size)
+    _ops.multi_tensor_scale_(ins, outs, _scalar(scale, found.device), found, chunk_size=chunk_size)
     _raise_noop(noop_flag, found)
 
 
@@ -94,8 +92,7 @@ def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor=False):
     return norm, per
 
 
-def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale,
-                                per_tensor=False):
+def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, per_tensor=False):
     """The norms of ``x * inv_scale`` (x unchanged): a norm scales with its tensor."""
     norm, per = multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
     inv = _scalar(inv_scale, norm.device)
@@ -106,11 +103,9 @@ def update_scale_hysteresis(scale, growth_tracker, hysteresis_tracker, found_inf
                             growth_factor, backoff_factor, growth_interval, hysteresis):
     """Apex's Megatron-style scale update with hysteresis, on the device."""
     _ops.update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
-                      growth_interval, hysteresis=hysteresis,
-                      hysteresis_tracker=hysteresis_tracker)
+                      growth_interval, hysteresis=hysteresis, hysteresis_tracker=hysteresis_tracker)
 
 
-# ---------------------------------------------------------------------------- optimizer kernels
 def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, weight_decay, momentum, dampening,
                      lr, nesterov, first_run, wd_after_momentum, scale):
     """Lists ``[grads, weights, momenta]`` or ``[grads, fp32 weights, momenta, fp16 copies]``;
@@ -171,17 +166,16 @@ def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
 def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2,
                           epsilon, step, bias_correction, weight_decay, grad_averaging,
                           moment_mode, norm_type):
-    """Lists ``[grads, params, exp_avgs]``; ``grad_norms`` (fp32, one per tensor) is blended
-    with this step's norms in place, as Apex's kernel does (moment_mode 0: regularisation
-    inside the moment)."""
+    """Lists ``[grads, params, exp_avgs]``; ``grad_norms`` (fp32, one per tensor) is blended with
+    this step's norms in place, as in Apex (moment_mode 0: regularisation inside the moment)."""
     grads, params, m = _lists("multi_tensor_novograd", tensor_lists, (3,))
     if not grads:
         return
     _check_fp32_state("multi_tensor_novograd", "exp_avgs and grad_norms", m + [grad_norms])
     if grad_norms.numel() != len(params) or not grad_norms.is_contiguous():
-        raise RuntimeError(f"multi_tensor_novograd: grad_norms must be a contiguous float32 "
-                           f"tensor with one norm per tensor ({len(params)}), got "
-                           f"{grad_norms.numel()} elements")
+        raise RuntimeError(f"multi_tensor_novograd: grad_norms must be a contiguous float32 tensor"
+                           f" with one norm per tensor ({len(params)}), got {grad_norms.numel()} "
+                           "elements")
     _ops.fused_novograd_(
         params, grads, [], m, list(grad_norms.reshape(-1).unbind(0)), _steps(params, step),
         lr=_scalar(lr, params[0].device), beta1=float(beta1), beta2=float(beta2),

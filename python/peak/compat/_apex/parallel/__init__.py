@@ -12,19 +12,16 @@ _TORCH_COUNTERPARTS = {
 _IMPORT_FROM = dis.opmap["IMPORT_FROM"]
 
 
-def _asked_by_an_import_statement() -> bool:
-    """Whether the caller runs ``from apex.parallel import name``. Python turns an
-    AttributeError raised there into its own ImportError, which names this module's internal
-    path instead of the torch class to use; an ImportError of ours is kept as it is."""
-    frame = sys._getframe(2)
-    code = frame.f_code.co_code
-    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM
-
-
 def __getattr__(name):
     if name in _TORCH_COUNTERPARTS:
         message = (f"apex.parallel.{name} is not provided by peak's Apex alias: use "
                    f"{_TORCH_COUNTERPARTS[name]} (see docs/distributed.md)")
-        # An attribute access keeps AttributeError, so that hasattr() answers False.
-        raise (ImportError if _asked_by_an_import_statement() else AttributeError)(message)
+        # `from apex.parallel import name`: Python turns an AttributeError raised there into its
+        # own ImportError, which names this module's internal path instead of the torch class to
+        # use; an ImportError of ours is kept. An attribute access keeps AttributeError, so that
+        # hasattr() answers False.
+        frame = sys._getframe(1)
+        code = frame.f_code.co_code
+        by_import = 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM
+        raise (ImportError if by_import else AttributeError)(message)
     raise AttributeError(f"module 'apex.parallel' has no attribute {name!r}")
