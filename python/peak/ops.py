@@ -42,13 +42,21 @@ def _list(name: str, tensors) -> list[Tensor]:
     return list(tensors)
 
 
+def device_scalar(value: float | Tensor, device: torch.device | str) -> Tensor:
+    """A number or one-element tensor as float32 ``[1]`` on ``device`` (a view if it is one)."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32).reshape(1)
+    return torch.full((1,), float(value), dtype=torch.float32, device=device)
+
+
 def _scalar_tensor(name: str, value, like: Tensor) -> Tensor:
+    # (a tensor goes to the op as it is, whose checks name a wrong dtype, shape or device)
     if isinstance(value, Tensor):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float or a float32 tensor of one element, "
                         f"got {type(value).__name__}")
-    return torch.full((1,), float(value), dtype=torch.float32, device=like.device)
+    return device_scalar(value, like.device)
 
 
 def new_found_inf(device: torch.device | str = "cpu") -> Tensor:
@@ -141,18 +149,19 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Seq
 
 
 # ---- fake kernels (shape/dtype propagation for torch.compile and FakeTensor) -------------------
-# Each takes the schema's defaults: torch leaves out arguments equal to their default when it
-# calls a Python fake kernel.
+# An op that only writes its inputs returns nothing and makes no tensor, so one fake that takes
+# any arguments serves them all (their schemas live in csrc/ops/schemas.h). The fakes of the ops
+# that return tensors take the schema's defaults: torch leaves out arguments equal to their
+# default when it calls a Python fake kernel.
 
-@torch.library.register_fake("peak::multi_tensor_scale_")
-def _(inputs, outputs, *, scale, found_inf, chunk_size=DEFAULT_CHUNK_SIZE,
-      per_tensor_found_inf=None):
+def _writes_inputs_only(*args, **kwargs):
     return None
 
 
-@torch.library.register_fake("peak::multi_tensor_axpby_")
-def _(xs, ys, outputs, *, a, b, found_inf, check=3, chunk_size=DEFAULT_CHUNK_SIZE):
-    return None
+for _op in ("multi_tensor_scale_", "multi_tensor_axpby_", "multi_tensor_check_finite_",
+            "update_scale_", "fused_adam_", "fused_sgd_", "fused_lamb_", "fused_adagrad_",
+            "fused_novograd_"):
+    torch.library.register_fake(f"peak::{_op}", _writes_inputs_only)
 
 
 @torch.library.register_fake("peak::multi_tensor_l2norm")
@@ -177,12 +186,6 @@ def _(found_infs, *, device, shape):
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-@torch.library.register_fake("peak::update_scale_")
-def _(scale, growth_tracker, hysteresis_tracker, found_infs, *, growth_factor, backoff_factor,
-      growth_interval, hysteresis, min_scale, max_scale):
-    return None
-
-
 def multi_tensor_check_finite_(tensors: Sequence[Tensor], found_inf: Tensor, *,
                                chunk_size: int = DEFAULT_CHUNK_SIZE,
                                per_tensor_found_inf: Tensor | None = None) -> None:
@@ -191,11 +194,6 @@ def multi_tensor_check_finite_(tensors: Sequence[Tensor], found_inf: Tensor, *,
     in its own pass."""
     _check_finite_op(_list("tensors", tensors), found_inf=found_inf, chunk_size=chunk_size,
                      per_tensor_found_inf=per_tensor_found_inf)
-
-
-@torch.library.register_fake("peak::multi_tensor_check_finite_")
-def _(tensors, *, found_inf, chunk_size=DEFAULT_CHUNK_SIZE, per_tensor_found_inf=None):
-    return None
 
 
 # ---- fused optimizer steps ---------------------------------------------------------------------
@@ -239,45 +237,3 @@ _fused_sgd_op = torch.ops.peak.fused_sgd_.default
 _fused_lamb_op = torch.ops.peak.fused_lamb_.default
 _fused_adagrad_op = torch.ops.peak.fused_adagrad_.default
 _fused_novograd_op = torch.ops.peak.fused_novograd_.default
-
-
-@torch.library.register_fake("peak::fused_adam_")
-def _(params, grads, master_params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1,
-      beta2, eps, weight_decay, amsgrad, adam_w_mode, maximize, bias_correction, grad_scale=None,
-      found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None, grad_norm=None,
-      max_grad_norm=0.0, store_unscaled_grads=False, moment_rounding_seed=None,
-      exp_avg_scales=None, exp_avg_sq_scales=None):
-    return None
-
-
-@torch.library.register_fake("peak::fused_sgd_")
-def _(params, grads, master_params, momentum_buffers, steps, *, lr, momentum, dampening,
-      weight_decay, nesterov, maximize, grad_scale=None, found_inf=None,
-      chunk_size=DEFAULT_CHUNK_SIZE, stochastic_rounding_seed=None, grad_norm=None,
-      max_grad_norm=0.0, store_unscaled_grads=False, moment_rounding_seed=None,
-      momentum_scales=None):
-    return None
-
-
-@torch.library.register_fake("peak::fused_lamb_")
-def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
-      weight_decay, adam_w_mode, grad_averaging, bias_correction, max_grad_norm, use_nvlamb,
-      grad_norm=None, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
-      store_unscaled_grads=False, moment_rounding_seed=None, exp_avg_scales=None,
-      exp_avg_sq_scales=None, updates=None, weight_norms=None, update_norms=None):
-    return None
-
-
-@torch.library.register_fake("peak::fused_adagrad_")
-def _(params, grads, master_params, state_sums, steps, *, lr, eps, weight_decay, adagrad_w_mode,
-      lr_decay=0.0, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
-      store_unscaled_grads=False):
-    return None
-
-
-@torch.library.register_fake("peak::fused_novograd_")
-def _(params, grads, master_params, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
-      weight_decay, grad_averaging, reg_inside_moment, bias_correction, norm_type=2,
-      init_zero=False, grad_scale=None, found_inf=None, chunk_size=DEFAULT_CHUNK_SIZE,
-      store_unscaled_grads=False, grad_norms=None):
-    return None

@@ -12,7 +12,8 @@ from torch import Tensor
 from . import ops
 
 __all__ = ["local_shard", "group_by_device_dtype", "OverflowFlags", "merge_flags", "LossScale",
-           "unscale_grads_", "core_attribute", "optimizer_gradients", "agree_on_overflow"]
+           "unscale_grads_", "core_attribute", "optimizer_gradients", "reduce_over_meshes",
+           "agree_on_overflow"]
 
 
 def local_shard(t):
@@ -201,25 +202,35 @@ def core_attribute(name: str, owner: str = "_core") -> property:
                     lambda self, value: setattr(getattr(self, owner), name, value))
 
 
+def reduce_over_meshes(parts, tensors, maximum: bool = False):
+    """``parts`` (a tensor, or tensors one after another) all-reduced in place (SUM, or MAX with
+    ``maximum``) over every dimension of the device meshes of ``tensors`` (DTensors; other tensors
+    and None have none): one reduce per distinct mesh, by value, as DTensor caches its sharding
+    specs, so equal meshes built apart can reach one optimizer as different objects. Nothing to do
+    (nor to import) without a mesh. Returns ``parts``."""
+    meshes = []
+    for m in (getattr(t, "device_mesh", None) for t in tensors):
+        if m is not None and not any(m == k for k in meshes):
+            meshes.append(m)
+    if not meshes:
+        return parts
+    import torch.distributed as dist  # noqa: PLC0415 (only for sharded tensors)
+
+    op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
+    for part in [parts] if isinstance(parts, Tensor) else parts:
+        for mesh in meshes:
+            for dim in range(mesh.ndim):
+                dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+    return parts
+
+
 def agree_on_overflow(optimizer, per_device_found_inf: dict) -> None:
     """Sharded gradients: an inf/NaN in one rank's shard must skip the step on every rank, so the
     overflow flags are all-reduced (MAX) over every dimension of the gradients' meshes (what
     torch's ShardedGradScaler does for FSDP1). Ordinary gradients (DDP all-reduced them already,
     or one process) cost nothing here."""
-    meshes = []  # by value: equal meshes may reach one optimizer as different objects
-    for m in (getattr(p.grad, "device_mesh", None) for g in optimizer.param_groups
-              for p in g["params"]):
-        if m is not None and not any(m == k for k in meshes):
-            meshes.append(m)
-    if not meshes:
-        return
-    import torch.distributed as dist  # noqa: PLC0415 (only for sharded gradients)
-
-    for device in sorted(per_device_found_inf, key=str):
-        flag = per_device_found_inf[device]
-        for mesh in meshes:
-            for dim in range(mesh.ndim):
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    flags = [per_device_found_inf[d] for d in sorted(per_device_found_inf, key=str)]
+    reduce_over_meshes(flags, (p.grad for g in optimizer.param_groups for p in g["params"]), True)
 
 
 def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:

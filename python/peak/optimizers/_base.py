@@ -374,16 +374,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         the replayed step. A replay cannot read a CPU tensor (a host copy in a graph is refused or
         frozen): refused here, with the fix."""
         lr = group["lr"]
-        if not isinstance(lr, Tensor):
-            return torch.full((1,), float(lr), dtype=torch.float32, device=device)
-        if (lr.device != device and device.type == "cuda"
+        if (isinstance(lr, Tensor) and lr.device != device and device.type == "cuda"
                 and torch.cuda.is_current_stream_capturing()):
             raise ValueError(
                 f"the learning rate is a tensor on {lr.device} but the parameters are on {device}: "
                 "a step captured in a CUDA graph cannot read it at replay. Keep lr on the "
                 f"parameters' device (param_groups[i]['lr'] = torch.tensor(lr, device='{device}')) "
                 "and change it in place between replays")
-        return lr.to(device=device, dtype=torch.float32).reshape(1)
+        return ops.device_scalar(lr, device)
 
     def _step_masters(self, group, params, states, grads, given, lr, grad_scale, found_inf):
         """Step parameters whose fp32 masters were given fp32 gradients (``amp.master_params``,

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..scaling import local_shard
+# (reduce_over_meshes reduces over every mesh dimension: check_sharded_group allows one-dim meshes)
+from ..scaling import local_shard, reduce_over_meshes
 
 
 def is_sharded(t) -> bool:
@@ -50,24 +51,6 @@ def count_empty_steps(states: list[dict], found_inf: Tensor | None) -> None:
     for st in states:
         skip = 0 if found_inf is None else found_inf.to(st["step"].device).reshape(()).clamp(max=1)
         st["step"].add_(1 - skip)
-
-
-def reduce_over_meshes(parts: Tensor, params, maximum: bool = False) -> Tensor:
-    """``parts`` (each rank's sums of squares, or maxima) summed (or maxed) in place over the
-    meshes of ``params`` (each DTensor is sharded over one mesh dimension: check_sharded_group)."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
-    # One reduce per distinct mesh, by value: DTensor caches its sharding specs, so equal meshes
-    # built apart can reach one optimizer as different objects.
-    meshes = []
-    for p in params:
-        if is_sharded(p) and not any(p.device_mesh == m for m in meshes):
-            meshes.append(p.device_mesh)
-    for mesh in meshes:
-        for dim in range(mesh.ndim):
-            dist.all_reduce(parts, op=op, group=mesh.get_group(dim))
-    return parts
 
 
 def whole_tensor_norms(shard_lists: list[list[Tensor]], params, ord: float = 2.0) -> Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from peak import ops as _ops
+from peak.ops import device_scalar as _scalar
 from peak.optimizers.masters import copy_to_model
 
 __all__ = ["multi_tensor_scale", "multi_tensor_axpby", "multi_tensor_l2norm",
@@ -35,12 +36,6 @@ def _raise_noop(noop_flag, found_inf):
     """noop_flag |= found_inf, on the device (Apex's kernels only ever set the buffer)."""
     torch.maximum(noop_flag, (found_inf != 0).to(noop_flag.dtype).reshape(noop_flag.shape),
                   out=noop_flag)
-
-
-def _scalar(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=torch.float32).reshape(1)
-    return torch.full((1,), float(value), dtype=torch.float32, device=device)
 
 
 def _steps(params, step):
