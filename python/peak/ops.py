@@ -43,7 +43,8 @@ def _list(name: str, tensors) -> list[Tensor]:
 
 
 def device_scalar(value: float | Tensor, device: torch.device | str) -> Tensor:
-    """A number or one-element tensor as float32 ``[1]`` on ``device`` (a view if it is one)."""
+    """A number or one-element tensor as float32 ``[1]`` on ``device`` (a float32 tensor already
+    there is viewed, not copied: a captured lr stays live)."""
     if isinstance(value, Tensor):
         return value.to(device=device, dtype=torch.float32).reshape(1)
     return torch.full((1,), float(value), dtype=torch.float32, device=device)
@@ -162,6 +163,7 @@ for _op in ("multi_tensor_scale_", "multi_tensor_axpby_", "multi_tensor_check_fi
             "update_scale_", "fused_adam_", "fused_sgd_", "fused_lamb_", "fused_adagrad_",
             "fused_novograd_"):
     torch.library.register_fake(f"peak::{_op}", _writes_inputs_only)
+del _op
 
 
 @torch.library.register_fake("peak::multi_tensor_l2norm")

@@ -220,9 +220,10 @@ def test_a_backward_that_reaches_no_parameter_warns_once(level):
     model, opt = _pair()
     amp.initialize(model, opt, opt_level=level, verbosity=0)
     free = torch.ones((), requires_grad=True)
-    with pytest.warns(UserWarning, match="gave none of the optimizer's parameters a gradient"):
+    with pytest.warns(UserWarning, match="gave none of the optimizer's parameters a gradient") as w:
         with amp.scale_loss(free * 2, opt) as scaled:
             scaled.backward()
+    assert w[0].filename == __file__  # it points at the script's `with amp.scale_loss` line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with amp.scale_loss(free * 2, opt) as scaled:  # once

@@ -337,8 +337,9 @@ def patched() -> bool:
 
 
 # The C++ caster's own: ``unwrap(obj)`` (``obj``, or the torch callable behind a wrapper);
-# ``is_enabled()`` (O1 casts in this thread now); this thread's weight-cast cache (``scale_loss``
-# exit clears it, as Apex) and its counters (hits, casts, stores, size).
+# ``is_enabled()`` (O1 casts in this thread now), ``low_dtype()`` (the dtype O1 casts to); this
+# thread's weight-cast cache (``scale_loss`` exit clears it, as Apex) and its counters (hits,
+# casts, stores, size).
 unwrap = _c.unwrap
 is_enabled = _c.is_casting
 low_dtype = _c.low_dtype
