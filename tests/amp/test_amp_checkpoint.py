@@ -99,6 +99,10 @@ def test_a_static_loss_scale_is_not_replaced_by_the_checkpoints():
     saved = {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 7}}
     with pytest.warns(UserWarning, match="static loss scale 128.0 stays, the saved 65536.0"):
         amp.load_state_dict(saved)
+    # amp.LossScaler is public: loaded directly, the warning names this line too
+    with pytest.warns(UserWarning, match="static loss scale 128.0 stays") as w:
+        amp.LossScaler(128.0).load_state_dict(saved["loss_scaler0"])
+    assert w[0].filename == __file__
     assert _amp_state.loss_scalers[0].loss_scale() == 128.0
     assert _amp_state.loss_scalers[0]._unskipped == 7
     with warnings.catch_warnings():

@@ -490,10 +490,12 @@ def test_o2_backward_outside_scale_loss_warns_once():
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step in torch's frames
     x, y = data(0)
-    with pytest.warns(UserWarning, match="amp.scale_loss"):
+    with pytest.warns(UserWarning, match="amp.scale_loss") as w:
         F.cross_entropy(model(x).float(), y).backward()
         opt.step()
+    assert w[0].filename == __file__  # the script's step() line, through the scheduler's wrapper
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.zero_grad()
@@ -521,8 +523,9 @@ def test_o2_initialize_without_optimizer_warns_when_training_starts():
         warnings.simplefilter("error")
         with torch.no_grad():
             model(x)  # inference: nothing to say
-    with pytest.warns(UserWarning, match="no optimizer"):
+    with pytest.warns(UserWarning, match="no optimizer") as w:
         F.cross_entropy(model(x).float(), y).backward()
+    assert w[0].filename == __file__  # the script's backward(), not torch's autograd engine
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         F.cross_entropy(model(x).float(), y).backward()  # once

@@ -439,8 +439,9 @@ def test_bad_lean_arguments():
     q = torch.nn.Parameter(torch.ones(3))
     q.grad = torch.ones(3)
     lean32 = FusedAdam([q], store_param_remainders=True)
-    with pytest.warns(UserWarning, match="parameters are all float32"):
+    with pytest.warns(UserWarning, match="parameters are all float32") as w:
         lean32.step()
+    assert w[0].filename == __file__  # the script's step(), not torch's optimizer hooks
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lean32.step()

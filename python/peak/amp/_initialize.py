@@ -20,6 +20,7 @@ from peak.optimizers.masters import note_load_hook, refresh_after_load_hook
 from . import _caster
 from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
 from ._process_optimizer import inner_optimizer, process_optimizer
+from .._stacklevel import user_stacklevel
 
 # Models that went through an enabled amp.initialize (params may be cast, forward patched).
 _initialized_models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -213,7 +214,8 @@ def _warn_on_training_without_masters(models, opt_level) -> None:
             f"weights exist, and a gradient just reached the model's {param.dtype} parameters: an "
             "optimizer built over them now steps low-precision weights directly (small updates "
             "round away). Pass the optimizer to amp.initialize: model, optimizer = "
-            "amp.initialize(model, optimizer, opt_level=...).", UserWarning, stacklevel=2)
+            "amp.initialize(model, optimizer, opt_level=...).", UserWarning,
+            stacklevel=user_stacklevel())  # the script's backward()
 
     handles.extend(p.register_post_accumulate_grad_hook(warn) for p in params)
 

@@ -15,6 +15,7 @@ from peak.optimizers.masters import LOW_DTYPES, MasterWeights, register_owner
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
+from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, group_by_device_dtype, unscale_grads_
 
 
@@ -295,7 +296,7 @@ class UnscaledGradsState(AmpOptimizerState):
                 "gradients but their fp32 master weights (stepped under O2) have none, so this "
                 "step leaves those weights unchanged: run the backward pass as `with "
                 "amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`.",
-                UserWarning, stacklevel=3)
+                UserWarning, stacklevel=user_stacklevel())  # the script's step()
 
     def prepare_backward(self, scaler) -> None:
         self.store.set_grads_aside()

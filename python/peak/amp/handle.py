@@ -19,6 +19,7 @@ from peak.scaling import (LossScale, agree_on_overflow, core_attribute, group_by
 from . import _caster
 from ._amp_state import _amp_state
 from ._process_optimizer import inner_optimizer, process_optimizer
+from .._stacklevel import user_stacklevel
 
 
 class LossScaler:
@@ -155,7 +156,8 @@ class LossScaler:
             self._loss_scale = state["loss_scale"]
         else:  # the user's explicit static scale wins over the checkpoint's
             warnings.warn(f"amp.load_state_dict: the static loss scale {self.loss_scale()} stays, "
-                          f"the saved {state['loss_scale']} is not loaded", stacklevel=3)
+                          f"the saved {state['loss_scale']} is not loaded",
+                          stacklevel=user_stacklevel())  # via amp.load_state_dict or not
         self._unskipped = state["unskipped"]
         self.hysteresis_tracker.fill_(self.hysteresis)
         self.clear_overflow_state()

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
+from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
 from ._arguments import check_bool, check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import EIGHT_BIT_LAYOUT, STORAGE_KEYS, check_loadable
@@ -171,7 +172,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "parameters are all float32: they are their own masters, so nothing is stored as "
                 "remainders and the state is not leaner. Cast the model to bfloat16 (or use "
                 "amp.initialize(..., opt_level='O2', cast_model_type=torch.bfloat16)) before the "
-                "first step", stacklevel=4)
+                "first step", stacklevel=user_stacklevel())  # the script's step()
         master_in_state(self, p, state, group)
         return state
 
