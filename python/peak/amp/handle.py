@@ -277,7 +277,8 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         warnings.warn("amp.scale_loss: the backward pass gave none of the optimizer's parameters "
                       "a gradient, so step() changes nothing. Parameters replaced after "
                       "amp.initialize (as FSDP2's fully_shard does) are not the optimizer's: "
-                      "fully_shard first, then opt_level='O1' (docs/distributed.md)", stacklevel=4)
+                      "fully_shard first, then opt_level='O1' (docs/distributed.md)",
+                      stacklevel=user_stacklevel())  # the script's with line
     if delay_overflow_check:
         return
     if scaler.dynamic and any(stash.sharded for stash in stashes):
