@@ -443,11 +443,32 @@ inline void run_chunk_q8(const std::array<void*, sizeof...(T)>& base,
   }
 }
 
+// NOTE: [Finiteness from the bits] (elementwise_ops.h): an fp16 or bf16 element is non-finite
+// exactly when its exponent bits are all ones; the loop ors 32 such tests per AVX-512 vector.
+inline int nonfinite_bits(const uint16_t* bits, int64_t n, uint16_t exponent) {
+  int nonfinite = 0;
+  for (int64_t i = 0; i < n; ++i) nonfinite |= (bits[i] & exponent) == exponent;
+  return nonfinite;
+}
+
 template <typename Op, typename... T, size_t... D>
 inline void run_chunk(const std::array<void*, sizeof...(T)>& base,
                       const std::array<const float*, Op::tensor_scalars>& tensor_scalars,
                       int64_t begin, int64_t end, Op op, typename Op::State& state,
                       uint32_t half_lists, std::index_sequence<D...> lists) {
+  if constexpr (Op::observes_finiteness_only) {
+    using L = GradType<T...>;
+    const auto* bits = static_cast<const uint16_t*>(base[0]) + begin;
+    if constexpr (std::is_same_v<L, c10::BFloat16>) {
+      state.nonfinite |= nonfinite_bits(bits, end - begin, 0x7f80);
+      return;
+    } else if constexpr (kTiledType<L>) {
+      if (half_lists & 1u) {
+        state.nonfinite |= nonfinite_bits(bits, end - begin, 0x7c00);
+        return;
+      }
+    }
+  }
   if constexpr (q8_count<T...> > 0) {
     run_chunk_q8<Op, T...>(base, tensor_scalars, begin, end, op, state, lists);
   } else if constexpr (Op::stores_grad) {

@@ -66,6 +66,12 @@ struct OpDefaults {
   // bf16 weights stepped without masters and rounded stochastically (AdamOp, SgdOp): such an op
   // is launched for bf16 params only.
   static constexpr bool rounded_weights = false;
+  // NOTE: [Finiteness from the bits] An op whose only effect is to observe whether list 0 holds a
+  // non-finite value (CheckFiniteOp) sets this: a launcher may then test a 16-bit list's exponent
+  // bits instead of widening every element (fp16 and bf16 widen inf/NaN to inf/NaN and finite
+  // values to finite ones, so the flag is the same); the CPU launcher does, which makes the
+  // check of fp16/bf16 gradients one read of them.
+  static constexpr bool observes_finiteness_only = false;
   PEAK_HD void load_tensor_scalars(const float* const*) {}
   PEAK_HD bool skip() const { return false; }
 };
@@ -83,6 +89,7 @@ PEAK_HD void apply_op(const Op& op, float* v, typename Op::State& s, int64_t ind
 // Reads one element of every list and reports non-finite values; writes nothing.
 struct CheckFiniteOp : OpDefaults {
   static constexpr int depth = 1;
+  static constexpr bool observes_finiteness_only = true;
   static constexpr unsigned read_mask = 0b1;
   static constexpr unsigned write_mask = 0b0;
   using State = FiniteState;

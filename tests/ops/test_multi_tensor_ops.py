@@ -151,6 +151,27 @@ def test_per_tensor_flags_name_the_overflowing_tensors(backend, poisoned):
     assert flag.item() == (1.0 if poisoned else 0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_check_finite_flags_exactly_the_non_finite_bit_patterns(dtype):
+    """NOTE: [Finiteness from the bits]: the CPU check of a 16-bit list reads exponent bits; every
+    one of the 65,536 patterns is flagged exactly when torch's isfinite of its value is False."""
+    patterns = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(patterns.float())
+    found = ops.new_found_inf()
+    ops.multi_tensor_check_finite_([patterns[finite]], found)
+    assert found.item() == 0.0
+    # Each non-finite pattern alone in a finite tensor, at every position of a 37-element tensor
+    # in turn (vector lanes and the scalar tail).
+    bad = patterns[~finite]
+    xs = [torch.ones(37, dtype=dtype) for _ in bad]
+    for k, (x, b) in enumerate(zip(xs, bad)):
+        x[k % 37] = b
+    per = torch.zeros(len(xs))
+    ops.multi_tensor_check_finite_(xs, found, per_tensor_found_inf=per)
+    assert found.item() == 1.0 and bool(per.all())
+    assert len(bad) == (2048 if dtype == torch.float16 else 256)  # sign x mantissa, exponent 1s
+
+
 def test_per_tensor_flags_must_match_the_list():
     with pytest.raises(RuntimeError, match=r"per_tensor_found_inf must be a contiguous float32 tensor with one element per input \(2\)"):
         ops.multi_tensor_scale_([torch.ones(3)] * 2, [torch.ones(3)] * 2, 1.0, ops.new_found_inf(),
