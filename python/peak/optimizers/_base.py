@@ -277,6 +277,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             reduce_over_meshes(sumsq[:1], params)  # on every rank
         return sumsq.sum().sqrt().reshape(1)
 
+    # Under torch.compile the step runs as it is (its bookkeeping by parameter identity would
+    # recompile once per parameter) and its fused ops do the work: one graph break.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Tensor | None = None,
              found_inf: Tensor | None = None, grad_norm: Tensor | None = None):
