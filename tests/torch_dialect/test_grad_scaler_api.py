@@ -103,6 +103,51 @@ def test_bad_constructor_arguments(kwargs, exc, match):
         amp.GradScaler(**kwargs)
 
 
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(min_scale=1e9), ValueError, r"min_scale=1000000000.0 must be in \[0, init_scale=65536.0\]"),
+    (dict(max_scale=1.0), ValueError, "max_scale=1.0 must be >= init_scale"),
+    (dict(_hysteresis_tracker=7), ValueError, r"_hysteresis_tracker=7 must be in \[0, 1\]"),
+    (dict(_growth_tracker=-1), ValueError, r"_growth_tracker=-1 must be in \[0, inf\]"),
+    (dict(_skipped_steps=-3), ValueError, "_skipped_steps=-3"),
+    (dict(growth_factor=0.5), AssertionError, "growth factor must be > 1.0"),
+    (dict(scale=float("inf")), ValueError, "init_scale must be finite and > 0, got inf"),
+    (dict(scale=0.0), ValueError, "init_scale must be finite and > 0"),
+    (dict(scale="a"), TypeError, "init_scale must be a float, got str"),
+    (dict(growth_interval=0), ValueError, "growth_interval must be >= 1"),
+    (dict(hysteresis=0), ValueError, "hysteresis must be >= 1"),
+])
+def test_a_damaged_state_dict_is_refused_before_anything_changes(change, exc, match):
+    """What the constructor refuses, load_state_dict refuses too, naming the entry; the scaler
+    (here mid-run: its tensors exist) keeps its state and trains on as if nothing was tried."""
+    m = make_model()
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = amp.GradScaler("cpu", hysteresis=1, growth_interval=3)
+    reference = amp.GradScaler("cpu", hysteresis=1, growth_interval=3)
+    for scaler in (s, reference):
+        for x, y in batches(2):
+            scaler.scale(F.mse_loss(m(x), y)).backward()
+            scaler.unscale_(o)
+            scaler.update()
+            o.zero_grad()
+    good = s.state_dict()
+    with pytest.raises(exc, match=match) as info:
+        s.load_state_dict({**good, **change})
+    assert "GradScaler.load_state_dict" in str(info.value) and "nothing was loaded" in str(info.value)
+    assert s.state_dict() == good == reference.state_dict()
+
+
+def test_a_torch_state_past_a_lowered_growth_interval_loads():
+    """torch's set_growth_interval may leave its tracker above the new interval: torch saves it
+    so, and peak loads it."""
+    t = torch.amp.GradScaler("cpu", growth_interval=10)
+    t._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    t._growth_tracker.fill_(7)
+    t.set_growth_interval(4)
+    s = amp.GradScaler("cpu")
+    s.load_state_dict(t.state_dict())
+    assert s.state_dict()["_growth_tracker"] == 7 and s.get_growth_interval() == 4
+
+
 def test_constructor_takes_what_torch_takes():
     """numpy scalars, any truthy ``enabled``; a disabled scaler checks nothing (as torch)."""
     import numpy as np

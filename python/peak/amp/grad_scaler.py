@@ -396,22 +396,44 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         if missing:
             raise KeyError(f"GradScaler.load_state_dict: the state dict lacks {missing}; pass a "
                            f"dict returned by GradScaler.state_dict() (peak's or torch's)")
-        self._init_scale = float(state_dict["scale"])
+        # Checked as the constructor checks its arguments, before anything changes: a damaged
+        # state would silently misdrive the scale (a min_scale above it raises it at a backoff).
+        try:
+            o = check_options(dict(
+                init_scale=state_dict["scale"], growth_factor=state_dict["growth_factor"],
+                backoff_factor=state_dict["backoff_factor"],
+                growth_interval=state_dict["growth_interval"],
+                hysteresis=state_dict.get("hysteresis", self._hysteresis),
+                min_scale=state_dict.get("min_scale", self._min_scale),
+                max_scale=state_dict.get("max_scale", self._max_scale)), self._on_min_scale)
+            trackers = {name: _number(int, name, state_dict.get(name, default)) for name, default
+                        in (("_growth_tracker", 0), ("_hysteresis_tracker", o["hysteresis"]),
+                            ("_skipped_steps", 0))}
+            # (no upper bound on the growth tracker: torch's set_growth_interval may leave it
+            # past a lowered interval, and torch's scaler saves it so)
+            for name, high in (("_growth_tracker", None), ("_hysteresis_tracker", o["hysteresis"]),
+                               ("_skipped_steps", None)):
+                if trackers[name] < 0 or (high is not None and trackers[name] > high):
+                    raise ValueError(f"GradScaler: {name}={trackers[name]} must be in [0, "
+                                     f"{'inf' if high is None else high}]")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"GradScaler.load_state_dict: the state dict holds a value no "
+                          f"GradScaler can ({e}); nothing was loaded. Pass a dict returned by "
+                          "GradScaler.state_dict(), peak's or torch's") from None
+        self._init_scale = o["init_scale"]
         if self._scale is not None:
-            self._scale.fill_(state_dict["scale"])
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+            self._scale.fill_(o["init_scale"])
+        self._growth_factor, self._backoff_factor = o["growth_factor"], o["backoff_factor"]
+        self._growth_interval = o["growth_interval"]
+        self._init_growth_tracker = trackers["_growth_tracker"]
         if self._growth_tracker is not None:
-            self._growth_tracker.fill_(state_dict["_growth_tracker"])
-        self._hysteresis = int(state_dict.get("hysteresis", self._hysteresis))
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
-        self._max_scale = state_dict.get("max_scale", self._max_scale)
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+            self._growth_tracker.fill_(self._init_growth_tracker)
+        self._hysteresis = o["hysteresis"]
+        self._min_scale, self._max_scale = o["min_scale"], o["max_scale"]
+        self._init_hysteresis_tracker = trackers["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
-        self._skipped_steps_host = int(state_dict.get("_skipped_steps", 0))
+        self._skipped_steps_host = trackers["_skipped_steps"]
         self._skipped_steps_device = None
         self._last_skipped = False
         self._inv_scale = None
