@@ -137,11 +137,13 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Seq
     ``found_inf``: the step's overflow flag, or a list of them (one per device and optimizer,
     on any devices): the op merges them on the scale's device, so callers never merge flags.
     On overflow (any flag ``!= 0``) the hysteresis tracker counts down; when it reaches 0 the
-    scale becomes ``max(scale * backoff_factor, min_scale)``; the growth tracker resets. Otherwise
-    the growth tracker counts up and the hysteresis tracker refills; after ``growth_interval``
-    clean updates in a row the scale becomes ``min(scale * growth_factor, max_scale)`` (kept only
-    if finite). With the defaults this is exactly ``torch._amp_update_scale_``. ``scale`` and
-    ``found_inf``: float32, one element; trackers: int32, one element."""
+    scale becomes ``max(scale * backoff_factor, min_scale)``, never below 2^-126 (a zero scale
+    would make NaN weights: NOTE: [The scale never reaches zero]); the growth tracker resets.
+    Otherwise the growth tracker counts up and the hysteresis tracker refills; after
+    ``growth_interval`` clean updates in a row the scale becomes ``min(scale * growth_factor,
+    max_scale)`` (kept only if finite). With the defaults this is ``torch._amp_update_scale_``
+    (which goes below 2^-126, to 0). ``scale``, ``found_inf``: float32, one element; trackers:
+    int32, one element."""
     found_infs = [found_inf] if isinstance(found_inf, Tensor) else _list("found_inf", found_inf)
     _update_scale_op(scale, growth_tracker, hysteresis_tracker, found_infs,
                      growth_factor=float(growth_factor), backoff_factor=float(backoff_factor),

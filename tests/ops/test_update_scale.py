@@ -24,11 +24,44 @@ def test_matches_torch_amp_update_scale(device, seed):
     growth, backoff, interval = rng.choice([(2.0, 0.5, 3), (1.5, 0.25, 1), (4.0, 0.125, 5)])
     ours = new_state(device)
     theirs = new_state(device)
+    floored = 0
     for _ in range(200):
         found = torch.tensor([1.0 if rng.random() < 0.3 else 0.0], device=device)
         ops.update_scale_(ours[0], ours[1], found, growth, backoff, interval)
+        before = theirs[0].clone()
         torch._amp_update_scale_(theirs[0], theirs[1], found, growth, backoff, interval)
+        if theirs[0].item() < SMALLEST_NORMAL:  # torch goes on towards 0; peak stops there
+            theirs[0].copy_(torch.minimum(before, torch.full_like(before, SMALLEST_NORMAL)))
+            floored += 1
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert ours[0].item() > 0
+
+
+SMALLEST_NORMAL = torch.finfo(torch.float32).tiny  # 2^-126: NOTE: [The scale never reaches zero]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("min_scale", [0.0, None])
+def test_the_scale_never_backs_off_to_zero(device, min_scale):
+    """Without a floor, ~150 overflows in a row would take an fp32 scale of 2^16 to 0 (torch's
+    does), and a zero scale turns the next clean step's gradients into NaN: peak stops at 2^-126."""
+    s, g, h = new_state(device, hysteresis=1)
+    kwargs = {} if min_scale is None else {"min_scale": min_scale}
+    seen = []
+    for _ in range(300):
+        ops.update_scale_(s, g, torch.ones(1, device=device), 2.0, 0.5, 2000,
+                          hysteresis_tracker=h, hysteresis=1, **kwargs)
+        seen.append(s.item())
+    assert seen[-1] == SMALLEST_NORMAL and min(seen) == SMALLEST_NORMAL
+    assert seen.index(SMALLEST_NORMAL) == 16 + 126 - 1  # 2^16 halved 142 times
+    t, tg, _ = new_state(device)
+    for _ in range(300):
+        torch._amp_update_scale_(t, tg, torch.ones(1, device=device), 2.0, 0.5, 2000)
+    assert t.item() == 0.0  # (what the floor is for)
+    # A scale already below the floor (a subnormal init_scale) backs off no further, never up.
+    s.fill_(SMALLEST_NORMAL / 8)
+    ops.update_scale_(s, g, torch.ones(1, device=device), 2.0, 0.5, 2000)
+    assert s.item() == SMALLEST_NORMAL / 8
 
 
 def test_growth_never_reaches_inf_like_torch():
@@ -49,7 +82,10 @@ class ReferenceScaler:
         if found_inf:
             self.hyst_tracker = max(self.hyst_tracker - 1, 0)
             if self.hyst_tracker <= 0:
-                self.scale = float(torch.tensor(max(self.scale * backoff, lo), dtype=torch.float32))
+                backed_off = max(self.scale * backoff, lo)
+                if backed_off < SMALLEST_NORMAL:  # NOTE: [The scale never reaches zero]
+                    backed_off = min(self.scale, SMALLEST_NORMAL)
+                self.scale = float(torch.tensor(backed_off, dtype=torch.float32))
             self.growth_tracker = 0
             return
         self.hyst_tracker = hysteresis

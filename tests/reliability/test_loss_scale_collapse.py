@@ -122,3 +122,42 @@ def test_amp_min_loss_scale_floor(low):
     assert scales == [max(65536.0 * 0.5 ** (i + 1), 64.0) for i in range(14)]
     after = [p.detach() for p in model.parameters()] + [p.detach() for p in amp.master_params(opt)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("dialect", ["apex", "torch"])
+def test_without_a_floor_the_scale_stops_above_zero_and_the_next_clean_step_trains(dialect):
+    """No min_scale / min_loss_scale: 160 overflowing iterations in a row would take a scale of
+    2^16 to 0 in fp32 (torch's GradScaler gets there), and the next clean loss times 0 passes the
+    inf/NaN check and unscales to NaN weights. peak's scale stops at 2^-126 (NOTE: [The scale
+    never reaches zero]): the clean step after it is a finite step."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if dialect == "apex":
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                    loss_scale="dynamic", verbosity=0)
+        scale_of = lambda: amp._amp_state.loss_scalers[0].loss_scale()  # noqa: E731
+    else:
+        scaler = amp.GradScaler("cpu")
+        scale_of = scaler.get_scale
+
+    def iteration(poison):
+        loss = torch.nn.functional.mse_loss(model(torch.randn(4, 8)).float(), torch.randn(4, 4))
+        loss = loss * float("nan") if poison else loss
+        if dialect == "apex":
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(160):
+        iteration(poison=True)
+    assert scale_of() == torch.finfo(torch.float32).tiny
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    iteration(poison=False)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
