@@ -228,6 +228,31 @@ def test_clip_grad_norm_on_master_params():
     assert norm <= 1e-3 * 1.001
 
 
+@pytest.mark.parametrize("opt_name", ["FusedAdam", "Adam"])
+def test_reading_master_params_without_gradients_changes_nothing(opt_name):
+    """amp.master_params(opt) where no gradient exists (right after initialize; after zero_grad,
+    for an EMA or a log) yields the weights and leaves the next step as it would have been: the
+    same bits as a run that never read them, with peak's fused optimizers as with torch's."""
+    from peak.optimizers import FusedAdam
+
+    opt_cls = FusedAdam if opt_name == "FusedAdam" else torch.optim.Adam
+
+    def train(read):
+        model, opt = _o2(torch.bfloat16, opt_cls, lr=1e-2)
+        ema = [m.detach().clone() for m in amp.master_params(opt)] if read else None
+        for step in range(3):  # (no zero_grad between a read and the next scale_loss)
+            x, y = H.batch(step, n=8, shape=(3, 6, 6))
+            with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            if read:
+                ema = [0.9 * e + 0.1 * m.detach() for e, m in zip(ema, amp.master_params(opt))]
+        return H.snapshot(model, opt)
+
+    H.assert_bitwise_equal(train(read=True), train(read=False))
+
+
 def test_existing_optimizer_state_moves_to_masters():
     model = H.make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -282,7 +307,14 @@ def test_one_layout_cross_loads_between_fused_and_torch_optimizers(direction):
     for i, master in saved.items():
         H.assert_bitwise_equal(sd2["state"][i]["master_param"], master)
         H.assert_bitwise_equal(sd2["state"][i]["exp_avg"], sd["state"][i]["exp_avg"])
-    _step(model2, opt2, 2)  # and it steps
+    # The torch layout saves masters as Parameters: loaded, they are plain state (no autograd
+    # history that would warn at every step and refuse a deepcopy).
+    assert all(not v.requires_grad and v.grad_fn is None for st in opt2.state.values()
+               for v in st.values() if isinstance(v, torch.Tensor))
+    copy.deepcopy(opt2.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(model2, opt2, 2)  # and it steps
     assert all(torch.isfinite(p).all() for p in model2.parameters())
 
 

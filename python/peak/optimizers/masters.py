@@ -109,7 +109,8 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
     if optimizer.keeps_remainder(p, group):
         keep_as_remainder(p, state, master)
     elif optimizer.wants_master(p):
-        state[MASTER_KEY] = master.to(device=p.device, dtype=torch.float32, copy=True)
+        # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
+        state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
 
 
 # NOTE: [fp32 gradient accumulation] fp16/bf16 gradients accumulated by autograd over micro-batches
