@@ -82,7 +82,12 @@ def test_load_state_dict_apex_semantics():
     for bad, match in (({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0}, "bogus": 1},
                         'Unexpected key\\(s\\) in state_dict: "bogus"'),
                        ({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0},
-                         "loss_scaler1": {"loss_scale": 4.0}}, "not loss scaler states")):
+                         "loss_scaler1": {"loss_scale": 4.0}}, "not loss scaler states"),
+                       # a NaN or inf scale would skip every step, 0 would make NaN weights
+                       *(({"loss_scaler0": {"loss_scale": v, "unskipped": 0}},
+                          "loss_scaler0=.*'loss_scale': a finite float > 0")
+                         for v in (float("nan"), float("inf"), 0.0, -2.0)),
+                       ({"loss_scaler0": {"loss_scale": 4.0, "unskipped": -1}}, "an int >= 0")):
         with pytest.raises(RuntimeError, match=match):
             amp.load_state_dict(bad)
         assert _amp_state.loss_scalers[0].loss_scale() == 1.0  # nothing was applied

@@ -292,6 +292,33 @@ def test_accumulation_equals_sum(level, low, delay, scale):
         assert torch.equal(a, b.float()), f"param {i}: max diff {(a - b.float()).abs().max().item()}"
 
 
+@pytest.mark.parametrize("opt_name", ["SGD", "FusedSGD"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_step_after_a_delayed_exit_is_refused_before_anything_changes(level, opt_name):
+    """delay_unscale=True leaves the gradients scaled and unchecked: a step() then would apply
+    them S times too large (Apex's did, silently). peak refuses it, changing nothing; the next
+    non-delayed exit unscales everything accumulated and the step is the right one."""
+    from peak.optimizers import FusedSGD
+
+    opt_cls = FusedSGD if opt_name == "FusedSGD" else torch.optim.SGD
+    model, ref_model = H.make_cnn(), H.make_cnn()
+    opt, ref_opt = (opt_cls(m.parameters(), lr=1e-2) for m in (model, ref_model))
+    H.init([model, ref_model], [opt, ref_opt], level, torch.float16, loss_scale=1024.0)
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        o.zero_grad()
+        with amp.scale_loss(_loss(m, 0), o, delay_unscale=True) as scaled:
+            scaled.backward()
+    before = H.snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="still scaled and unchecked.*delay_unscale=True"):
+        opt.step()
+    H.assert_bitwise_equal(H.snapshot(model, opt), before)
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        with amp.scale_loss(_loss(m, 1), o) as scaled:
+            scaled.backward()
+        o.step()
+    H.assert_bitwise_equal(H.snapshot(model, opt), H.snapshot(ref_model, ref_opt))
+
+
 def test_tuple_of_optimizers_is_not_unscaled_twice():
     grads = []
     for container in (list, tuple):

@@ -140,6 +140,8 @@ def test_legal_unusual_combinations(level, kwargs):
     ("O2", {"cast_model_outputs": "fp64"}, TypeError, "cast_model_outputs must be"),
     ("O2", {"low_precision_dtype": "fp32"}, ValueError, "the strings 'fp16', 'float16', 'half', 'bf16'"),
     ("O2", {"min_loss_scale": 8.0, "max_loss_scale": 4.0}, ValueError, "must not exceed"),
+    ("O2", {"loss_scale": True}, ValueError, "not a bool"),
+    ("O2", {"enabled": "no"}, ValueError, "enabled must be True, False, the string 'True' or 'False'"),
 ])
 def test_illegal_overrides_raise_and_change_nothing(level, kwargs, exc, fragment):
     m, o = _model_opt()
@@ -152,6 +154,19 @@ def test_illegal_overrides_raise_and_change_nothing(level, kwargs, exc, fragment
     H.assert_bitwise_equal(H.snapshot(m, o), before)
     # the same objects can still be initialized afterwards
     amp.initialize(m, o, opt_level=level, verbosity=0)
+
+
+def test_enabled_given_as_the_string_false_turns_amp_off():
+    """opt_levels.md: booleans may be the strings "True" and "False" (what argparse hands a
+    script); ``enabled="False"`` (truthy as a string) is off, as ``enabled=False``."""
+    m, o = _model_opt()
+    before = H.snapshot(m, o)
+    assert amp.initialize(m, o, opt_level="O2", verbosity=0, enabled="False") == (m, o)
+    assert not _amp_state.opt_properties.enabled and amp.state_dict() == {}
+    H.assert_bitwise_equal(H.snapshot(m, o), before)
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    amp.initialize(m, o, opt_level="O2", verbosity=0, enabled="True")
+    assert _amp_state.opt_properties.enabled is True and amp.state_dict()
 
 
 @pytest.mark.parametrize("bad", ["O4", "o1", "01", "O 2", None])

@@ -119,17 +119,19 @@ def test_lbfgs_closure_without_master_weights_still_runs():
     calls = []
 
     def closure():
-        calls.append(1)
         opt.zero_grad()
-        loss = F.cross_entropy(model(x).float(), y)
+        out = model(x)
+        calls.append(out.dtype)  # O1's casts are on in the closure LBFGS calls inside step()
+        loss = F.cross_entropy(out.float(), y)
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
         return loss
 
     before = _weights(model)
     opt.step(closure)
-    assert len(calls) > 1  # LBFGS evaluated it itself
+    assert len(calls) > 1 and set(calls) == {torch.bfloat16}  # LBFGS evaluated it itself, cast
     assert any(not torch.equal(a, b) for a, b in zip(before, _weights(model)))
+    assert model(x).dtype == torch.bfloat16  # the step's own casts-off region is over
 
 
 def test_lbfgs_with_master_weights_is_refused():

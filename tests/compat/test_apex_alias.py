@@ -465,6 +465,11 @@ def test_apex_module_paths_and_missing_submodules(alias):
     for name in ("apex.fp16_utils.loss_scaler", "apex.amp.no_such_module"):
         with pytest.raises(ImportError, match="does not exist"):
             importlib.import_module(name)
+    import amp_C  # an amp_C function Apex has and peak does not: what peak has instead
+    assert not hasattr(amp_C, "multi_tensor_lamb_mp")  # (hasattr: an AttributeError)
+    with pytest.raises(AttributeError, match=r"amp_C.multi_tensor_lamb_mp is not in peak's Apex "
+                       r"alias, which provides multi_tensor_scale, .*docs/migrating.md"):
+        amp_C.multi_tensor_lamb_mp
 
 
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])

@@ -355,3 +355,14 @@ def disabled():
         yield
     finally:
         _c.resume()
+
+
+@contextlib.contextmanager
+def resumed():
+    """Inside ``disabled()``: the body with the casts that were on before it (a closure that an
+    optimizer's step calls, the step itself running without casts)."""
+    _c.resume()
+    try:
+        yield
+    finally:
+        _c.suspend()

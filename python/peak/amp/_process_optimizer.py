@@ -231,8 +231,10 @@ class ScaledGradsState(AmpOptimizerState):
             torch.maximum(charged, flag.reshape(charged.shape), out=charged)
 
     def master_params(self):
-        """The fp32 weights stepped, given fp32 gradients to clip (which the step then reads)."""
-        if not self.master_grads_given:
+        """The fp32 weights stepped, given fp32 gradients to clip (which the step then reads);
+        without gradients (before a backward, after zero_grad: an EMA or a log) just the weights."""
+        if not self.master_grads_given and any(
+                p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
             self.optimizer.give_master_grads(self.grad_scale)
             if self.grad_scale is not None:
                 self.grad_scale = torch.ones_like(self.grad_scale)
@@ -360,12 +362,17 @@ def _step(self, closure=None):
                     f"{type(self).__name__} evaluates its closure several times inside step(); amp "
                     "supports that only without master weights (opt_level O0, O1 or O3) and when "
                     "no step is pending a skip after a gradient overflow. Use opt_level='O1'.")
-            args = (closure,)
+            args = (_with_casts(closure) if stash.o1 else closure,)
         else:
             # As torch.optim's step does first thing: the gradients and the overflow state the
             # step reads are the closure's (run with O1 casts on, as the forward would be).
             with torch.enable_grad():
                 loss = closure()
+    if stash.params_have_scaled_gradients:  # (refused before anything changes)
+        raise RuntimeError(
+            f"{type(self).__name__}.step(): the gradients are still scaled and unchecked: the last "
+            "amp.scale_loss exit had delay_unscale=True. Exit the last micro-batch's scale_loss "
+            "without delay_unscale (it unscales and checks everything accumulated), then step")
     step_index = stash.step_count
     stash.step_count += 1
     stash.print_reports()  # earlier steps' skips whose reports have arrived
@@ -384,6 +391,14 @@ def _step(self, closure=None):
         raise
     stash.print_reports()  # at once where the report needs no copy (the CPU)
     return loss if closure is not None and not args else result
+
+
+def _with_casts(closure):
+    """LBFGS calls its closure inside step(), which O1 runs without casts: on again for it."""
+    def closure_with_casts():
+        with _caster.resumed():
+            return closure()
+    return closure_with_casts
 
 
 def _zero_grad(self, set_to_none: bool = True):

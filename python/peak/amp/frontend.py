@@ -90,6 +90,9 @@ class Properties:
 def parse_loss_scale(value):
     if value == "dynamic":
         return value
+    if isinstance(value, bool):
+        raise ValueError(f"loss_scale must be a number or 'dynamic', not a bool; found "
+                         f"loss_scale={value!r}")
     try:
         scale = float(value)
     except (TypeError, ValueError):
@@ -160,6 +163,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     only, ``torch.bfloat16`` or ``"bf16"``, default fp16), the run's lower precision at any
     opt_level (bf16: loss scale 1.0 unless ``loss_scale`` is passed); dtype strings; CPU models."""
     _amp_state.verbosity = verbosity
+    if isinstance(enabled, str):  # "False" is truthy: parsed, as every boolean option is
+        enabled = _parse_bool("enabled", enabled)
 
     if not enabled:
         _reset_global_state()
@@ -261,7 +266,7 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
         "`model, optimizer = amp.initialize(model, optimizer, opt_level='O1')` and "
         "`amp_handle.scale_loss(loss, optimizer)` with `amp.scale_loss(loss, optimizer)`.",
         DeprecationWarning, stacklevel=2)
-    if not enabled:
+    if not (_parse_bool("enabled", enabled) if isinstance(enabled, str) else enabled):
         return NoOpHandle()
     properties = O1(Properties())
     properties.loss_scale = loss_scale
@@ -294,17 +299,25 @@ def load_state_dict(state_dict):
     if unexpected := [k for k, _ in items if "loss_scaler" not in k]:
         raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: {}. "
                            .format(", ".join('"{}"'.format(k) for k in unexpected)))
-    if bad := [k for k, e in items if not isinstance(e, dict) or {"loss_scale", "unskipped"} - {*e}
-               or isinstance(e["loss_scale"], bool) or not isinstance(e["loss_scale"], (int, float))
-               or isinstance(e["unskipped"], bool) or not isinstance(e["unskipped"], int)]:
+    if bad := [f"{k}={e!r}" for k, e in items if not _is_scaler_state(e)]:
         raise RuntimeError(f"amp.load_state_dict: {bad} are not loss scaler states "
-                           "({'loss_scale': float, 'unskipped': int}); nothing was loaded")
+                           "({'loss_scale': a finite float > 0, 'unskipped': an int >= 0}); "
+                           "nothing was loaded")
     if len(items) != len(scalers) and _amp_state.verbosity > 0:
         warnings.warn(f"amp.load_state_dict: {len(items)} saved loss scalers, {len(scalers)} in "
                       "use (num_losses): the first ones load by position, the rest are left",
                       stacklevel=2)
     for scaler, (_, entry) in zip(scalers, items):
         scaler.load_state_dict(entry)
+
+
+def _is_scaler_state(entry) -> bool:
+    if not isinstance(entry, dict) or {"loss_scale", "unskipped"} - {*entry}:
+        return False
+    scale, unskipped = entry["loss_scale"], entry["unskipped"]
+    return (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+            and math.isfinite(scale) and scale > 0  # (a NaN scale skips every step; 0: NaN weights)
+            and isinstance(unskipped, int) and not isinstance(unskipped, bool) and unskipped >= 0)
 
 
 def _require_initialized(what: str) -> None:

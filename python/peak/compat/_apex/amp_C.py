@@ -196,3 +196,9 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         bias_correction=bool(bias_correction), max_grad_norm=float(max_grad_norm),
         use_nvlamb=bool(use_nvlamb), grad_norm=_scalar(global_grad_norm, device),
         chunk_size=chunk_size)
+
+
+def __getattr__(name: str):
+    raise AttributeError(f"amp_C.{name} is not in peak's Apex alias, which provides "
+                         f"{', '.join(__all__)}; for the rest use peak.optimizers' fused "
+                         "optimizers or peak.ops (docs/migrating.md)", name=name)
