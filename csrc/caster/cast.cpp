@@ -5,12 +5,14 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 namespace peak::caster {
@@ -45,7 +47,14 @@ PyObject* cast_tree(PyObject* o, const Rule& r) {
       Py_INCREF(o);
       return o;
     }
-    at::Tensor c = cast_tensor(t, r.to, r.use_cache);
+    at::Tensor c;
+    {  // NOTE: [Region edits under inference mode] write_back reads a copy's version counter,
+       // which inference tensors lack: the copy is made outside inference mode (grad off, as in it)
+      std::optional<c10::InferenceMode> outside;
+      std::optional<at::NoGradGuard> no_grad;
+      if (r.copies && c10::InferenceMode::is_enabled()) outside.emplace(false), no_grad.emplace();
+      c = cast_tensor(t, r.to, r.use_cache);
+    }
     if (r.copies) r.copies->push_back({o, c, version_of(c)});
     return THPVariable_Wrap(std::move(c));
   }

@@ -166,6 +166,45 @@ def test_add_param_group_takes_what_torchs_takes():
         opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(2))}})
 
 
+@pytest.mark.parametrize("make, group, match", [
+    (lambda w: FusedSGD(w, lr=0.1), {"lr": -1.0}, r"Invalid learning rate: -1.0"),
+    (lambda w: FusedSGD(w, lr=0.1), {"momentum": -0.5}, r"Invalid momentum value"),
+    (lambda w: FusedSGD(w, lr=0.1), {"nesterov": 1}, r"nesterov must be True or False"),
+    (lambda w: FusedAdam(w, lr=0.1), {"betas": (0.9, 1.0)}, r"beta parameter at index 1"),
+    (lambda w: FusedAdam(w, lr=0.1), {"eps": -1e-8}, r"Invalid epsilon value"),
+    (lambda w: FusedAdam(w, lr=0.1, exp_avg_dtype=torch.bfloat16,
+                         exp_avg_sq_dtype=torch.bfloat16),
+     {"moment_rounding": "Stochastic"}, r"moment_rounding must be 'stochastic'"),
+    (lambda w: FusedAdam(w, lr=0.1), {"exp_avg_dtype": "fp8"}, r"exp_avg_dtype"),
+    (lambda w: FusedAdagrad(w, lr=0.1), {"lr_decay": -1.0}, r"Invalid lr_decay"),
+    (lambda w: FusedLAMB(w, lr=0.1), {"max_grad_norm": -1.0}, r"Invalid max_grad_norm"),
+])
+def test_a_param_groups_own_options_are_checked_as_the_constructors(make, group, match):
+    """add_param_group (and a dict in params) checks what the group sets as the constructor checks
+    its arguments: a typo in moment_rounding silently rounded to nearest, lr=-1 stepped uphill."""
+    w = [torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))]
+    opt = make(w)
+    before = copy.deepcopy(opt.state_dict())
+    extra = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [extra], **group})
+    assert_bitwise_equal(opt.state_dict(), before)  # nothing added
+    with pytest.raises(ValueError, match=match):
+        make([{"params": [extra], **group}])
+    opt.add_param_group({"params": [extra], "lr": 0.01})  # a good one still goes in
+    assert len(opt.param_groups) == 2
+
+
+def test_a_param_group_may_name_its_moment_storage_as_a_string():
+    w, v = (torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16)) for _ in range(2))
+    opt = FusedAdam([w], lr=0.1)
+    opt.add_param_group({"params": [v], "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"})
+    assert opt.param_groups[1]["exp_avg_dtype"] == torch.bfloat16
+    v.grad, w.grad = torch.ones_like(v), torch.ones_like(w)
+    opt.step()
+    assert opt.state[v]["exp_avg"].dtype == torch.bfloat16 == opt.state[v]["exp_avg_sq"].dtype
+
+
 def test_state_an_option_starts_mid_run_is_not_required():
     """Options switched on after some steps (a momentum warm-up from 0, amsgrad) start their state
     at the next step, as the optimizer's own step does: such a checkpoint loads. So does Apex's

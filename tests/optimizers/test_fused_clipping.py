@@ -183,8 +183,18 @@ def test_errors():
     with pytest.raises(ValueError, match="max_grad_norm"):
         FusedSGD([p], lr=0.1, max_grad_norm=-0.5)
     p.grad = torch.ones(4)
-    with pytest.raises(TypeError, match="grad_norm must be a one-element tensor"):
+    with pytest.raises(TypeError, match="grad_norm must be a one-element floating tensor"):
         FusedAdam([p], max_grad_norm=1.0).step(grad_norm=1.0)
+    # A loss scaler's tensors as numbers, or of the wrong size or device: refused, nothing stepped.
+    opt, w0 = FusedAdam([p], lr=0.1), p.detach().clone()
+    for kwargs in (dict(grad_scale=1024.0), dict(found_inf=0.0), dict(found_inf=torch.zeros(2)),
+                   dict(found_inf=torch.zeros(1, device="meta")),
+                   dict(grad_scale=torch.ones(1, dtype=torch.int32))):
+        name = next(iter(kwargs))
+        with pytest.raises(TypeError, match=f"step\\(\\): {name} must be a one-element floating "
+                                            f"tensor on the parameters' device"):
+            opt.step(**kwargs)
+    assert torch.equal(p.detach(), w0) and not opt.state
     lr, st = torch.tensor([0.1]), [torch.zeros(())]
     with pytest.raises(RuntimeError, match="max_grad_norm > 0 needs grad_norm"):
         torch.ops.peak.fused_sgd_([p.detach()], [p.grad], [], [], st, lr=lr, momentum=0.0,

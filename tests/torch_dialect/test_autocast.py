@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from peak import amp
 from peak.amp import _caster
+from peak_testing import assert_bitwise_equal
 from peak.amp.autocast_mode import (TORCH_AUTOCAST_LISTS, TORCH_AUTOCAST_LIST_CHANGES,
                                     autocast_list_changes)
 
@@ -457,6 +458,29 @@ def test_list_edits_write_in_place_ops_into_the_callers_tensor():
         r = x.add_(y)
     assert r is x and x.dtype == torch.float32
     assert torch.equal(x, (before.bfloat16() + y.bfloat16()).float())
+
+
+def test_list_edits_under_inference_mode():
+    """Lightning runs validation and prediction under torch.inference_mode: the edited ops cast
+    (inference tensors have no version counter for the write-back to read: NOTE: [Region edits
+    under inference mode]), in-place and out= writes still reach the caller's tensor, and the
+    results are those of no_grad."""
+    lin = torch.nn.Linear(4, 4)
+    x, y = torch.randn(2, 4), torch.randn(8)
+    results = {}
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=[F.softmax],
+                                  lower_ops=["add_", "exp"]):
+            out = lin(x)  # bf16, made in the mode (an inference tensor under inference_mode)
+            soft = F.softmax(out, -1)
+            inplace = x.clone()
+            r = inplace.add_(y[:4])
+            o = torch.zeros(2, 4)
+            e = torch.exp(x, out=o)
+        assert soft.dtype == torch.float32 and r is inplace and e is o
+        results[mode.__name__] = (out, soft, inplace, o)
+    assert_bitwise_equal(results["inference_mode"], results["no_grad"])
+    assert torch.equal(results["no_grad"][2], (x.bfloat16() + y[:4].bfloat16()).float())
 
 
 def test_list_edits_share_the_casters_weight_cache():

@@ -48,3 +48,27 @@ def check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm=0.0) -> None:
     check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
     check_hyper("weight_decay value", weight_decay, lo=0.0)
     check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+
+
+# A param group's own numbers (add_param_group, or a dict in params), in the constructors' words.
+_GROUP_RANGES = {"lr": "learning rate", "eps": "epsilon value", "momentum": "momentum value",
+                 "weight_decay": "weight_decay value", "dampening": "dampening",
+                 "max_grad_norm": "max_grad_norm", "lr_decay": "lr_decay",
+                 "initial_accumulator_value": "initial_accumulator_value"}
+
+
+def check_group(group: dict, defaults: dict) -> None:
+    """The options a param group sets itself, checked as the constructor checks its own (a typo
+    in moment_rounding, a negative lr); storage dtypes given as strings become dtypes."""
+    for key, value in group.items():
+        if key in _GROUP_RANGES:
+            check_hyper(_GROUP_RANGES[key], value, lo=0.0)
+        elif key == "betas":
+            for i in (0, 1):
+                check_hyper(f"beta parameter at index {i}", value[i], lo=0.0, hi=1.0, hi_open=True)
+        elif key == "moment_rounding":
+            check_moment_rounding(value)
+        elif key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
+            group[key] = check_moment_dtype(key, value)
+        elif isinstance(defaults.get(key), bool):
+            check_bool(key, value)

@@ -14,14 +14,14 @@ from torch import Tensor
 from .. import ops
 from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
-from ._arguments import check_bool, check_moment_dtype, check_moment_rounding
+from ._arguments import check_bool, check_group, check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import EIGHT_BIT_LAYOUT, STORAGE_KEYS, check_loadable
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
 from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, follow_weight,
-                      forget_weight, join_remainder, load_master, master_in_state, note_stepped,
-                      take_fp32_sums, weights_settled)
+                      join_remainder, load_master, master_in_state, note_stepped,
+                      take_fp32_sums, weight_loaded, weights_settled)
 
 # State whose dtype the optimizer chooses, not the parameter's: fp32 or a group's lean storage
 # (docs/core.md, "Lean optimizer state"). torch's load_state_dict would cast it: we restore it.
@@ -98,6 +98,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             params = param_group["params"]  # (torch's errors for a non-dict and a set of params)
             params = param_group["params"] = [params] if isinstance(params, Tensor) else [*params]
             unwrapped = [p[1] if isinstance(p, tuple) else p for p in params]
+            check_group(param_group, self.defaults)
             check_sharded_group(self, {**self.defaults, **param_group, "params": unwrapped})
         super().add_param_group(param_group)
 
@@ -299,6 +300,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         # torch.amp.GradScaler hands these over as attributes of the optimizer instead.
         grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
+        for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf),
+                        ("grad_norm", grad_norm)):  # (checked before anything changes)
+            if t is not None and not (isinstance(t, Tensor) and t.numel() == 1
+                                      and t.is_floating_point() and not t.is_meta):
+                raise TypeError(f"{type(self).__name__}.step(): {name} must be a one-element "
+                                f"floating tensor on the parameters' device, got {t!r}; e.g. "
+                                f"{name}=torch.tensor([1.0], device=...)")
         take_fp32_sums(self, grad_scale)
         weights_settled()
         self._check_stochastic_rounding()
@@ -307,9 +315,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             agree_on_overflow(self, {found_inf.device: found_inf})  # flag too
         self._step_store_grads = (grad_scale is not None
                                   and getattr(self, "store_unscaled_grads", True))
-        if grad_norm is not None and (not isinstance(grad_norm, Tensor) or grad_norm.numel() != 1):
-            raise TypeError("grad_norm must be a one-element tensor (the global norm of the "
-                            f"gradients as passed), got {type(grad_norm).__name__}")
         if grad_norm is None and self.clips_by_norm:
             grad_norm = self.grad_norm()
         self._step_grad_norm = grad_norm
@@ -529,9 +534,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
             load_master(self, p, state, group, entries)
             self._complete_loaded_state(p, state)
-        for group in self.param_groups:  # (the weights arriving are the ones saved with it)
+        for group in self.param_groups:  # (which weight the loaded masters go with)
             for p in group["params"]:
-                forget_weight(p)
+                weight_loaded(p)
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""

@@ -111,6 +111,8 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
     elif optimizer.wants_master(p):
         # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
         state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        if remainder is not None:  # joined with the weight now; again with one loaded later
+            _join_on_arrival[p] = remainder
 
 
 # NOTE: [fp32 gradient accumulation] fp16/bf16 gradients accumulated by autograd over micro-batches
@@ -359,6 +361,9 @@ _loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded,
 _weight_version: dict[int, tuple] = {}
 _watched: set[int] = set()  # ids of remainder-kept parameters written outside the step once
 _awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loaded before its weight
+# parameter -> the remainder an fp32 master was joined from at an optimizer load, to join again
+# with a weight loaded after it (until the next step)
+_join_on_arrival = WeakIdKeyDictionary()
 
 
 def note_load_hook(module, state_dict, prefix, *args) -> None:
@@ -377,6 +382,9 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
             continue
         value, changed = _loading.pop(p, (None, False))
         master = master_of_param(p)
+        remainder = _join_on_arrival.pop(p, None)
+        if master is not None and remainder is not None:
+            master.copy_(join_remainder(p, remainder))
         if master is not None and not torch.equal(master.to(p.dtype), p):
             master.copy_(p)
         owner = _owner_of_param[p]() if p in _owner_of_param else None
@@ -399,9 +407,14 @@ def note_weight(p: Tensor, checksum: Tensor | None = None) -> None:
     _weight_version[key] = (entry[0], p._version, checksum)
 
 
-def forget_weight(p: Tensor) -> None:
+def weight_loaded(p: Tensor) -> None:
+    """After an optimizer load: p's weight is taken to be the one saved with it (its version is
+    forgotten), unless its master was joined from a remainder, which then follows a weight
+    loaded later (its version is noted)."""
     entry = _weight_version.get(id(p))
-    if entry is not None and entry[0]() is p:
+    if p in _join_on_arrival:
+        note_weight(p)
+    elif entry is not None and entry[0]() is p:
         _forget_id(id(p))
 
 
@@ -413,13 +426,17 @@ def follow_weight(p: Tensor, state: dict) -> None:
     """Before p is stepped: its master follows a weight written since the last step (NOTE:
     [Masters after a model reload]); no host sync."""
     entry = _weight_version.get(id(p))
+    remainder = _join_on_arrival.pop(p, None) if _join_on_arrival else None
     if entry is None or entry[0]() is not p:  # first seen: the weight is where the master is
         return note_weight(p)
     if entry[1] == p._version:
         return None
     if not (p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat)
         with torch.no_grad():
-            if REMAINDER_KEY in state:
+            if remainder is not None and MASTER_KEY in state:  # the weight saved with it arrived
+                local_shard(state[MASTER_KEY]).copy_(
+                    join_remainder(local_shard(p), local_shard(remainder)))
+            elif REMAINDER_KEY in state:
                 remainder = local_shard(state[REMAINDER_KEY])  # (each rank: its shard's bits)
                 if entry[2] is None:
                     remainder.zero_()
