@@ -278,10 +278,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             reduce_over_meshes(sumsq[:1], params)  # on every rank
         return sumsq.sum().sqrt().reshape(1)
 
-    # Under torch.compile the step runs as it is (its bookkeeping by parameter identity would
-    # recompile once per parameter) and its fused ops do the work: one graph break.
-    @torch.compiler.disable
-    @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Tensor | None = None,
              found_inf: Tensor | None = None, grad_norm: Tensor | None = None):
         """One fused step. ``grad_scale``/``found_inf`` (float32, one element) come from a loss
@@ -293,6 +289,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         ``grad_norm`` (the norm of the gradients as passed, still scaled) is that norm when a loss
         scaler already computed it in its inf/NaN check (``peak.amp.GradScaler`` does); otherwise
         the step computes it (one read pass)."""
+        return self._fused_step(closure, grad_scale, found_inf, grad_norm)
+
+    # Under torch.compile the step runs as it is (its bookkeeping by parameter identity would
+    # recompile once per parameter) and its fused ops do the work: one graph break. (Not on step
+    # itself: torch 2.10's compile of a bound method loses self through a disabled function.)
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _fused_step(self, closure, grad_scale, found_inf, grad_norm):
         loss = None
         if closure is not None:  # first: what the step reads below is the closure's doing
             with torch.enable_grad():
