@@ -171,6 +171,7 @@ def test_add_param_group_takes_what_torchs_takes():
     (lambda w: FusedSGD(w, lr=0.1), {"momentum": -0.5}, r"Invalid momentum value"),
     (lambda w: FusedSGD(w, lr=0.1), {"nesterov": 1}, r"nesterov must be True or False"),
     (lambda w: FusedAdam(w, lr=0.1), {"betas": (0.9, 1.0)}, r"beta parameter at index 1"),
+    (lambda w: FusedAdam(w, lr=0.1), {"betas": (0.9,)}, r"betas must be a pair"),
     (lambda w: FusedAdam(w, lr=0.1), {"eps": -1e-8}, r"Invalid epsilon value"),
     (lambda w: FusedAdam(w, lr=0.1, exp_avg_dtype=torch.bfloat16,
                          exp_avg_sq_dtype=torch.bfloat16),
@@ -193,6 +194,54 @@ def test_a_param_groups_own_options_are_checked_as_the_constructors(make, group,
         make([{"params": [extra], **group}])
     opt.add_param_group({"params": [extra], "lr": 0.01})  # a good one still goes in
     assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("bad, options, exc, match", [
+    (lambda: torch.randn(3, dtype=torch.float64), {}, TypeError, "got a torch.float64 parameter"),
+    (lambda: torch.randn(8, 10)[:, :5], {}, RuntimeError, r"shape \(8, 5\) is not dense"),
+    (lambda: torch.randn(3).half(), {"store_param_remainders": True}, TypeError,
+     "store_param_remainders=True"),
+    (lambda: torch.randn(3).half(), {"stochastic_rounding": True}, TypeError,
+     "stochastic_rounding=True"),
+], ids=["fp64", "non-dense", "fp16 remainders", "fp16 stochastic rounding"])
+def test_a_step_the_kernels_cannot_take_is_refused_before_any_group_steps(bad, options, exc,
+                                                                          match):
+    """A parameter the kernels cannot step, in a later group: refused before the first group
+    steps (it used to be stepped, and a retried step stepped it twice)."""
+    good = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    other = torch.nn.Parameter(bad())
+    group = {"params": [other], **options}
+    if "stochastic_rounding" in options:
+        opt = FusedAdam([{"params": [good]}], lr=0.1, master_weights=False,
+                        stochastic_rounding=True)
+        opt.add_param_group(group)
+    else:
+        opt = FusedAdam([{"params": [good]}, group], lr=0.1)
+    good.grad, other.grad = torch.ones_like(good), torch.ones_like(other)
+    before = good.detach().clone()
+    with pytest.raises(exc, match=match):
+        opt.step()
+    assert torch.equal(good.detach(), before) and not opt.state
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"lr": "fast"}, r"param group 0: Invalid learning rate: 'fast' \(must be a number\)"),
+    ({"betas": (0.9,)}, r"param group 0: betas must be a pair"),
+    ({"eps": -1.0}, r"param group 0: Invalid epsilon value: -1.0"),
+    ({"amsgrad": "yes"}, r"param group 0: amsgrad must be True or False"),
+])
+def test_damaged_hyperparameters_are_refused_before_the_state_is_replaced(change, match):
+    w = [torch.nn.Parameter(torch.randn(4))]
+    opt = FusedAdam(w, lr=0.1)
+    w[0].grad = torch.ones(4)
+    opt.step()
+    good = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(good)
+    bad["param_groups"][0].update(change)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(bad)
+    assert_bitwise_equal(opt.state_dict(), good)
+    opt.step()  # and it still steps
 
 
 def test_a_param_group_may_name_its_moment_storage_as_a_string():

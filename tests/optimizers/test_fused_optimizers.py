@@ -241,6 +241,9 @@ def test_bad_hyperparameters_and_inputs():
         FusedAdam(p, lr=-1)
     with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
         FusedAdam(p, betas=(0.9, 1.0))
+    for betas in (True, (0.9,)):  # Apex's positional order (bias_correction third), a short pair
+        with pytest.raises(ValueError, match=r"betas must be a pair .*bias_correction third"):
+            FusedAdam(p, 1e-3, betas)
     with pytest.raises(ValueError, match="Nesterov momentum requires"):
         FusedSGD(p, nesterov=True)
     with pytest.raises(RuntimeError, match="AMSGrad"):

@@ -175,6 +175,25 @@ def master_params_between_micro_batches():
         s.backward()
 
 
+def step_after_delayed_exit():
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                opt_level="O1", verbosity=0)
+    with amp.scale_loss(_loss(model), opt, delay_unscale=True) as s:
+        s.backward()
+    opt.step()
+
+
+def enabled_not_a_boolean():
+    model = _model()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), enabled="no", verbosity=0)
+
+
+def damaged_grad_scaler_state():
+    scaler = amp.GradScaler("cpu")
+    scaler.load_state_dict({**scaler.state_dict(), "min_scale": 1e9})
+
+
 def state_dict_before_initialize():
     amp.state_dict()
 

@@ -1,6 +1,8 @@
 """The fused optimizers' argument checks: hyperparameter ranges and lean-state options."""
 from __future__ import annotations
 
+import numbers
+
 from torch import Tensor
 
 from .._dtypes import MOMENT_STORAGE, parse_dtype
@@ -24,6 +26,8 @@ def check_moment_rounding(value):
 
 
 def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
+    if not isinstance(value, (numbers.Real, Tensor)) or isinstance(value, bool):
+        raise ValueError(f"Invalid {name}: {value!r} (must be a number)")
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
@@ -40,12 +44,20 @@ def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
         raise ValueError(f"Invalid {name}: {value} (must be in {lo_s}, {hi_s})")
 
 
+def check_betas(betas) -> None:
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r} (Apex's FusedAdam "
+                         "takes bias_correction third: pass arguments by keyword, or import "
+                         "apex.optimizers under peak's Apex alias for Apex's order)")
+    for i in (0, 1):
+        check_hyper(f"beta parameter at index {i}", betas[i], lo=0.0, hi=1.0, hi_open=True)
+
+
 def check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm=0.0) -> None:
     """The Adam family's ranges (FusedAdam, FusedLAMB, FusedNovoGrad), with torch's messages."""
     check_hyper("learning rate", lr, lo=0.0)
     check_hyper("epsilon value", eps, lo=0.0)
-    check_hyper("beta parameter at index 0", betas[0], lo=0.0, hi=1.0, hi_open=True)
-    check_hyper("beta parameter at index 1", betas[1], lo=0.0, hi=1.0, hi_open=True)
+    check_betas(betas)
     check_hyper("weight_decay value", weight_decay, lo=0.0)
     check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
 
@@ -64,8 +76,7 @@ def check_group(group: dict, defaults: dict) -> None:
         if key in _GROUP_RANGES:
             check_hyper(_GROUP_RANGES[key], value, lo=0.0)
         elif key == "betas":
-            for i in (0, 1):
-                check_hyper(f"beta parameter at index {i}", value[i], lo=0.0, hi=1.0, hi_open=True)
+            check_betas(value)
         elif key == "moment_rounding":
             check_moment_rounding(value)
         elif key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):

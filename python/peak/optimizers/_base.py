@@ -313,7 +313,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 f"{name}=torch.tensor([1.0], device=...)")
         take_fp32_sums(self, grad_scale)
         weights_settled()
-        self._check_stochastic_rounding()
+        self._check_steppable()
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
             agree_on_overflow(self, {found_inf.device: found_inf})  # flag too
@@ -328,12 +328,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if p.grad.dtype != p.dtype:
-                    raise TypeError(f"a gradient has dtype {p.grad.dtype} but its parameter has "
-                                    f"{p.dtype}; {type(self).__name__} reads gradients in the "
-                                    f"parameter's dtype")
                 state = self._init_state(p, group)
                 follow_weight(p, state)
                 master = self._master_list_entry(state)
@@ -412,15 +406,35 @@ class FusedOptimizer(torch.optim.Optimizer):
         if store and found_inf is None:
             copy_to_model(grads, given)
 
-    def _check_stochastic_rounding(self) -> None:
-        """Before any group steps: stochastic rounding is defined for bf16 weights only."""
-        for group in self.param_groups:
-            if group.get("stochastic_rounding", False) and any(
-                    p.grad is not None and p.dtype == torch.float16 for p in group["params"]):
-                raise TypeError(
-                    f"{type(self).__name__}(stochastic_rounding=True) rounds bfloat16 weights; "
-                    "this group has a float16 parameter. Keep fp32 master weights for fp16 "
-                    "models (master_weights=None), or use bfloat16")
+    def _check_steppable(self) -> None:
+        """Before any group steps (a step refused half-way would have stepped the groups before,
+        and a retry would step them twice): what the kernels cannot step is refused here."""
+        name = type(self).__name__
+        for group in self.param_groups:  # (per parameter only what is cheap: this runs per step)
+            remainders = group.get("store_param_remainders", False)
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(f"{name} does not support sparse gradients")
+                if grad.dtype != p.dtype:
+                    raise TypeError(f"a gradient has dtype {grad.dtype} but its parameter has "
+                                    f"{p.dtype}; {name} reads gradients in the parameter's dtype")
+                if p.dtype not in _STEPPED_DTYPES:
+                    self.wants_master(p)  # (raises, naming the dtypes the kernels step)
+                if remainders:
+                    self.keeps_remainder(p, group)  # (raises for an fp16 parameter)
+                if not (p.is_contiguous() or _dense(p)):
+                    raise RuntimeError(
+                        f"{name}: a parameter of shape {tuple(p.shape)} is not dense (strides "
+                        f"{p.stride()}); the kernels walk a parameter's memory as one block: make "
+                        "it contiguous before building the optimizer (p.data = p.data.contiguous())")
+                if group.get("stochastic_rounding", False) and p.dtype == torch.float16:
+                    raise TypeError(
+                        f"{name}(stochastic_rounding=True) rounds bfloat16 weights; this group "
+                        "has a float16 parameter. Keep fp32 master weights for fp16 models "
+                        "(master_weights=None), or use bfloat16")
 
     @staticmethod
     def _rounding_seed(group: dict, params: list[Tensor]) -> int | None:
@@ -554,4 +568,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         master_in_state(self, p, state)
 
 
+def _dense(t: Tensor) -> bool:
+    """Its elements fill its memory without gaps or overlaps, in some order (transposed,
+    channels_last): what the kernels can walk as one block."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+_STEPPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with

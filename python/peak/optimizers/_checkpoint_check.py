@@ -12,6 +12,7 @@ import numbers
 import torch
 from torch import Tensor
 
+from ._arguments import check_group
 from ._quant import FORMATS, num_blocks, scale_key, whole_block_rows
 from .masters import MASTER_KEY, REMAINDER_KEY
 
@@ -39,6 +40,12 @@ def check_loadable(optimizer, state_dict) -> None:
         raise ValueError(f"{name}.load_state_dict: the checkpoint has {len(saved_groups)} param "
                          f"groups, this optimizer {len(optimizer.param_groups)}; build the "
                          "optimizer with the same groups as the one saved")
+    for i, group in enumerate(saved_groups):  # hyperparameters as the constructor takes them
+        try:  # (storage dtypes: this optimizer's own choice, not the checkpoint's)
+            check_group({k: v for k, v in group.items() if k not in STORAGE_KEYS.values()},
+                        optimizer.defaults)
+        except ValueError as e:
+            raise ValueError(f"{name}.load_state_dict: param group {i}: {e}") from None
     where = {}
     for i, (saved, own) in enumerate(zip(saved_groups, optimizer.param_groups)):
         if len(saved["params"]) != len(own["params"]):
