@@ -24,7 +24,6 @@ def test_matches_torch_amp_update_scale(device, seed):
     growth, backoff, interval = rng.choice([(2.0, 0.5, 3), (1.5, 0.25, 1), (4.0, 0.125, 5)])
     ours = new_state(device)
     theirs = new_state(device)
-    floored = 0
     for _ in range(200):
         found = torch.tensor([1.0 if rng.random() < 0.3 else 0.0], device=device)
         ops.update_scale_(ours[0], ours[1], found, growth, backoff, interval)
@@ -32,7 +31,6 @@ def test_matches_torch_amp_update_scale(device, seed):
         torch._amp_update_scale_(theirs[0], theirs[1], found, growth, backoff, interval)
         if theirs[0].item() < SMALLEST_NORMAL:  # torch goes on towards 0; peak stops there
             theirs[0].copy_(torch.minimum(before, torch.full_like(before, SMALLEST_NORMAL)))
-            floored += 1
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
     assert ours[0].item() > 0
 

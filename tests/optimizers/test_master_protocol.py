@@ -360,3 +360,30 @@ def test_a_remainder_checkpoint_resumes_into_fp32_masters_in_either_order(under_
         runs[optimizer_first] = ([v.clone() for v in resumed.state_dict().values()],
                                  [resumed_opt.master_of(p).clone() for p in resumed.parameters()])
     assert_bitwise_equal(runs[True], runs[False])
+
+
+def test_a_later_optimizer_load_drops_an_earlier_remainder_join():
+    """A remainder checkpoint, then an fp32-master checkpoint, then the second one's model: the
+    masters are the second checkpoint's (the first load's pending join is dropped), bit for bit
+    as if only the second had been loaded."""
+    def trained(**options):
+        model = _reload_model(torch.bfloat16, seed=1 if options else 2)
+        opt = FusedAdam(model.parameters(), lr=1e-2, **options)
+        for s in range(3):
+            _grad_step(model, opt, s)
+        return ({k: v.clone() for k, v in model.state_dict().items()},
+                copy.deepcopy(opt.state_dict()))
+
+    lean_model, lean_opt = trained(store_param_remainders=True)
+    fp32_model, fp32_opt = trained()
+    runs = []
+    for first in (lean_opt, None):
+        model = _reload_model(torch.bfloat16, seed=5)
+        opt = FusedAdam(model.parameters(), lr=1e-2)
+        if first is not None:
+            opt.load_state_dict(first)
+        opt.load_state_dict(fp32_opt)
+        model.load_state_dict(fp32_model)
+        _grad_step(model, opt, 3)
+        runs.append([opt.master_of(p).clone() for p in model.parameters()])
+    assert_bitwise_equal(runs[0], runs[1])

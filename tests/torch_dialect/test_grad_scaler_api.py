@@ -104,15 +104,15 @@ def test_bad_constructor_arguments(kwargs, exc, match):
 
 
 @pytest.mark.parametrize("change, exc, match", [
-    (dict(min_scale=1e9), ValueError, r"min_scale=1000000000.0 must be in \[0, init_scale=65536.0\]"),
-    (dict(max_scale=1.0), ValueError, "max_scale=1.0 must be >= init_scale"),
+    (dict(min_scale=1e9), ValueError, r"min_scale=1000000000.0 must be in \[0, scale=65536.0\]"),
+    (dict(max_scale=1.0), ValueError, "max_scale=1.0 must be >= scale"),
     (dict(_hysteresis_tracker=7), ValueError, r"_hysteresis_tracker=7 must be in \[0, 1\]"),
     (dict(_growth_tracker=-1), ValueError, r"_growth_tracker=-1 must be in \[0, inf\]"),
     (dict(_skipped_steps=-3), ValueError, "_skipped_steps=-3"),
     (dict(growth_factor=0.5), AssertionError, "growth factor must be > 1.0"),
-    (dict(scale=float("inf")), ValueError, "init_scale must be finite and > 0, got inf"),
-    (dict(scale=0.0), ValueError, "init_scale must be finite and > 0"),
-    (dict(scale="a"), TypeError, "init_scale must be a float, got str"),
+    (dict(scale=float("inf")), ValueError, "GradScaler: scale must be finite and > 0, got inf"),
+    (dict(scale=0.0), ValueError, "GradScaler: scale must be finite and > 0"),
+    (dict(scale="a"), TypeError, "GradScaler: scale must be a float, got str"),
     (dict(growth_interval=0), ValueError, "growth_interval must be >= 1"),
     (dict(hysteresis=0), ValueError, "hysteresis must be >= 1"),
 ])
@@ -134,6 +134,19 @@ def test_a_damaged_state_dict_is_refused_before_anything_changes(change, exc, ma
         s.load_state_dict({**good, **change})
     assert "GradScaler.load_state_dict" in str(info.value) and "nothing was loaded" in str(info.value)
     assert s.state_dict() == good == reference.state_dict()
+
+
+def test_a_torch_state_outside_the_scalers_own_bounds_loads():
+    """A torch state carries no bounds: it is not held to the bounds this scaler was built with
+    (a floor added after torch's scale collapsed), which apply from the next update."""
+    t = torch.amp.GradScaler("cpu", init_scale=0.5)
+    t._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    s = amp.GradScaler("cpu", min_scale=1.0, init_scale=2.0)
+    s.load_state_dict(t.state_dict())
+    assert s.get_scale() == 0.5 and s.state_dict()["min_scale"] == 1.0
+    big = amp.GradScaler("cpu", init_scale=2.0 ** 8, max_scale=2.0 ** 10)
+    big.load_state_dict(torch.amp.GradScaler("cpu").state_dict())
+    assert big.get_scale() == 65536.0 and big.state_dict()["max_scale"] == 1024.0
 
 
 def test_a_torch_state_past_a_lowered_growth_interval_loads():

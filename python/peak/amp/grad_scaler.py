@@ -398,14 +398,18 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                            f"dict returned by GradScaler.state_dict() (peak's or torch's)")
         # Checked as the constructor checks its arguments, before anything changes: a damaged
         # state would silently misdrive the scale (a min_scale above it raises it at a backoff).
+        # A state without bounds (torch's) is not held to this scaler's own: they apply from its
+        # next update.
         try:
             o = check_options(dict(
                 init_scale=state_dict["scale"], growth_factor=state_dict["growth_factor"],
                 backoff_factor=state_dict["backoff_factor"],
                 growth_interval=state_dict["growth_interval"],
                 hysteresis=state_dict.get("hysteresis", self._hysteresis),
-                min_scale=state_dict.get("min_scale", self._min_scale),
-                max_scale=state_dict.get("max_scale", self._max_scale)), self._on_min_scale)
+                min_scale=state_dict.get("min_scale"), max_scale=state_dict.get("max_scale")),
+                self._on_min_scale)
+            for bound in ("min_scale", "max_scale"):
+                o[bound] = o[bound] if bound in state_dict else getattr(self, "_" + bound)
             trackers = {name: _number(int, name, state_dict.get(name, default)) for name, default
                         in (("_growth_tracker", 0), ("_hysteresis_tracker", o["hysteresis"]),
                             ("_skipped_steps", 0))}
@@ -417,9 +421,10 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                     raise ValueError(f"GradScaler: {name}={trackers[name]} must be in [0, "
                                      f"{'inf' if high is None else high}]")
         except (TypeError, ValueError) as e:
+            saved = str(e).replace("init_scale", "scale")  # (the entry's name in the dict)
             raise type(e)(f"GradScaler.load_state_dict: the state dict holds a value no "
-                          f"GradScaler can ({e}); nothing was loaded. Pass a dict returned by "
-                          "GradScaler.state_dict(), peak's or torch's") from None
+                          f"GradScaler can ({saved}); nothing was loaded. Pass a dict returned "
+                          "by GradScaler.state_dict(), peak's or torch's") from None
         self._init_scale = o["init_scale"]
         if self._scale is not None:
             self._scale.fill_(o["init_scale"])

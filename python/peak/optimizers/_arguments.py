@@ -1,8 +1,6 @@
 """The fused optimizers' argument checks: hyperparameter ranges and lean-state options."""
 from __future__ import annotations
 
-import numbers
-
 from torch import Tensor
 
 from .._dtypes import MOMENT_STORAGE, parse_dtype
@@ -26,7 +24,7 @@ def check_moment_rounding(value):
 
 
 def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
-    if not isinstance(value, (numbers.Real, Tensor)) or isinstance(value, bool):
+    if isinstance(value, bool) or not hasattr(value, "__float__"):  # (numbers, 0-d arrays)
         raise ValueError(f"Invalid {name}: {value!r} (must be a number)")
     if isinstance(value, Tensor):
         if value.numel() != 1:

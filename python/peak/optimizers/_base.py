@@ -4,6 +4,7 @@ an fp16/bf16 parameter's master (fp32 or a remainder); ``state_dict()`` carries 
 ``load_state_dict`` checks, then restores them bit for bit (the hole in Apex's FusedAdam)."""
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from collections import defaultdict
@@ -289,12 +290,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         ``grad_norm`` (the norm of the gradients as passed, still scaled) is that norm when a loss
         scaler already computed it in its inf/NaN check (``peak.amp.GradScaler`` does); otherwise
         the step computes it (one read pass)."""
+        if torch.compiler.is_compiling():  # (traced by Dynamo: torch.compile(opt.step))
+            return _eager_fused_step()(self, closure, grad_scale, found_inf, grad_norm)
         return self._fused_step(closure, grad_scale, found_inf, grad_norm)
 
-    # Under torch.compile the step runs as it is (its bookkeeping by parameter identity would
-    # recompile once per parameter) and its fused ops do the work: one graph break. (Not on step
-    # itself: torch 2.10's compile of a bound method loses self through a disabled function.)
-    @torch.compiler.disable
     @torch.no_grad()
     def _fused_step(self, closure, grad_scale, found_inf, grad_norm):
         loss = None
@@ -534,6 +533,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         id_to_param = dict(zip(saved_ids, params))
+        joined = {}  # parameter -> the remainder its fp32 master was joined from
         for pid, entries in fp32.items():
             p = id_to_param.get(pid)
             if p is None:
@@ -550,11 +550,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
                 else:  # a Python number (older torch 'step', Apex's group step)
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
-            load_master(self, p, state, group, entries)
+            joined[p] = load_master(self, p, state, group, entries)
             self._complete_loaded_state(p, state)
         for group in self.param_groups:  # (which weight the loaded masters go with)
             for p in group["params"]:
-                weight_loaded(p)
+                weight_loaded(p, joined.get(p))
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""
@@ -566,6 +566,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if state["step"].dim() != 0:
             state["step"] = state["step"].reshape(())
         master_in_state(self, p, state)
+
+
+@functools.cache
+def _eager_fused_step():
+    """Under torch.compile the step runs as it is (its bookkeeping by parameter identity would
+    recompile once per parameter) and its fused ops do the work: one graph break. Made at the
+    first compiled step: torch.compiler.disable imports Dynamo (about a second an eager run need
+    not pay). Not on step itself: torch 2.10 compiles a bound method without its self then."""
+    return torch.compiler.disable(FusedOptimizer._fused_step)
 
 
 def _dense(t: Tensor) -> bool:

@@ -90,10 +90,11 @@ def master_in_state(optimizer, p: Tensor, state: dict, group: dict | None = None
     return state.get(MASTER_KEY)
 
 
-def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> None:
+def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:
     """A saved master (``entries``: p's checkpoint state) into ``optimizer``'s form: a remainder
     as is, or joined with p's current bf16 value, which must be the weight saved with it (load the
-    model's state_dict too); an fp32 master as is, or split into p's rounding and a remainder."""
+    model's state_dict too); an fp32 master as is, or split into p's rounding and a remainder.
+    Returns the remainder an fp32 master was joined from, if so (for ``weight_loaded``)."""
     state.pop(MASTER_KEY, None)
     state.pop(REMAINDER_KEY, None)
     master, remainder = entries.get(MASTER_KEY), entries.get(REMAINDER_KEY)
@@ -102,17 +103,17 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
         if optimizer.keeps_remainder(p, group):
             state[REMAINDER_KEY] = remainder.clone()
             _awaiting_weight[p] = True  # (its weight comes with the model's state_dict)
-            return
+            return None
         master = join_remainder(p.detach(), remainder)
     if master is None:
-        return  # the optimizer starts it from the weights
+        return None  # the optimizer starts it from the weights
     if optimizer.keeps_remainder(p, group):
         keep_as_remainder(p, state, master)
     elif optimizer.wants_master(p):
         # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
         state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
-        if remainder is not None:  # joined with the weight now; again with one loaded later
-            _join_on_arrival[p] = remainder
+        return remainder  # (joined with the weight now; again with one loaded after it)
+    return None
 
 
 # NOTE: [fp32 gradient accumulation] fp16/bf16 gradients accumulated by autograd over micro-batches
@@ -407,12 +408,14 @@ def note_weight(p: Tensor, checksum: Tensor | None = None) -> None:
     _weight_version[key] = (entry[0], p._version, checksum)
 
 
-def weight_loaded(p: Tensor) -> None:
+def weight_loaded(p: Tensor, joined_remainder: Tensor | None) -> None:
     """After an optimizer load: p's weight is taken to be the one saved with it (its version is
-    forgotten), unless its master was joined from a remainder, which then follows a weight
-    loaded later (its version is noted)."""
+    forgotten), unless this load joined its master from a remainder, which then follows a weight
+    loaded later (its version is noted). An earlier load's pending join is dropped."""
+    _join_on_arrival.pop(p, None)
     entry = _weight_version.get(id(p))
-    if p in _join_on_arrival:
+    if joined_remainder is not None:
+        _join_on_arrival[p] = joined_remainder
         note_weight(p)
     elif entry is not None and entry[0]() is p:
         _forget_id(id(p))
