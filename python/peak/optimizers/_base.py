@@ -289,7 +289,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         step, as ``torch.nn.utils.clip_grad_norm_`` over all the optimizer's gradients would.
         ``grad_norm`` (the norm of the gradients as passed, still scaled) is that norm when a loss
         scaler already computed it in its inf/NaN check (``peak.amp.GradScaler`` does); otherwise
-        the step computes it (one read pass)."""
+        the step computes it (one read pass). Under ``torch.compile`` it runs eagerly."""
         if torch.compiler.is_compiling():  # (traced by Dynamo: torch.compile(opt.step))
             return _eager_fused_step()(self, closure, grad_scale, found_inf, grad_norm)
         return self._fused_step(closure, grad_scale, found_inf, grad_norm)
