@@ -4,7 +4,6 @@ an fp16/bf16 parameter's master (fp32 or a remainder); ``state_dict()`` carries 
 ``load_state_dict`` checks, then restores them bit for bit (the hole in Apex's FusedAdam)."""
 from __future__ import annotations
 
-import functools
 import itertools
 import warnings
 from collections import defaultdict
@@ -291,7 +290,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         scaler already computed it in its inf/NaN check (``peak.amp.GradScaler`` does); otherwise
         the step computes it (one read pass). Under ``torch.compile`` it runs eagerly."""
         if torch.compiler.is_compiling():  # (traced by Dynamo: torch.compile(opt.step))
-            return _eager_fused_step()(self, closure, grad_scale, found_inf, grad_norm)
+            return _EAGER_FUSED_STEP(self, closure, grad_scale, found_inf, grad_norm)
         return self._fused_step(closure, grad_scale, found_inf, grad_norm)
 
     @torch.no_grad()
@@ -568,13 +567,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         master_in_state(self, p, state)
 
 
-@functools.cache
-def _eager_fused_step():
-    """Under torch.compile the step runs as it is (its bookkeeping by parameter identity would
-    recompile once per parameter) and its fused ops do the work: one graph break. Made at the
-    first compiled step: torch.compiler.disable imports Dynamo (about a second an eager run need
-    not pay). Not on step itself: torch 2.10 compiles a bound method without its self then."""
-    return torch.compiler.disable(FusedOptimizer._fused_step)
+# Under torch.compile the step runs as it is (its bookkeeping by parameter identity would
+# recompile once per parameter) and its fused ops do the work: one graph break. torch's own
+# lazy form of torch.compiler.disable (as torch.optim's methods use it): the decorator imports
+# Dynamo, about a second that an eager run need not pay. Not on step itself: torch 2.10 compiles
+# a bound method without its self then.
+_EAGER_FUSED_STEP = torch._disable_dynamo(FusedOptimizer._fused_step)
 
 
 def _dense(t: Tensor) -> bool:
