@@ -415,11 +415,10 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                             ("_skipped_steps", 0))}
             # (no upper bound on the growth tracker: torch's set_growth_interval may leave it
             # past a lowered interval, and torch's scaler saves it so)
-            for name, high in (("_growth_tracker", None), ("_hysteresis_tracker", o["hysteresis"]),
-                               ("_skipped_steps", None)):
-                if trackers[name] < 0 or (high is not None and trackers[name] > high):
-                    raise ValueError(f"GradScaler: {name}={trackers[name]} must be in [0, "
-                                     f"{'inf' if high is None else high}]")
+            for name, value in trackers.items():
+                high = o["hysteresis"] if name == "_hysteresis_tracker" else math.inf
+                if not 0 <= value <= high:
+                    raise ValueError(f"GradScaler: {name}={value} must be in [0, {high}]")
         except (TypeError, ValueError) as e:
             saved = str(e).replace("init_scale", "scale")  # (the entry's name in the dict)
             raise type(e)(f"GradScaler.load_state_dict: the state dict holds a value no "

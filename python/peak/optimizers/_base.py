@@ -410,6 +410,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         name = type(self).__name__
         for group in self.param_groups:  # (per parameter only what is cheap: this runs per step)
             remainders = group.get("store_param_remainders", False)
+            rounding = group.get("stochastic_rounding", False)
             for p in group["params"]:
                 grad = p.grad
                 if grad is None:
@@ -428,7 +429,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         f"{name}: a parameter of shape {tuple(p.shape)} is not dense (strides "
                         f"{p.stride()}); the kernels walk a parameter's memory as one block: make "
                         "it contiguous before building the optimizer (p.data = p.data.contiguous())")
-                if group.get("stochastic_rounding", False) and p.dtype == torch.float16:
+                if rounding and p.dtype == torch.float16:
                     raise TypeError(
                         f"{name}(stochastic_rounding=True) rounds bfloat16 weights; this group "
                         "has a float16 parameter. Keep fp32 master weights for fp16 models "
