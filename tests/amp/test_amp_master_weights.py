@@ -167,7 +167,7 @@ def test_loading_new_model_weights_refreshes_masters():
     model.load_state_dict(other.state_dict())
     for p, m, q in zip(model.parameters(), amp.master_params(opt), other.parameters()):
         if p.dtype == torch.float16:
-            assert torch.equal(m, q.detach().to(torch.float16).float())  # re-derived from the new model
+            assert torch.equal(m, q.detach())  # the fp32 weights loaded, exactly
         assert torch.equal(p.float(), q.detach().to(p.dtype).float())
     _step(model, opt, 0)  # the step starts from the loaded weights, not the old masters
     assert torch.allclose(model[0].weight.float(), other[0].weight, atol=0.2)
@@ -370,3 +370,140 @@ def test_remainder_masters_after_a_model_reload(order):
     for (n, p), q in zip(model2.named_parameters(), other.parameters()):
         if p.dtype == torch.bfloat16 and "master_param_remainder" in opt2.state.get(p, {}):
             H.assert_bitwise_equal(opt2.master_of(p), q.detach(), n)  # the loaded fp32, exactly
+
+
+@pytest.mark.parametrize("scale", [128.0, "dynamic"])
+def test_parameter_frozen_at_initialize_then_unfrozen_is_stepped_through_a_master(scale):
+    """Gradual unfreezing: a layer frozen at initialize gets its master (or, fp32 batch norm,
+    its unscaled gradient) at the first backward that reaches it, not the scaled gradient."""
+    model, ref = H.make_cnn(), H.make_cnn()
+    for m in (model, ref):
+        m[0].requires_grad_(False)
+        m[1].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.float16, loss_scale=scale,
+                   verbosity=0)
+    _step(model, opt, 0)
+    for m in (model, ref):
+        m[0].requires_grad_(True)
+        m[1].requires_grad_(True)
+    before = [p.detach().float().clone() for p in list(model[0].parameters()) + list(model[1].parameters())]
+    _step(model, opt, 1)
+    x, y = H.batch(1, n=8, shape=(3, 6, 6))
+    ref_opt.zero_grad()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    moved = [p.detach().float() - b for p, b in
+             zip(list(model[0].parameters()) + list(model[1].parameters()), before)]
+    expected = [-0.05 * p.grad for p in list(ref[0].parameters()) + list(ref[1].parameters())]
+    for got, want in zip(moved, expected):  # fp16 forward and rounding: a few percent
+        torch.testing.assert_close(got, want, rtol=0.1, atol=2e-3)
+    assert all(m.dtype == torch.float32 for m in amp.master_params(opt))  # (none left fp16)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.SGD])
+def test_zero_grad_keeping_tensors_steps_unused_parameters_as_torch(opt_cls):
+    """zero_grad(set_to_none=False): a parameter without a gradient in a step keeps a zero one,
+    and torch's optimizer steps it (momentum, Adam's moments), at O2 as in fp32 (O0)."""
+    kw = {"lr": 0.01} if opt_cls is torch.optim.Adam else {"lr": 0.05, "momentum": 0.9}
+    runs = {}
+    for level in ("O0", "O2"):
+        _amp_state.reset()
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+        opt = opt_cls(model.parameters(), **kw)
+        amp.initialize(model, opt, opt_level=level, loss_scale=1.0, verbosity=0,
+                       **({"cast_model_type": torch.bfloat16} if level == "O2" else {}))
+        weights = []
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            out = model["a"](x.to(model["a"].weight.dtype))
+            if step == 0:  # b gets a gradient at step 0 only
+                out = model["b"](out)
+            with amp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            weights.append(model["b"].weight.detach().float().clone())
+        runs[level] = weights
+    for level, weights in runs.items():  # b moves at steps 1 and 2 too, by its momentum
+        assert not torch.equal(weights[1], weights[0]) and not torch.equal(weights[2], weights[1]), level
+    torch.testing.assert_close(runs["O2"][2], runs["O0"][2], rtol=0, atol=4e-3)  # bf16 rounding
+
+
+def _o2_linear(opt_cls=torch.optim.AdamW, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 2)
+    opt = opt_cls(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, loss_scale=1.0,
+                   verbosity=0)
+    return model, opt
+
+
+def _train_o2(model, opt, steps):
+    for i in steps:
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        opt.zero_grad()
+        with amp.scale_loss((model(x.bfloat16()).float() - y).pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
+def test_a_stale_master_does_not_overwrite_the_model_loaded_before_it():
+    """O2 over a torch optimizer: a checkpoint trained on in plain fp32 torch (which keeps the
+    'master_param' entries as they were) resumes with the weights it reached, in the documented
+    order (model, then optimizer)."""
+    model, opt = _o2_linear()
+    _train_o2(model, opt, range(3))
+    plain = nn.Linear(4, 2)
+    plain.load_state_dict(model.state_dict())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    plain_opt.load_state_dict(opt.state_dict())
+    for i in range(3, 8):
+        g = torch.Generator().manual_seed(i)
+        plain_opt.zero_grad()
+        (plain(torch.randn(8, 4, generator=g)) - torch.randn(8, 2, generator=g)).pow(2).mean().backward()
+        plain_opt.step()
+    assert "master_param" in plain_opt.state_dict()["state"][0]  # (stale: torch kept it)
+    _amp_state.reset()
+    resumed, resumed_opt = _o2_linear(seed=1)
+    resumed.load_state_dict(plain.state_dict())
+    resumed_opt.load_state_dict(plain_opt.state_dict())
+    for p, q, m in zip(resumed.parameters(), plain.parameters(), amp.master_params(resumed_opt)):
+        H.assert_bitwise_equal(p.detach(), q.detach().to(torch.bfloat16))
+        assert torch.equal(m, q.detach())  # the fp32 weights loaded, exactly
+
+
+def test_a_remainder_checkpoint_loads_into_o2_over_a_torch_optimizer_and_back():
+    """A fused optimizer's remainder masters (store_param_remainders=True) join with the weights
+    into exact fp32 masters of a torch optimizer under O2, in either load order, and its
+    checkpoint loads back into the remainder optimizer."""
+    from peak.optimizers import FusedAdam
+    from peak.optimizers.masters import join_remainder, masters_by_param
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).bfloat16()
+    fused = FusedAdam(model.parameters(), lr=0.1, store_param_remainders=True)
+    for i in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).bfloat16()
+        fused.step()
+    exact = [join_remainder(p.detach(), fused.state[p]["master_param_remainder"]).clone()
+             for p in model.parameters()]
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": fused.state_dict()})
+    for model_first in (True, False):
+        _amp_state.reset()
+        o2, o2_opt = _o2_linear(torch.optim.AdamW, seed=3)
+        if model_first:
+            o2.load_state_dict(ckpt["model"])
+        o2_opt.load_state_dict(ckpt["opt"])
+        if not model_first:
+            o2.load_state_dict(ckpt["model"])
+        for m, e in zip(amp.master_params(o2_opt), exact):
+            H.assert_bitwise_equal(m.detach(), e)
+        assert all("master_param_remainder" not in s for s in o2_opt.state.values())
+        assert len(masters_by_param(o2_opt)) == 2
+    back = FusedAdam(model.parameters(), lr=0.1, store_param_remainders=True)
+    back.load_state_dict(o2_opt.state_dict())
+    for p, e in zip(model.parameters(), exact):
+        H.assert_bitwise_equal(join_remainder(p.detach(), back.state[p]["master_param_remainder"]), e)

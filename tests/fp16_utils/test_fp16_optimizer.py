@@ -145,16 +145,34 @@ def test_inf_in_an_fp32_gradient_skips_the_step():
     assert opt.loss_scale == 512.0
 
 
-def test_dynamic_scale_never_drops_below_one():
+@pytest.mark.parametrize("args,after_three_overflows", [
+    ({"init_scale": 2.0}, 0.25), ({"init_scale": 2.0, "min_loss_scale": 1.0}, 1.0)])
+def test_dynamic_scale_backs_off_as_apex_loss_scaler(args, after_three_overflows):
+    """Apex's FP16_Optimizer over amp's LossScaler: halves on overflow, no floor unless
+    ``min_loss_scale`` (the old DynamicLossScaler stopped at 1)."""
     model, _, data = model_and_data(torch.float16)
-    opt = make(model, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0},
-               verbose=False)
+    opt = make(model, dynamic_loss_scale=True, dynamic_loss_args=args, verbose=False)
     x, y = data[0]
     for _ in range(3):
         opt.zero_grad()
         opt.backward(torch.nn.functional.mse_loss(model(x.half()).float(), y) * float("inf"))
         opt.step()
-    assert opt.loss_scale == 1.0  # Apex: max(scale / factor, 1)
+    assert opt.loss_scale == after_three_overflows
+
+
+def test_dynamic_scale_defaults_and_ceiling_are_apex_loss_scalers():
+    model, _, data = model_and_data(torch.float16)
+    assert make(model, dynamic_loss_scale=True, verbose=False).loss_scale == 2.0 ** 16
+    model, _, data = model_and_data(torch.bfloat16)  # (bf16: no overflow at these scales)
+    opt = make(model, dynamic_loss_scale=True, verbose=False,
+               dynamic_loss_args={"init_scale": 2.0 ** 30, "scale_window": 1})
+    assert opt.loss_scale == 2.0 ** 24  # (max_loss_scale caps the initial scale too)
+    opt.loss_scale = 2.0 ** 23
+    for x, y in data[:2]:
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y))
+        opt.step()
+    assert opt.loss_scale == 2.0 ** 24  # grew once, then held at the ceiling
 
 
 def test_loss_scale_param_groups_and_state_are_settable():
@@ -273,3 +291,32 @@ def test_parameter_frozen_after_stepping_leaves_no_state_behind():
         opt = FP16_Optimizer(inner, static_loss_scale=2.0)
     sd = opt.state_dict()
     assert list(sd["optimizer_state_dict"]["state"]) == [0]
+
+
+@pytest.mark.parametrize("update_between", [True, False])
+def test_several_backward_calls_sum_the_gradients_of_fp32_parameters_too(update_between):
+    """backward(loss) per micro-batch: fp32 parameters' gradients (unscaled in place) are not
+    divided by the scale a second time: the sum equals one backward over the whole batch (in
+    float64). An overflow in the first micro-batch still skips the step."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for calls in (1, 2):
+        low, high = mixed_model()
+        opt = make(torch.nn.Sequential(low, high), static_loss_scale=128.0, verbose=False)
+        parts = [x] if calls == 1 else [x[:4], x[4:]]
+        for i, part in enumerate(parts):
+            opt.backward(mixed_loss(low, high, part),
+                         update_master_grads=update_between or i == len(parts) - 1)
+        grads[calls] = [p.grad.double() for p in high.parameters()]
+    for two, one in zip(grads[2], grads[1]):
+        torch.testing.assert_close(two, one, rtol=1e-6, atol=1e-7)
+
+    low, high = mixed_model()
+    opt = make(torch.nn.Sequential(low, high), dynamic_loss_scale=True, verbose=False)
+    before = [p.detach().clone() for p in high.parameters()]
+    opt.backward(mixed_loss(low, high, x[:4]) * float("inf"))
+    opt.backward(mixed_loss(low, high, x[4:]))
+    assert opt.overflow
+    opt.step()
+    for p, b in zip(high.parameters(), before):
+        assert torch.equal(p.detach(), b)

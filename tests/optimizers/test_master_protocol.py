@@ -50,7 +50,7 @@ def test_store_register_take_grads_and_copy_back():
     assert group[0] is store.masters[0] and torch.equal(group[0], w[0])  # the exact original
     assert torch.equal(group[1], low[1].float()) and group[2] is own and group[3] is frozen
     assert store.own_params == [own] and store.holds(low[1]) and not store.holds(own)
-    assert store.mark() == (2, 1)
+    assert store.mark() == (2, 1, 1) and store.frozen == [frozen]
 
     scale = LossScale(1024.0, device="cpu")
 
@@ -76,7 +76,7 @@ def test_store_register_take_grads_and_copy_back():
         store.masters[1].add_(0.5)
     store.copy_to_model()
     assert_bitwise_equal(low[1].detach(), store.masters[1].detach().to(torch.float16))
-    store.rollback((1, 0))
+    store.rollback((1, 0, 0))
     assert len(store.masters) == 1 and store.own_params == [] and not store.holds(low[1])
 
 
@@ -387,3 +387,105 @@ def test_a_later_optimizer_load_drops_an_earlier_remainder_join():
         _grad_step(model, opt, 3)
         runs.append([opt.master_of(p).clone() for p in model.parameters()])
     assert_bitwise_equal(runs[0], runs[1])
+
+
+def _trained_through_torch(low=torch.bfloat16, **fused_kwargs):
+    """A fused optimizer's checkpoint, carried through torch.optim.AdamW (which keeps the unknown
+    master entry as it was while it trains the weights on in fp32): (that checkpoint, the fp32
+    weights it reached)."""
+    p = torch.nn.Parameter(fp32_weights(3, ((64,),))[0].to(low))
+    opt = FusedAdam([p], lr=0.1, adam_w_mode=True, **fused_kwargs)
+    for i in range(3):
+        p.grad = torch.randn(64, generator=torch.Generator().manual_seed(100 + i)).to(low)
+        opt.step()
+    q = torch.nn.Parameter(p.detach().float().clone())
+    plain = torch.optim.AdamW([q], lr=0.1)
+    plain.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for i in range(3, 8):
+        q.grad = torch.randn(64, generator=torch.Generator().manual_seed(100 + i))
+        plain.step()
+    return copy.deepcopy(plain.state_dict()), q.detach()
+
+
+@pytest.mark.parametrize("model_first", [True, False], ids=["model_first", "optimizer_first"])
+def test_a_master_that_does_not_round_to_the_weight_gives_way_to_it(model_first):
+    """A checkpoint's fp32 master saved with other weights (kept as it was by torch.optim while
+    the weights trained on) must not overwrite the weights loaded with it: at the next step it
+    follows them where it does not round to them, in either load order."""
+    sd, reached = _trained_through_torch()
+    r = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    opt = FusedAdam([r], lr=0.1, adam_w_mode=True)
+    if model_first:
+        with torch.no_grad():
+            r.copy_(reached)
+    opt.load_state_dict(sd)
+    if not model_first:
+        with torch.no_grad():
+            r.copy_(reached)
+    assert not torch.equal(opt.state[r][MASTER_KEY].to(torch.bfloat16), r)  # (stale, as loaded)
+    opt.param_groups[0].update(lr=1e-30, weight_decay=0.0)  # (a step that moves nothing)
+    r.grad = torch.zeros_like(r)
+    opt.step()
+    assert_bitwise_equal(r.detach(), reached.to(torch.bfloat16))
+    assert torch.equal(opt.state[r][MASTER_KEY].to(torch.bfloat16), r.detach())
+
+
+def test_a_consistent_master_still_restores_bit_for_bit_after_the_check():
+    """The check at the first step after a load keeps a master that rounds to its weight (the
+    exact fp32 value, not the weight widened), so resumes stay bit for bit."""
+    p = torch.nn.Parameter(fp32_weights(4, ((64,),))[0].to(torch.bfloat16))
+    opt = FusedAdam([p], lr=0.1)
+    for i in range(3):
+        p.grad = torch.randn(64, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        opt.step()
+    sd, weight = copy.deepcopy(opt.state_dict()), p.detach().clone()
+    r = torch.nn.Parameter(weight.clone())
+    resumed = FusedAdam([r], lr=0.1)
+    resumed.load_state_dict(sd)
+    for o, q in ((opt, p), (resumed, r)):
+        q.grad = torch.randn(64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+        o.step()
+    assert_bitwise_equal(resumed.state[r][MASTER_KEY], opt.state[p][MASTER_KEY])
+    assert_bitwise_equal(r, p)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"store_param_remainders": True},
+                                    {"exp_avg_dtype": torch.uint8, "exp_avg_sq_dtype": torch.uint8}],
+                         ids=["fp32_master", "remainder", "8bit"])
+def test_state_follows_a_change_of_the_model_layout(kwargs):
+    """model.to(memory_format=torch.channels_last) after the state exists: the step re-lays the
+    state out (8-bit moments re-coded) instead of refusing half-way; it steps as a fused optimizer
+    built on the channels_last model from that state would."""
+    w = fp32_weights(5, ((8, 3, 4, 4),))[0]
+    p = torch.nn.Parameter(w.to(torch.bfloat16))
+    opt = FusedAdam([p], lr=0.01, **kwargs)
+    grads = [torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    p.grad = grads[0].to(torch.bfloat16)
+    opt.step()
+    twin = torch.nn.Parameter(p.detach().contiguous(memory_format=torch.channels_last))
+    twin_opt = FusedAdam([twin], lr=0.01, **kwargs)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (loads into the new layout)
+    p.data = p.data.contiguous(memory_format=torch.channels_last)
+    for g in grads[1:]:
+        for q, o in ((p, opt), (twin, twin_opt)):
+            q.grad = g.to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+            o.step()
+    assert_bitwise_equal(p.detach(), twin.detach())
+    assert all(t.stride() == p.stride() for t in opt.state[p].values() if t.shape == p.shape)
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda o: __import__("pickle").loads(
+    __import__("pickle").dumps(o))], ids=["deepcopy", "pickle"])
+def test_a_copied_fused_optimizer_keeps_its_options_and_steps_as_the_original(copier):
+    p = torch.nn.Parameter(fp32_weights(6, ((32,),))[0].to(torch.bfloat16))
+    opt = FusedAdam([p], lr=0.1, master_weights=True, set_grad_none=False,
+                    store_unscaled_grads=False)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    twin = copier(opt)
+    (q,) = twin.param_groups[0]["params"]
+    assert (twin.master_weights, twin.set_grad_none, twin.store_unscaled_grads) == (True, False, False)
+    for o, x in ((opt, p), (twin, q)):
+        x.grad = torch.full_like(x, 0.5)
+        o.step()
+    assert_bitwise_equal(q.detach(), p.detach())

@@ -21,8 +21,9 @@ class FP16_Optimizer:
     and unscales every gradient into the masters (fp32 ones in place), checking them for inf/NaN;
     ``step()`` skips on overflow (backing the scale off; printed if ``verbose``) or steps the
     masters and copies them into the model. ``dynamic_loss_args`` may set ``init_scale`` (default
-    2**32), ``scale_factor`` (2.0) and ``scale_window`` (1000), as Apex's DynamicLossScaler, whose
-    scale never drops below 1. As in Apex, per parameter group: ``fp16_groups`` (the model's
+    2**16), ``scale_factor`` (2.0), ``scale_window`` (2000), ``min_loss_scale`` (None) and
+    ``max_loss_scale`` (2**24), as Apex's FP16_Optimizer (over amp's LossScaler since 2019; the
+    scale is updated once per step). As in Apex, per parameter group: ``fp16_groups`` (the model's
     fp16/bf16 parameters), ``fp32_from_fp16_groups`` (their fp32 masters) and
     ``fp32_from_fp32_groups`` (fp32 parameters, stepped as they are).
     """
@@ -77,20 +78,27 @@ class FP16_Optimizer:
                              "optimizer: convert the model with .half() first, or better, use "
                              "peak.amp.initialize(opt_level='O2') which does it for you")
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
-        args = dict(init_scale=2.0 ** 32, scale_factor=2.0, scale_window=1000)
+        args = dict(init_scale=2.0 ** 16, scale_factor=2.0, scale_window=2000,
+                    min_loss_scale=None, max_loss_scale=2.0 ** 24)
         if dynamic_loss_args is not None:
             if unknown := set(dynamic_loss_args) - set(args):
                 raise ValueError(f"dynamic_loss_args: unknown keys {sorted(unknown)}; valid: "
                                  f"{sorted(args)}")
             args.update(dynamic_loss_args)
-        init = args["init_scale"] if self.dynamic_loss_scale else float(static_loss_scale)
-        # Apex's DynamicLossScaler: backoff 1/scale_factor, and the scale never drops below 1.
+        max_scale = float(args["max_loss_scale"] or math.inf)
+        init = (min(float(args["init_scale"]), max_scale) if self.dynamic_loss_scale
+                else float(static_loss_scale))
         scale_factor = float(args["scale_factor"])
         self._core = LossScale(init, growth_factor=scale_factor, backoff_factor=1.0 / scale_factor,
-                               growth_interval=int(args["scale_window"]), min_scale=1.0,
+                               growth_interval=int(args["scale_window"]),
+                               min_scale=float(args["min_loss_scale"] or 0.0), max_scale=max_scale,
                                device=self.model_params[0].device)
         self.overflow = False
         self.first_closure_call_this_step = True
+        # fp32 gradients are unscaled in place: a later backward of the same step sets them aside
+        # (unscaled again, they would be divided twice) and adds them back once it is unscaled.
+        self._fp32_unscaled = False
+        self._fp32_set_aside: list | None = None
 
     @property
     def model_params(self) -> list[torch.Tensor]:
@@ -123,7 +131,16 @@ class FP16_Optimizer:
         masters' gradients."""
         if loss.numel() != 1:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
-        (loss.float() * self._core.scale).backward(retain_graph=retain_graph)
+        fp32 = [p for g in self.fp32_from_fp32_groups for p in g if p.grad is not None]
+        if self._fp32_unscaled and fp32 and self._fp32_set_aside is None:
+            self._fp32_set_aside = [(p, p.grad) for p in fp32]
+            for p in fp32:
+                p.grad = None
+        try:
+            (loss.float() * self._core.scale).backward(retain_graph=retain_graph)
+        except BaseException:
+            self._add_back_fp32()
+            raise
         if update_master_grads:
             self.update_master_grads()
 
@@ -142,9 +159,17 @@ class FP16_Optimizer:
         fp32_grads = [p.grad for g in self.fp32_from_fp32_groups for p in g if p.grad is not None]
         ins += fp32_grads
         outs += fp32_grads
-        self._core.found_inf.zero_()
+        if not self._fp32_unscaled:  # (a later backward of the step: earlier overflows stand)
+            self._core.found_inf.zero_()
         self._core.unscale_(ins, outputs=outs)
+        self._add_back_fp32()
+        self._fp32_unscaled = True
         self.overflow = self.dynamic_loss_scale and self._core.found_inf.any_()
+
+    def _add_back_fp32(self):
+        for p, g in self._fp32_set_aside or ():
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        self._fp32_set_aside = None
 
     def inspect_master_grad_data(self):
         """The masters' fp32 gradients, one list per parameter group (None while in an overflow
@@ -172,11 +197,11 @@ class FP16_Optimizer:
             raise TypeError("Using step with a closure is currently not compatible with dynamic "
                             "loss scaling: use a static_loss_scale, or call backward(loss) and "
                             "then step() without a closure.")
+        self._fp32_unscaled = False
         if self.overflow:
-            old = self.loss_scale
             self._update_scale()
             if self.verbose:
-                print(f"OVERFLOW! Skipping step. Attempted loss scale: {old}, reducing to "
+                print(f"Gradient overflow.  Skipping step, reducing loss scale to "
                       f"{self.loss_scale}")
             return None
         if closure is None:
@@ -204,6 +229,7 @@ class FP16_Optimizer:
             self._core.update()
 
     def zero_grad(self, set_grads_to_None=False):
+        self._fp32_unscaled, self._fp32_set_aside = False, None
         for p in self.model_params + self.master_params + sum(self.fp32_from_fp32_groups, []):
             if set_grads_to_None:
                 p.grad = None

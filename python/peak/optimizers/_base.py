@@ -16,6 +16,7 @@ from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
 from ._arguments import check_bool, check_group, check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import EIGHT_BIT_LAYOUT, STORAGE_KEYS, check_loadable
+from ._layout import dense, follow_layout
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
@@ -90,6 +91,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         # What a param group of ours holds (torch's __setstate__ adds 'differentiable' and others
         # to self.defaults later; they are not copied into loaded groups).
         self._group_keys = tuple(self.defaults)
+
+    def __getstate__(self) -> dict:
+        # torch's keeps defaults, state and param_groups: the constructor's options go with them
+        # (a deepcopy or an unpickled optimizer steps as the original).
+        return {**super().__getstate__(),
+                **{k: v for k, v in self.__dict__.items() if k in _CONSTRUCTOR_ATTRIBUTES}}
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; what peak does not step on DTensor parameters (FSDP2) is refused here,
@@ -321,6 +328,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             grad_norm = self.grad_norm()
         self._step_grad_norm = grad_norm
         stepped_master_grads = False
+        # Every state's layout is checked at the first step and after a load or a strided
+        # parameter; else only strided parameters' (a cheap test per parameter and step).
+        check_layouts, strided = self.__dict__.get("_check_layouts", True), False
         for group in self.param_groups:
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in group["params"]:
@@ -328,6 +338,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     continue
                 state = self._init_state(p, group)
                 follow_weight(p, state)
+                if not sharded and (check_layouts or not p.is_contiguous()):
+                    strided |= follow_layout(p, state)
                 master = self._master_list_entry(state)
                 # (8-bit groups on shards hold bf16 moments where rows are not whole blocks)
                 storage = scale_key("exp_avg") in state or scale_key("momentum_buffer") in state
@@ -365,6 +377,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 g0.copy_(g)
                 note_stepped(bucket)
         self._bucket_shards = None
+        self._check_layouts = strided
         if stepped_master_grads:
             self.drop_master_grads()  # (the step used them)
         return loss
@@ -424,7 +437,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     self.wants_master(p)  # (raises, naming the dtypes the kernels step)
                 if remainders:
                     self.keeps_remainder(p, group)  # (raises for an fp16 parameter)
-                if not (p.is_contiguous() or _dense(p)):
+                if not (p.is_contiguous() or dense(p)):
                     raise RuntimeError(
                         f"{name}: a parameter of shape {tuple(p.shape)} is not dense (strides "
                         f"{p.stride()}); the kernels walk a parameter's memory as one block: make "
@@ -554,7 +567,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._complete_loaded_state(p, state)
         for group in self.param_groups:  # (which weight the loaded masters go with)
             for p in group["params"]:
-                weight_loaded(p, joined.get(p))
+                weight_loaded(p, joined.get(p), MASTER_KEY in self.state.get(p, {}))
+        self._check_layouts = True  # (the checkpoint's state may have another layout)
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""
@@ -576,16 +590,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 _EAGER_FUSED_STEP = torch._disable_dynamo(FusedOptimizer._fused_step)
 
 
-def _dense(t: Tensor) -> bool:
-    """Its elements fill its memory without gaps or overlaps, in some order (transposed,
-    channels_last): what the kernels can walk as one block."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 _STEPPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What a constructor sets beside torch's attributes, kept through pickling and deepcopy.
+_CONSTRUCTOR_ATTRIBUTES = ("master_weights", "set_grad_none", "store_unscaled_grads",
+                           "_group_keys", "reduced_precision_dtype", "_initial_step")
 _MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with

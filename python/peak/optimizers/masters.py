@@ -166,13 +166,18 @@ class MasterWeights:
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
         self.own_params: list[Tensor] = []  # stepped as they are, gradients unscaled in place
+        # Frozen at registration, left in their group as they are: registered when a backward
+        # pass first gives one a gradient (unfrozen later).
+        self.frozen: list[Tensor] = []
+        self._optimizer_ref = None  # (a weak reference, from attach: whose groups hold them)
+        self.had_grads: list[bool] = []  # which masters were stepped with a gradient
         self._grad_stash: list | None = None
         self._loaded: dict | None = None
 
     def register(self, params, with_masters: bool, originals: dict | None = None) -> list:
         """What a param group holds instead of ``params``: with ``with_masters``, every trainable
         fp16/bf16 param's new master (from ``originals[id(p)]``, its fp32 weights from before a
-        cast, when there); the others as they are, own masters (frozen ones left out)."""
+        cast, when there); the others as they are, own masters (frozen ones until unfrozen)."""
         out = []
         for p in params:
             if with_masters and p.requires_grad and p.dtype in LOW_DTYPES:
@@ -180,8 +185,28 @@ class MasterWeights:
             else:
                 if p.requires_grad or not with_masters:
                     self.own_params.append(p)
+                else:  # (no master for a frozen weight: fine-tuning freezes most of a model)
+                    self.frozen.append(p)
                 out.append(p)
         return out
+
+    def _register_unfrozen(self) -> None:
+        """Frozen parameters a backward pass gave gradients are registered now, before those
+        are unscaled: a master in place of a low-precision one, an fp32 one as its own master."""
+        unfrozen = [p for p in self.frozen if p.grad is not None]
+        self.frozen = [p for p in self.frozen if p.grad is None]
+        optimizer = self._optimizer_ref() if self._optimizer_ref is not None else None
+        for p in unfrozen:
+            if p.dtype in LOW_DTYPES and optimizer is not None:
+                master = self.add(p)
+                for group in optimizer.param_groups:
+                    group["params"] = [master if q is p else q for q in group["params"]]
+                if p in optimizer.state:
+                    optimizer.state[master] = optimizer.state.pop(p)
+            else:
+                self.own_params.append(p)
+                if self._grad_stash is not None:
+                    self._grad_stash.append(None)
 
     def add(self, p: Tensor, original: Tensor | None = None) -> torch.nn.Parameter:
         master = torch.nn.Parameter(new_master(p, original), requires_grad=True)
@@ -190,22 +215,29 @@ class MasterWeights:
         _master_of_param[p] = master
         return master
 
-    def mark(self) -> tuple[int, int]:
-        return len(self.masters), len(self.own_params)
+    def mark(self) -> tuple[int, int, int]:
+        return len(self.masters), len(self.own_params), len(self.frozen)
 
-    def rollback(self, mark: tuple[int, int]) -> None:
+    def rollback(self, mark: tuple[int, int, int]) -> None:
         """Forget what was registered after ``mark()`` (a registration that failed)."""
         for p in self.model_params[mark[0]:]:
             _master_of_param.pop(p, None)
         del self.model_params[mark[0]:], self.masters[mark[0]:], self.own_params[mark[1]:]
+        del self.frozen[mark[2]:]
 
     def holds(self, p: Tensor) -> bool:
         return any(q is p for q in self.model_params)
 
     def copy_to_model(self) -> None:
         copy_to_model(self.masters, self.model_params)
+        if _arrived:  # (a model load's weights are now the masters' roundings)
+            for p in self.model_params:
+                _arrived.pop(p, None)
 
     def drop_grads(self) -> None:
+        """After a step (or its skip): the masters' gradients go; which had one is kept, as
+        ``zero_grad(set_to_none=False)`` gives those zeros again (as torch keeps zeroed ones)."""
+        self.had_grads = [m.grad is not None for m in self.masters]
         for m in self.masters:
             m.grad = None
 
@@ -238,6 +270,8 @@ class MasterWeights:
         ``unscale_with_stashed(grads, earlier, outs)``, flagging inf/NaN) into the masters'
         gradients (own params: in place), added to those of earlier passes of the step. Returns
         whether the pass gave any of them a gradient."""
+        if self.frozen:
+            self._register_unfrozen()
         rows = []  # (new gradient, earlier gradient or None, output)
         for p, m in zip(self.model_params, self.masters):
             if p.grad is not None:
@@ -263,12 +297,18 @@ class MasterWeights:
         return bool(rows)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """The model params' gradients, after the optimizer's ``zero_grad`` cleared the masters'."""
+        """The model params' gradients, after the optimizer's ``zero_grad`` cleared the masters'.
+        Without ``set_to_none`` a master stepped with a gradient keeps a zero one, stepped again
+        without a new one, as torch steps a parameter whose gradient was zeroed."""
         for p in self.model_params:
             if p.grad is not None and set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.detach_().zero_()
+        if not set_to_none:
+            for m, had in zip(self.masters, self.had_grads):
+                if had and m.grad is None:
+                    m.grad = torch.zeros_like(m)
         self._grad_stash = None
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -276,6 +316,7 @@ class MasterWeights:
         """Register this store as ``optimizer``'s (``store_of``) and, with ``hooks``, make the
         optimizer's state dicts carry the masters."""
         _stores[optimizer] = self
+        self._optimizer_ref = weakref.ref(optimizer)
         if not hooks:
             return
         optimizer.register_state_dict_post_hook(self._save_hook)
@@ -296,9 +337,10 @@ class MasterWeights:
         loaded = dict(state_dict.pop(EARLIER_AMP_KEY, None) or {})
         state = {}
         for i, st in state_dict["state"].items():
-            if isinstance(st, dict) and MASTER_KEY in st:
-                loaded[i] = st[MASTER_KEY]
-                st = {k: v for k, v in st.items() if k != MASTER_KEY}
+            if isinstance(st, dict) and (MASTER_KEY in st or REMAINDER_KEY in st):
+                # (a fused optimizer's remainder: (remainder,), joined with the weight below)
+                loaded[i] = st[MASTER_KEY] if MASTER_KEY in st else (st[REMAINDER_KEY],)
+                st = {k: v for k, v in st.items() if k not in (MASTER_KEY, REMAINDER_KEY)}
                 if not st:
                     continue  # a master alone: no state of the torch optimizer's
             state[i] = st
@@ -311,18 +353,29 @@ class MasterWeights:
         if loaded is None:
             return  # a checkpoint without masters: keep the masters derived from the model
         flat = [p for group in optimizer.param_groups for p in group["params"]]
-        masters = {id(m) for m in self.masters}
+        weight_of = {id(m): p for p, m in zip(self.model_params, self.masters)}
+        joins = {}
         with torch.no_grad():
             for i, value in loaded.items():
                 target = flat[i] if 0 <= i < len(flat) else None
-                if target is None or id(target) not in masters or target.shape != value.shape:
+                weight = weight_of.get(id(target))
+                remainder = value[0] if isinstance(value, tuple) else None
+                if (weight is None or target.shape != (value if remainder is None else
+                                                       remainder).shape
+                        or (remainder is not None and weight.dtype != torch.bfloat16)):
                     raise RuntimeError(
                         f"optimizer.load_state_dict: the checkpoint has an fp32 master weight for "
                         f"parameter {i} that this optimizer does not have a master for (shape or "
                         "dtype differ). Restore with the same model, opt_level and "
                         "keep_batchnorm_fp32 that wrote the checkpoint.")
+                if remainder is not None:  # (joined again with a weight loaded after it)
+                    joins[weight] = remainder.to(device=weight.device, dtype=torch.int16)
+                    value = join_remainder(weight.detach(), joins[weight])
+                elif weight in _arrived and not torch.equal(value.to(weight.dtype), weight):
+                    continue  # a master of other weights than the model's just loaded: stale
                 target.copy_(value)
         self.copy_to_model()
+        _join_on_arrival.update(joins)
 
 
 def store_of(optimizer) -> MasterWeights | None:
@@ -365,6 +418,8 @@ _awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loade
 # parameter -> the remainder an fp32 master was joined from at an optimizer load, to join again
 # with a weight loaded after it (until the next step)
 _join_on_arrival = WeakIdKeyDictionary()
+# parameter -> True: weights a model load gave a store's parameter, until its next step
+_arrived = WeakIdKeyDictionary()
 
 
 def note_load_hook(module, state_dict, prefix, *args) -> None:
@@ -387,7 +442,9 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
         if master is not None and remainder is not None:
             master.copy_(join_remainder(p, remainder))
         if master is not None and not torch.equal(master.to(p.dtype), p):
-            master.copy_(p)
+            master.copy_(p if value is None else value)  # (exact where fp32 weights arrive)
+        if p in _master_of_param:  # (a store's: its optimizer's next load checks against it)
+            _arrived[p] = True
         owner = _owner_of_param[p]() if p in _owner_of_param else None
         state = owner.state.get(p, {}) if owner is not None else {}
         if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
@@ -401,22 +458,25 @@ def _forget_id(key: int) -> None:
     _watched.discard(key)
 
 
-def note_weight(p: Tensor, checksum: Tensor | None = None) -> None:
+def note_weight(p: Tensor, checksum: Tensor | None = None, version: int | None = None) -> None:
     key, entry = id(p), _weight_version.get(id(p))
     if entry is None or entry[0]() is not p:  # (a plain dict by id: a step reads it per param)
         entry = (weakref.ref(p, lambda _, key=key: _forget_id(key)),)
-    _weight_version[key] = (entry[0], p._version, checksum)
+    _weight_version[key] = (entry[0], p._version if version is None else version, checksum)
 
 
-def weight_loaded(p: Tensor, joined_remainder: Tensor | None) -> None:
-    """After an optimizer load: p's weight is taken to be the one saved with it (its version is
-    forgotten), unless this load joined its master from a remainder, which then follows a weight
-    loaded later (its version is noted). An earlier load's pending join is dropped."""
+def weight_loaded(p: Tensor, joined_remainder: Tensor | None, fp32_master: bool) -> None:
+    """After an optimizer load: an fp32 master is checked against p's weight at the next step
+    (a master that does not round to it was saved with other weights, as after a round trip
+    through torch.optim, which keeps it as it was: the weight wins); a remainder is taken to go
+    with p's weight (its version is forgotten). A master joined from a remainder follows a weight
+    loaded later. An earlier load's pending join is dropped."""
     _join_on_arrival.pop(p, None)
     entry = _weight_version.get(id(p))
     if joined_remainder is not None:
         _join_on_arrival[p] = joined_remainder
-        note_weight(p)
+    if fp32_master:
+        note_weight(p, version=-1)  # (a version no weight has: followed at the next step)
     elif entry is not None and entry[0]() is p:
         _forget_id(id(p))
 
