@@ -492,3 +492,96 @@ def test_list_edits_share_the_casters_weight_cache():
         lin(x)
         assert _caster.cache_stats()["hits"] == before + 2  # weight and bias, cast once
     assert _caster.cache_stats()["size"] == 0  # dropped with the region, as torch's cache is
+
+
+# -- under torch.compile (NOTE: [Regions under torch.compile]) ---------------------------------
+
+def _compile_case():
+    import torch._dynamo
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(32, 8)
+    return lin, torch.randn(4, 32)
+
+
+def test_regions_in_compiled_code_compile_as_torchs_decorated_and_nested():
+    """A peak region made in the traced code is torch's own there: a decorated function with a
+    nested enabled=False region compiles in one graph (fullgraph) and gives eager's bits."""
+    lin, x = _compile_case()
+
+    @amp.autocast("cpu", dtype="bf16")
+    def forward(x):
+        y = lin(x)
+        with amp.autocast("cpu", enabled=False):
+            z = torch.nn.functional.linear(y.float(), lin.weight[:, :8])
+        return y, z
+
+    with torch.no_grad():
+        eager = forward(x)
+        compiled = torch.compile(forward, fullgraph=True)(x)
+    assert [t.dtype for t in compiled] == [torch.bfloat16, torch.float32]
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e, rtol=0, atol=0) if c.dtype == torch.float32 else \
+            torch.testing.assert_close(c.float(), e.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_list_edits_are_never_dropped_silently_under_compile():
+    """A region with list edits in compiled code runs its edits eagerly or is refused with peak's
+    message; it never runs as torch's region without them (the op in bf16)."""
+    lin, x = _compile_case()
+    outside = amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=["linear"])
+
+    def made_inside(x):
+        with amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=["linear"]):
+            return lin(x)
+
+    def made_outside(x):
+        with outside:
+            return lin(x)
+
+    decorated = amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=["linear"])(lambda x: lin(x))
+    for fn in (made_inside, made_outside, decorated):
+        try:
+            out = torch.compile(fn)(x)
+        except Exception as e:  # noqa: BLE001 (Dynamo wraps it in its own exception type)
+            assert "list edits" in str(e) and "outside the compiled code" in str(e)
+        else:
+            assert out.dtype == torch.float32
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_custom_fwd_bwd_without_cast_inputs_compile():
+    lin, x = _compile_case()
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(device_type="cpu")
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            return g * 2
+
+    def loss(x):
+        with amp.autocast("cpu", dtype=torch.bfloat16):
+            return Twice.apply(lin(x)).float().sum()
+
+    eager_grads = torch.autograd.grad(loss(x), lin.weight)
+    compiled_grads = torch.autograd.grad(torch.compile(loss)(x), lin.weight)
+    assert_bitwise_equal(compiled_grads[0], eager_grads[0])
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_weights_made_under_inference_mode_cast_in_edited_regions(mode):
+    """Parameters made under torch.inference_mode are inference tensors (no version counter):
+    the weight-cast cache passes them by, in an edited region and under O1."""
+    with torch.inference_mode():
+        ln = torch.nn.LayerNorm(6)
+        x = torch.randn(4, 6)
+    with getattr(torch, mode)():
+        with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["layer_norm"]):
+            out = ln(x)
+        ref = torch.nn.functional.layer_norm(x.bfloat16(), (6,), ln.weight.bfloat16(),
+                                             ln.bias.bfloat16())
+    assert_bitwise_equal(out, ref)

@@ -105,6 +105,13 @@ def _edit_codes(fp32_ops, lower_ops) -> dict | None:
             } or None
 
 
+_COMPILED_EDITS = (
+    "peak.amp.autocast(fp32_ops=..., lower_ops=...) in code that torch.compile traces: Dynamo "
+    "runs torch's autocast in its place, which would drop the list edits. Open the region "
+    "outside the compiled code (with peak.amp.autocast(...): compiled_model(x)), or keep the "
+    "region's code out of the compile (torch.compiler.disable)")
+
+
 class autocast(torch.amp.autocast_mode.autocast):
     """``torch.autocast(device_type, dtype=None, enabled=True, cache_enabled=None)``, as a context
     manager or decorator, plus per-region list edits.
@@ -114,6 +121,32 @@ class autocast(torch.amp.autocast_mode.autocast):
     to run in float32 / in ``dtype`` inside this region, over torch's lists; nested regions
     inherit them, the innermost wins (docs/torch_dialect.md, "List edits").
     """
+
+    # NOTE: [Regions under torch.compile] Dynamo traces torch's autocast (it keeps the region in
+    # the graph) but not a subclass created in the traced code, whose state changes it refuses.
+    # There a region without edits is torch's own; one with edits is refused (Dynamo would run
+    # torch's autocast for it, read from the attributes below, and drop the edits silently).
+    def __new__(cls, device_type: str, dtype=None, enabled=True, cache_enabled=None, *,
+                fp32_ops=None, lower_ops=None):
+        if torch.compiler.is_compiling():
+            if fp32_ops is not None or lower_ops is not None:
+                raise RuntimeError(_COMPILED_EDITS)
+            if cls is autocast:
+                return torch.amp.autocast_mode.autocast(
+                    device_type, dtype=_dtypes.parse_dtype(dtype, "autocast: dtype",
+                                                           any_dtype=True),
+                    enabled=enabled, cache_enabled=cache_enabled)
+        return super().__new__(cls)
+
+    @property
+    def _enabled(self) -> bool:
+        if self.__dict__.get("_edits") is not None and torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILED_EDITS)  # (a region made outside the traced code)
+        return self.__dict__["_enabled_value"]
+
+    @_enabled.setter
+    def _enabled(self, value: bool) -> None:
+        self.__dict__["_enabled_value"] = value
 
     def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
                  cache_enabled: bool | None = None, *, fp32_ops: Iterable | None = None,
@@ -228,10 +261,13 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
             raise AttributeError("custom_bwd: the forward of this Function was not decorated "
                                  "with custom_fwd (peak.amp.custom_fwd or "
                                  "torch.amp.custom_fwd); decorate both forward and backward")
-        region = autocast(device_type=device_type, enabled=ctx._fwd_used_autocast, dtype=ctx._dtype)
         # The forward's open edits, outer first: inner edits win.
-        region._edits = {fn: code for codes in getattr(ctx, "_peak_edits", [])
-                         for fn, code in codes.items()} or None
+        edits = {fn: code for codes in getattr(ctx, "_peak_edits", [])
+                 for fn, code in codes.items()} or None
+        region = (autocast if edits else torch.amp.autocast_mode.autocast)(
+            device_type=device_type, enabled=ctx._fwd_used_autocast, dtype=ctx._dtype)
+        if edits:
+            region._edits = edits
         with region, (_caster.disabled() if getattr(ctx, "_peak_o1_off", False)
                       else contextlib.nullcontext()):
             return bwd(*args, **kwargs)
