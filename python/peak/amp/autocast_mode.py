@@ -140,8 +140,9 @@ class autocast(torch.amp.autocast_mode.autocast):
 
     @property
     def _enabled(self) -> bool:
-        if self.__dict__.get("_edits") is not None and torch.compiler.is_compiling():
-            raise RuntimeError(_COMPILED_EDITS)  # (a region made outside the traced code)
+        if self.__dict__.get("_edits") is not None and (  # (Dynamo reads it, made outside)
+                torch.compiler.is_compiling() or torch._guards.TracingContext.try_get()):
+            raise RuntimeError(_COMPILED_EDITS)
         return self.__dict__["_enabled_value"]
 
     @_enabled.setter
@@ -166,6 +167,8 @@ class autocast(torch.amp.autocast_mode.autocast):
         self._saved: list = []
 
     def __enter__(self):
+        if self._edits is not None and torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILED_EDITS)
         super().__enter__()
         if self._edits is not None:
             _caster.push_edits(self._edits, self.device)
