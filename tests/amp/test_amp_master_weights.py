@@ -507,3 +507,98 @@ def test_a_remainder_checkpoint_loads_into_o2_over_a_torch_optimizer_and_back():
     back.load_state_dict(o2_opt.state_dict())
     for p, e in zip(model.parameters(), exact):
         H.assert_bitwise_equal(join_remainder(p.detach(), back.state[p]["master_param_remainder"]), e)
+
+
+def _frozen_then_unfrozen(seed):
+    _amp_state.reset()
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, loss_scale=1.0,
+                   verbosity=0)
+    return model, opt
+
+
+def _train_seq(model, opt, steps):
+    for i in steps:
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+        opt.zero_grad()
+        with amp.scale_loss((model(x.bfloat16()).float() - y).pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
+def test_a_run_resumed_after_an_unfreeze_continues_bit_for_bit():
+    """The checkpoint has a master for a parameter the resumed script froze at initialize: it
+    gets its master before torch loads the state (Adam's moments onto it, in fp32)."""
+    model, opt = _frozen_then_unfrozen(0)
+    _train_seq(model, opt, range(2))
+    model[0].requires_grad_(True)
+    _train_seq(model, opt, range(2, 4))
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train_seq(model, opt, range(4, 6))
+    resumed, resumed_opt = _frozen_then_unfrozen(1)
+    resumed[0].requires_grad_(True)
+    resumed.load_state_dict(ckpt["model"])
+    resumed_opt.load_state_dict(ckpt["opt"])
+    assert all(v.dtype == torch.float32 for s in resumed_opt.state.values() for v in s.values()
+               if v.is_floating_point())
+    _train_seq(resumed, resumed_opt, range(4, 6))
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        H.assert_bitwise_equal(p.detach(), q.detach())
+
+
+def test_a_frozen_parameter_cannot_join_a_second_group():
+    model, opt = _frozen_then_unfrozen(0)
+    model[0].requires_grad_(True)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model[0].weight], "lr": 0.0})
+
+
+def test_the_bypass_warning_with_zero_grad_keeping_tensors():
+    """A plain loss.backward() under O2 warns at step() also when zero_grad(set_to_none=False)
+    left zero gradients on the masters."""
+    model, opt = _o2(torch.bfloat16, momentum=0.9)
+    _step(model, opt, 0)
+    opt.zero_grad(set_to_none=False)
+    x, y = H.batch(1, n=8, shape=(3, 6, 6))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.warns(UserWarning, match="run the backward pass as"):
+        opt.step()
+
+
+def test_a_remainder_with_a_rounding_tie_joins_exactly_in_either_order():
+    """A master whose low half is exactly 0x8000 rounds to nearest even one way and the remainder
+    split the other: a join must not be taken for a master of other weights."""
+    from peak.optimizers import FusedAdam
+    from peak.optimizers.masters import join_remainder
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).bfloat16()
+    fused = FusedAdam(model.parameters(), lr=1e-3, store_param_remainders=True)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    fused.step()
+    with torch.no_grad():  # one exact tie: low half 0x8000, its weight the split's rounding
+        tie = torch.tensor([0x3F808000], dtype=torch.int32).view(torch.float32)
+        from peak.optimizers.masters import split_master
+        weight, remainder = split_master(tie)
+        model.weight.view(-1)[:1].copy_(weight)
+        fused.state[model.weight]["master_param_remainder"].view(-1)[:1].copy_(remainder)
+    exact = join_remainder(model.weight.detach(), fused.state[model.weight]["master_param_remainder"])
+    assert exact.view(-1)[0].item() == tie.item()
+    assert exact.view(-1)[0].to(torch.bfloat16) != model.weight.view(-1)[0]  # (RNE differs)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": fused.state_dict()})
+    for model_first in (True, False):
+        _amp_state.reset()
+        torch.manual_seed(3)
+        o2 = nn.Linear(64, 64)
+        o2_opt = torch.optim.AdamW(o2.parameters(), lr=0.1)
+        amp.initialize(o2, o2_opt, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+        if model_first:
+            o2.load_state_dict(ckpt["model"])
+        o2_opt.load_state_dict(ckpt["opt"])
+        if not model_first:
+            o2.load_state_dict(ckpt["model"])
+        H.assert_bitwise_equal(next(iter(amp.master_params(o2_opt))).detach(), exact)

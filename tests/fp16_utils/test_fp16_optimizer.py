@@ -320,3 +320,33 @@ def test_several_backward_calls_sum_the_gradients_of_fp32_parameters_too(update_
     opt.step()
     for p, b in zip(high.parameters(), before):
         assert torch.equal(p.detach(), b)
+
+
+def test_a_backward_that_raises_leaves_the_earlier_fp32_gradients_as_they_were():
+    low, high = mixed_model()
+    opt = make(torch.nn.Sequential(low, high), static_loss_scale=128.0, verbose=False)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(5))
+    opt.backward(mixed_loss(low, high, x))
+    before = [p.grad.clone() for p in high.parameters()]
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("a failing backward")
+
+    with pytest.raises(RuntimeError, match="a failing backward"):
+        opt.backward(Fails.apply(low(x.half()).float()).sum() + mixed_loss(low, high, x))
+    for p, b in zip(high.parameters(), before):
+        assert torch.equal(p.grad, b)
+
+
+def test_the_documented_pre_2019_dynamic_scaler_recipe():
+    """docs/migrating.md: the old DynamicLossScaler's start (2**32), window and floor."""
+    model, _, _ = model_and_data(torch.bfloat16)
+    opt = make(model, dynamic_loss_scale=True, verbose=False, dynamic_loss_args={
+        "init_scale": 2**32, "scale_window": 1000, "min_loss_scale": 1, "max_loss_scale": None})
+    assert opt.loss_scale == 2.0 ** 32

@@ -489,3 +489,24 @@ def test_a_copied_fused_optimizer_keeps_its_options_and_steps_as_the_original(co
         x.grad = torch.full_like(x, 0.5)
         o.step()
     assert_bitwise_equal(q.detach(), p.detach())
+
+
+def test_state_follows_the_layout_back_while_a_parameter_sits_out_a_step():
+    """channels_last, then back to contiguous with one parameter without a gradient in that
+    step: its state is re-laid out when it is next stepped (the check stays on until then)."""
+    ws = fp32_weights(7, ((4, 3, 2, 2), (4, 3, 2, 2)))
+    ps = [torch.nn.Parameter(w.clone()) for w in ws]
+    refs = [torch.nn.Parameter(w.clone()) for w in ws]
+    opt, ref = FusedAdam(ps, lr=0.01), torch.optim.Adam(refs, lr=0.01)
+    grads = [torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    layouts = [torch.channels_last, torch.channels_last, torch.contiguous_format,
+               torch.contiguous_format]
+    for step, (g, layout) in enumerate(zip(grads, layouts)):
+        for group in (ps, refs):
+            for i, p in enumerate(group):
+                p.data = p.data.contiguous(memory_format=layout)
+                p.grad = None if (step == 2 and i == 1) else g.contiguous(memory_format=layout)
+        opt.step()
+        ref.step()
+    for p, r in zip(ps, refs):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)

@@ -586,3 +586,54 @@ def test_weights_made_under_inference_mode_cast_in_edited_regions(mode):
         ref = torch.nn.functional.layer_norm(x.bfloat16(), (6,), ln.weight.bfloat16(),
                                              ln.bias.bfloat16())
     assert_bitwise_equal(out, ref)
+
+
+def test_regions_copy_pickle_and_subclass():
+    import pickle
+    region = amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=["linear"])
+    for twin in (copy.copy(region), copy.deepcopy(region), pickle.loads(pickle.dumps(region))):
+        assert type(twin) is amp.autocast and twin.fast_dtype == torch.bfloat16
+        with twin:
+            assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float32
+
+    class Tagged(amp.autocast):
+        def __init__(self, enabled=True, *, tag=None):
+            super().__init__("cpu", dtype=torch.bfloat16, enabled=enabled)
+            self.tag = tag
+
+    with Tagged(tag="x") as t:
+        assert t.tag == "x" and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with Tagged(False):
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_custom_bwd_edits_under_compiled_autograd_are_refused_not_dropped():
+    import torch._dynamo
+
+    class MM(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(device_type="cpu")
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            return torch.mm(g, b.t()), torch.mm(a.t(), g)
+
+    a, b = (torch.randn(8, 8, requires_grad=True) for _ in range(2))
+    with amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=[torch.mm]):
+        out = MM.apply(a, b)
+    eager = torch.autograd.grad(out.sum(), a, retain_graph=True)[0]
+    assert eager.dtype == torch.float32 and torch.equal(eager, torch.mm(torch.ones(8, 8), b.t()))
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            compiled = torch.compile(lambda o: torch.autograd.grad(o.sum(), a)[0],
+                                     backend="aot_eager")(out)
+    except Exception as e:  # noqa: BLE001 (Dynamo wraps it)
+        assert "list edits" in str(e)
+    else:
+        assert torch.equal(compiled, eager)

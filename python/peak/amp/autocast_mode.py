@@ -126,16 +126,12 @@ class autocast(torch.amp.autocast_mode.autocast):
     # the graph) but not a subclass created in the traced code, whose state changes it refuses.
     # There a region without edits is torch's own; one with edits is refused (Dynamo would run
     # torch's autocast for it, read from the attributes below, and drop the edits silently).
-    def __new__(cls, device_type: str, dtype=None, enabled=True, cache_enabled=None, *,
-                fp32_ops=None, lower_ops=None):
+    def __new__(cls, *args, **kwargs):  # (copy and pickle call it without arguments)
         if torch.compiler.is_compiling():
-            if fp32_ops is not None or lower_ops is not None:
+            if kwargs.get("fp32_ops") is not None or kwargs.get("lower_ops") is not None:
                 raise RuntimeError(_COMPILED_EDITS)
             if cls is autocast:
-                return torch.amp.autocast_mode.autocast(
-                    device_type, dtype=_dtypes.parse_dtype(dtype, "autocast: dtype",
-                                                           any_dtype=True),
-                    enabled=enabled, cache_enabled=cache_enabled)
+                return _torchs_autocast(*args, **kwargs)
         return super().__new__(cls)
 
     @property
@@ -190,6 +186,13 @@ class autocast(torch.amp.autocast_mode.autocast):
             raise TypeError(f"autocast()(func) requires a callable, but got {type(func).__name__}"
                             f"; as a context manager: with peak.amp.autocast(device_type=...): ...")
         return super().__call__(func)
+
+
+def _torchs_autocast(device_type, dtype=None, enabled=True, cache_enabled=None, *,
+                     fp32_ops=None, lower_ops=None):
+    dtype = _dtypes.parse_dtype(dtype, "autocast: dtype", any_dtype=True)
+    return torch.amp.autocast_mode.autocast(device_type, dtype=dtype, enabled=enabled,
+                                            cache_enabled=cache_enabled)
 
 
 def _check_device_type(device_type) -> None:
@@ -267,10 +270,14 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
         # The forward's open edits, outer first: inner edits win.
         edits = {fn: code for codes in getattr(ctx, "_peak_edits", [])
                  for fn, code in codes.items()} or None
-        region = (autocast if edits else torch.amp.autocast_mode.autocast)(
-            device_type=device_type, enabled=ctx._fwd_used_autocast, dtype=ctx._dtype)
-        if edits:
+        forward_state = {"device_type": device_type, "enabled": ctx._fwd_used_autocast,
+                         "dtype": ctx._dtype}
+        if edits:  # (peak's region even where Dynamo traces, compiled autograd: it refuses it)
+            region = object.__new__(autocast)
+            region.__init__(**forward_state)
             region._edits = edits
+        else:
+            region = torch.amp.autocast_mode.autocast(**forward_state)
         with region, (_caster.disabled() if getattr(ctx, "_peak_o1_off", False)
                       else contextlib.nullcontext()):
             return bwd(*args, **kwargs)

@@ -138,8 +138,10 @@ class FP16_Optimizer:
                 p.grad = None
         try:
             (loss.float() * self._core.scale).backward(retain_graph=retain_graph)
-        except BaseException:
-            self._add_back_fp32()
+        except BaseException:  # (the failed pass's partial gradients are dropped)
+            for p, g in self._fp32_set_aside or ():
+                p.grad = g
+            self._fp32_set_aside = None
             raise
         if update_master_grads:
             self.update_master_grads()

@@ -330,11 +330,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         stepped_master_grads = False
         # Every state's layout is checked at the first step and after a load or a strided
         # parameter; else only strided parameters' (a cheap test per parameter and step).
-        check_layouts, strided = self.__dict__.get("_check_layouts", True), False
+        check_layouts = self.__dict__.get("_check_layouts", True)
+        strided = unchecked = False  # (unchecked: state of a parameter without a gradient)
         for group in self.param_groups:
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in group["params"]:
                 if p.grad is None:
+                    unchecked = unchecked or p in self.state
                     continue
                 state = self._init_state(p, group)
                 follow_weight(p, state)
@@ -377,7 +379,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 g0.copy_(g)
                 note_stepped(bucket)
         self._bucket_shards = None
-        self._check_layouts = strided
+        self._check_layouts = strided or (check_layouts and unchecked)
         if stepped_master_grads:
             self.drop_master_grads()  # (the step used them)
         return loss

@@ -171,6 +171,7 @@ class MasterWeights:
         self.frozen: list[Tensor] = []
         self._optimizer_ref = None  # (a weak reference, from attach: whose groups hold them)
         self.had_grads: list[bool] = []  # which masters were stepped with a gradient
+        self.took_grads = False  # a backward pass of this step went through take_grads
         self._grad_stash: list | None = None
         self._loaded: dict | None = None
 
@@ -193,8 +194,10 @@ class MasterWeights:
     def _register_unfrozen(self) -> None:
         """Frozen parameters a backward pass gave gradients are registered now, before those
         are unscaled: a master in place of a low-precision one, an fp32 one as its own master."""
-        unfrozen = [p for p in self.frozen if p.grad is not None]
-        self.frozen = [p for p in self.frozen if p.grad is None]
+        self._register_frozen([p for p in self.frozen if p.grad is not None])
+
+    def _register_frozen(self, unfrozen: list) -> None:
+        self.frozen = [p for p in self.frozen if not any(p is q for q in unfrozen)]
         optimizer = self._optimizer_ref() if self._optimizer_ref is not None else None
         for p in unfrozen:
             if p.dtype in LOW_DTYPES and optimizer is not None:
@@ -226,7 +229,7 @@ class MasterWeights:
         del self.frozen[mark[2]:]
 
     def holds(self, p: Tensor) -> bool:
-        return any(q is p for q in self.model_params)
+        return any(q is p for q in self.model_params) or any(q is p for q in self.frozen)
 
     def copy_to_model(self) -> None:
         copy_to_model(self.masters, self.model_params)
@@ -238,13 +241,14 @@ class MasterWeights:
         """After a step (or its skip): the masters' gradients go; which had one is kept, as
         ``zero_grad(set_to_none=False)`` gives those zeros again (as torch keeps zeroed ones)."""
         self.had_grads = [m.grad is not None for m in self.masters]
+        self.took_grads = False
         for m in self.masters:
             m.grad = None
 
     def bypassed(self) -> bool:
-        """The model's params have gradients but no master has one: a backward pass that did not
-        go through ``take_grads``."""
-        return (bool(self.masters) and not any(m.grad is not None for m in self.masters)
+        """The model's params have gradients but no backward pass of this step went through
+        ``take_grads`` (the masters hold none, or only zero_grad's zeros)."""
+        return (bool(self.masters) and not self.took_grads
                 and any(p.grad is not None for p in self.model_params))
 
     # -- the scaled gradients: a backward pass writes the model's; the masters get them ----------
@@ -294,6 +298,7 @@ class MasterWeights:
         if acc:
             scaler.unscale_with_stashed(*([r[i] for r in acc] for i in range(3)))
         self._grad_stash = None
+        self.took_grads |= bool(rows)
         return bool(rows)
 
     def zero_grad(self, set_to_none: bool) -> None:
@@ -310,6 +315,7 @@ class MasterWeights:
                 if had and m.grad is None:
                     m.grad = torch.zeros_like(m)
         self._grad_stash = None
+        self.took_grads = False
 
     # -- checkpoints ------------------------------------------------------------------------------
     def attach(self, optimizer, hooks: bool = True) -> None:
@@ -345,6 +351,23 @@ class MasterWeights:
                     continue  # a master alone: no state of the torch optimizer's
             state[i] = st
         state_dict["state"] = state
+        if loaded:  # (checked, and frozen parameters given their masters, before torch loads)
+            flat = [p for group in optimizer.param_groups for p in group["params"]]
+            self._register_frozen([flat[i] for i in loaded if 0 <= i < len(flat)
+                                   and any(flat[i] is q for q in self.frozen)])
+            flat = [p for group in optimizer.param_groups for p in group["params"]]
+            weight_of = {id(m): p for p, m in zip(self.model_params, self.masters)}
+            for i, value in loaded.items():
+                target = flat[i] if 0 <= i < len(flat) else None
+                weight = weight_of.get(id(target))
+                saved = value[0] if isinstance(value, tuple) else value
+                if (weight is None or target.shape != saved.shape
+                        or (isinstance(value, tuple) and weight.dtype != torch.bfloat16)):
+                    raise RuntimeError(
+                        f"optimizer.load_state_dict: the checkpoint has an fp32 master weight "
+                        f"for parameter {i} that this optimizer does not have a master for (shape "
+                        "or dtype differ). Restore with the same model, opt_level and "
+                        "keep_batchnorm_fp32 that wrote the checkpoint.")
         self._loaded = loaded or None
         return state_dict
 
@@ -357,17 +380,9 @@ class MasterWeights:
         joins = {}
         with torch.no_grad():
             for i, value in loaded.items():
-                target = flat[i] if 0 <= i < len(flat) else None
-                weight = weight_of.get(id(target))
+                target = flat[i]  # (checked by _take_hook)
+                weight = weight_of[id(target)]
                 remainder = value[0] if isinstance(value, tuple) else None
-                if (weight is None or target.shape != (value if remainder is None else
-                                                       remainder).shape
-                        or (remainder is not None and weight.dtype != torch.bfloat16)):
-                    raise RuntimeError(
-                        f"optimizer.load_state_dict: the checkpoint has an fp32 master weight for "
-                        f"parameter {i} that this optimizer does not have a master for (shape or "
-                        "dtype differ). Restore with the same model, opt_level and "
-                        "keep_batchnorm_fp32 that wrote the checkpoint.")
                 if remainder is not None:  # (joined again with a weight loaded after it)
                     joins[weight] = remainder.to(device=weight.device, dtype=torch.int16)
                     value = join_remainder(weight.detach(), joins[weight])
@@ -439,9 +454,9 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
         value, changed = _loading.pop(p, (None, False))
         master = master_of_param(p)
         remainder = _join_on_arrival.pop(p, None)
-        if master is not None and remainder is not None:
+        if master is not None and remainder is not None:  # (its rounding is p by construction)
             master.copy_(join_remainder(p, remainder))
-        if master is not None and not torch.equal(master.to(p.dtype), p):
+        elif master is not None and not torch.equal(master.to(p.dtype), p):
             master.copy_(p if value is None else value)  # (exact where fp32 weights arrive)
         if p in _master_of_param:  # (a store's: its optimizer's next load checks against it)
             _arrived[p] = True
