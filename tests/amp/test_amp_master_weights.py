@@ -602,3 +602,19 @@ def test_a_remainder_with_a_rounding_tie_joins_exactly_in_either_order():
         if not model_first:
             o2.load_state_dict(ckpt["model"])
         H.assert_bitwise_equal(next(iter(amp.master_params(o2_opt))).detach(), exact)
+
+
+def test_a_partial_model_load_leaves_the_other_masters_to_the_optimizer_checkpoint():
+    """model.load_state_dict(strict=False) without some weights: the optimizer checkpoint's
+    masters of those (not stale: their weights were not loaded) restore them."""
+    model, opt = _frozen_then_unfrozen(0)
+    model[0].requires_grad_(True)
+    _train_seq(model, opt, range(3))
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    resumed, resumed_opt = _frozen_then_unfrozen(1)
+    resumed[0].requires_grad_(True)
+    partial = {k: v for k, v in ckpt["model"].items() if not k.startswith("1.")}
+    resumed.load_state_dict(partial, strict=False)
+    resumed_opt.load_state_dict(ckpt["opt"])
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        H.assert_bitwise_equal(p.detach(), q.detach())

@@ -458,7 +458,7 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
             master.copy_(join_remainder(p, remainder))
         elif master is not None and not torch.equal(master.to(p.dtype), p):
             master.copy_(p if value is None else value)  # (exact where fp32 weights arrive)
-        if p in _master_of_param:  # (a store's: its optimizer's next load checks against it)
+        if value is not None and p in _master_of_param:  # (a store's: checked at its next load)
             _arrived[p] = True
         owner = _owner_of_param[p]() if p in _owner_of_param else None
         state = owner.state.get(p, {}) if owner is not None else {}
