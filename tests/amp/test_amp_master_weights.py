@@ -618,3 +618,79 @@ def test_a_partial_model_load_leaves_the_other_masters_to_the_optimizer_checkpoi
     resumed_opt.load_state_dict(ckpt["opt"])
     for p, q in zip(resumed.parameters(), model.parameters()):
         H.assert_bitwise_equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("frozen", ["trainable", "unfrozen_before_load", "still_frozen"])
+def test_a_stale_master_never_overwrites_loaded_weights_frozen_or_not(frozen):
+    model, opt = _frozen_then_unfrozen(0)
+    model[0].requires_grad_(True)
+    _train_seq(model, opt, range(3))
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    new_weight = (ckpt["model"]["0.weight"] + 0.5).bfloat16()  # not the masters' weights
+    ckpt["model"]["0.weight"] = new_weight
+    resumed, resumed_opt = _frozen_then_unfrozen(1)
+    if frozen != "still_frozen":
+        resumed[0].requires_grad_(True)
+    if frozen == "trainable":
+        _amp_state.reset()
+        torch.manual_seed(1)
+        resumed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        resumed_opt = torch.optim.Adam(resumed.parameters(), lr=0.01)
+        amp.initialize(resumed, resumed_opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                       loss_scale=1.0, verbosity=0)
+    resumed.load_state_dict(ckpt["model"])
+    resumed_opt.load_state_dict(ckpt["opt"])
+    H.assert_bitwise_equal(resumed[0].weight.detach(), new_weight)
+
+
+@pytest.mark.parametrize("damage", ["master_shape", "group_count"])
+def test_a_refused_optimizer_load_leaves_frozen_parameters_as_they_were(damage):
+    model, opt = _frozen_then_unfrozen(0)
+    model[0].requires_grad_(True)
+    _train_seq(model, opt, range(2))
+    bad = copy.deepcopy(opt.state_dict())
+    if damage == "master_shape":
+        bad["state"][3]["master_param"] = torch.zeros(5)
+    else:
+        bad["param_groups"].append(dict(bad["param_groups"][0], params=[99]))
+    resumed, resumed_opt = _frozen_then_unfrozen(1)
+    groups = [list(g["params"]) for g in resumed_opt.param_groups]
+    with pytest.raises((RuntimeError, ValueError)):
+        resumed_opt.load_state_dict(bad)
+    assert all(a is b for g, h in zip(groups, resumed_opt.param_groups)
+               for a, b in zip(g, h["params"]))
+    with torch.no_grad():
+        resumed[0].weight.fill_(0.25)  # a frozen weight the user sets stays through a step
+    _train_seq(resumed, resumed_opt, range(1))
+    assert bool((resumed[0].weight == 0.25).all())
+
+
+def test_a_remainder_join_does_not_outlive_the_next_step():
+    """A remainder checkpoint loaded model-first queues a join with a later model load only until
+    the next step: fp32 weights loaded after training make exact masters."""
+    from peak.optimizers import FusedAdam
+    torch.manual_seed(0)
+    src = nn.Linear(16, 16).bfloat16()
+    fused = FusedAdam(src.parameters(), lr=1e-3, store_param_remainders=True)
+    for p in src.parameters():
+        p.grad = torch.randn_like(p)
+    fused.step()
+    ckpt = copy.deepcopy({"model": src.state_dict(), "opt": fused.state_dict()})
+    fp32 = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(7))
+            for k, v in src.state_dict().items()}
+    _amp_state.reset()
+    torch.manual_seed(3)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, loss_scale=1.0,
+                   verbosity=0)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    for i in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(torch.randn(4, 16).bfloat16()).float().pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+    model.load_state_dict(fp32)
+    for m, key in zip(amp.master_params(opt), ("weight", "bias")):
+        assert torch.equal(m, fp32[key])

@@ -322,26 +322,39 @@ def test_several_backward_calls_sum_the_gradients_of_fp32_parameters_too(update_
         assert torch.equal(p.detach(), b)
 
 
-def test_a_backward_that_raises_leaves_the_earlier_fp32_gradients_as_they_were():
-    low, high = mixed_model()
-    opt = make(torch.nn.Sequential(low, high), static_loss_scale=128.0, verbose=False)
-    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(5))
-    opt.backward(mixed_loss(low, high, x))
-    before = [p.grad.clone() for p in high.parameters()]
-
+def test_a_backward_that_raises_keeps_the_completed_passes_gradients():
+    """Apex's accumulation (update_master_grads=False), a pass that raises before any gradient
+    arrives, a retry: the sum is that of the completed passes, for fp32 parameters too."""
     class Fails(torch.autograd.Function):
+        armed = False
+
         @staticmethod
         def forward(ctx, t):
             return t.clone()
 
         @staticmethod
         def backward(ctx, g):
-            raise RuntimeError("a failing backward")
+            if Fails.armed:
+                raise RuntimeError("a failing backward")
+            return g
 
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    parts = [x[:2], x[2:4], x[4:]]
+    low, high = mixed_model()
+    opt = make(torch.nn.Sequential(low, high), static_loss_scale=128.0, verbose=False)
+    opt.backward(mixed_loss(low, high, parts[0]))
+    opt.backward(mixed_loss(low, high, parts[1]), update_master_grads=False)
+    Fails.armed = True
     with pytest.raises(RuntimeError, match="a failing backward"):
-        opt.backward(Fails.apply(low(x.half()).float()).sum() + mixed_loss(low, high, x))
-    for p, b in zip(high.parameters(), before):
-        assert torch.equal(p.grad, b)
+        opt.backward(Fails.apply(mixed_loss(low, high, parts[2])), update_master_grads=False)
+    Fails.armed = False
+    opt.backward(Fails.apply(mixed_loss(low, high, parts[2])), update_master_grads=False)
+    opt.update_master_grads()
+    low_ref, high_ref = mixed_model()
+    opt_ref = make(torch.nn.Sequential(low_ref, high_ref), static_loss_scale=128.0, verbose=False)
+    opt_ref.backward(mixed_loss(low_ref, high_ref, x))
+    for p, r in zip(high.parameters(), high_ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_the_documented_pre_2019_dynamic_scaler_recipe():

@@ -136,13 +136,9 @@ class FP16_Optimizer:
             self._fp32_set_aside = [(p, p.grad) for p in fp32]
             for p in fp32:
                 p.grad = None
-        try:
-            (loss.float() * self._core.scale).backward(retain_graph=retain_graph)
-        except BaseException:  # (the failed pass's partial gradients are dropped)
-            for p, g in self._fp32_set_aside or ():
-                p.grad = g
-            self._fp32_set_aside = None
-            raise
+        # (a pass that raises leaves its partial gradients, as torch's; the set-aside ones are
+        # added back at the next update_master_grads, once those are unscaled too)
+        (loss.float() * self._core.scale).backward(retain_graph=retain_graph)
         if update_master_grads:
             self.update_master_grads()
 
@@ -164,14 +160,11 @@ class FP16_Optimizer:
         if not self._fp32_unscaled:  # (a later backward of the step: earlier overflows stand)
             self._core.found_inf.zero_()
         self._core.unscale_(ins, outputs=outs)
-        self._add_back_fp32()
-        self._fp32_unscaled = True
-        self.overflow = self.dynamic_loss_scale and self._core.found_inf.any_()
-
-    def _add_back_fp32(self):
         for p, g in self._fp32_set_aside or ():
             p.grad = g if p.grad is None else p.grad.add_(g)
         self._fp32_set_aside = None
+        self._fp32_unscaled = True
+        self.overflow = self.dynamic_loss_scale and self._core.found_inf.any_()
 
     def inspect_master_grad_data(self):
         """The masters' fp32 gradients, one list per parameter group (None while in an overflow

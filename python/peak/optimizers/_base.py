@@ -16,7 +16,7 @@ from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
 from ._arguments import check_bool, check_group, check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import EIGHT_BIT_LAYOUT, STORAGE_KEYS, check_loadable
-from ._layout import dense, follow_layout
+from ._layout import LayoutWatch, dense
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
@@ -328,20 +328,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             grad_norm = self.grad_norm()
         self._step_grad_norm = grad_norm
         stepped_master_grads = False
-        # Every state's layout is checked at the first step and after a load or a strided
-        # parameter; else only strided parameters' (a cheap test per parameter and step).
-        check_layouts = self.__dict__.get("_check_layouts", True)
-        strided = unchecked = False  # (unchecked: state of a parameter without a gradient)
+        layouts = self.__dict__.setdefault("_layouts", LayoutWatch())
         for group in self.param_groups:
             buckets: dict[tuple, list[Tensor]] = defaultdict(list)
             for p in group["params"]:
                 if p.grad is None:
-                    unchecked = unchecked or p in self.state
+                    layouts.sat_out(p, self.state)
                     continue
                 state = self._init_state(p, group)
                 follow_weight(p, state)
-                if not sharded and (check_layouts or not p.is_contiguous()):
-                    strided |= follow_layout(p, state)
+                if not sharded:
+                    layouts.visit(p, state)
                 master = self._master_list_entry(state)
                 # (8-bit groups on shards hold bf16 moments where rows are not whole blocks)
                 storage = scale_key("exp_avg") in state or scale_key("momentum_buffer") in state
@@ -379,7 +376,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 g0.copy_(g)
                 note_stepped(bucket)
         self._bucket_shards = None
-        self._check_layouts = strided or (check_layouts and unchecked)
+        layouts.step_done()
         if stepped_master_grads:
             self.drop_master_grads()  # (the step used them)
         return loss
@@ -570,7 +567,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:  # (which weight the loaded masters go with)
             for p in group["params"]:
                 weight_loaded(p, joined.get(p), MASTER_KEY in self.state.get(p, {}))
-        self._check_layouts = True  # (the checkpoint's state may have another layout)
+        self._layouts = LayoutWatch()  # (the checkpoint's state may have another layout)
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""

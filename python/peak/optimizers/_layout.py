@@ -37,3 +37,24 @@ def follow_layout(p: Tensor, state: dict) -> bool:
         if t.grad is not None:  # (an fp32 master's gradient from give_master_grads)
             state[key].grad = torch.empty_like(p, dtype=t.dtype).copy_(t.grad)
     return not p.is_contiguous()
+
+
+class LayoutWatch:
+    """Whose state layouts a step checks (``follow_layout``): every parameter's at the first step,
+    after a load and after a step with a strided parameter; else strided parameters' and those
+    that sat out such a step without a gradient (a cheap test per parameter and step)."""
+
+    def __init__(self) -> None:
+        self.check_all, self.strided, self.pending = True, False, set()
+
+    def sat_out(self, p: Tensor, state: dict) -> None:
+        if self.check_all and p in state:
+            self.pending.add(id(p))
+
+    def visit(self, p: Tensor, state: dict) -> None:
+        if self.check_all or not p.is_contiguous() or (self.pending and id(p) in self.pending):
+            self.strided |= follow_layout(p, state)
+            self.pending.discard(id(p))
+
+    def step_done(self) -> None:
+        self.check_all, self.strided = self.strided, False

@@ -233,9 +233,10 @@ class MasterWeights:
 
     def copy_to_model(self) -> None:
         copy_to_model(self.masters, self.model_params)
-        if _arrived:  # (a model load's weights are now the masters' roundings)
-            for p in self.model_params:
+        if _arrived or _join_on_arrival:  # (a step or load: the model is the masters' rounding)
+            for p in self.model_params + self.frozen:
                 _arrived.pop(p, None)
+                _join_on_arrival.pop(p, None)
 
     def drop_grads(self) -> None:
         """After a step (or its skip): the masters' gradients go; which had one is kept, as
@@ -351,12 +352,14 @@ class MasterWeights:
                     continue  # a master alone: no state of the torch optimizer's
             state[i] = st
         state_dict["state"] = state
-        if loaded:  # (checked, and frozen parameters given their masters, before torch loads)
-            flat = [p for group in optimizer.param_groups for p in group["params"]]
-            self._register_frozen([flat[i] for i in loaded if 0 <= i < len(flat)
-                                   and any(flat[i] is q for q in self.frozen)])
-            flat = [p for group in optimizer.param_groups for p in group["params"]]
+        groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+        if loaded and [len(g["params"]) for g in groups] == [len(g["params"])
+                                                             for g in saved_groups]:
+            # Checked before anything changes (torch's own check of the groups too), then frozen
+            # parameters with saved masters get theirs, before torch loads their state.
+            flat = [p for group in groups for p in group["params"]]
             weight_of = {id(m): p for p, m in zip(self.model_params, self.masters)}
+            weight_of.update((id(p), p) for p in self.frozen if p.dtype in LOW_DTYPES)
             for i, value in loaded.items():
                 target = flat[i] if 0 <= i < len(flat) else None
                 weight = weight_of.get(id(target))
@@ -368,6 +371,8 @@ class MasterWeights:
                         f"for parameter {i} that this optimizer does not have a master for (shape "
                         "or dtype differ). Restore with the same model, opt_level and "
                         "keep_batchnorm_fp32 that wrote the checkpoint.")
+            self._register_frozen([flat[i] for i in loaded if any(flat[i] is q
+                                                                   for q in self.frozen)])
         self._loaded = loaded or None
         return state_dict
 
@@ -458,7 +463,7 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
             master.copy_(join_remainder(p, remainder))
         elif master is not None and not torch.equal(master.to(p.dtype), p):
             master.copy_(p if value is None else value)  # (exact where fp32 weights arrive)
-        if value is not None and p in _master_of_param:  # (a store's: checked at its next load)
+        if value is not None:  # (a store's weight, or a frozen one: checked at its next load)
             _arrived[p] = True
         owner = _owner_of_param[p]() if p in _owner_of_param else None
         state = owner.state.get(p, {}) if owner is not None else {}
