@@ -665,9 +665,10 @@ def test_a_refused_optimizer_load_leaves_frozen_parameters_as_they_were(damage):
     assert bool((resumed[0].weight == 0.25).all())
 
 
-def test_a_remainder_join_does_not_outlive_the_next_step():
+@pytest.mark.parametrize("steps", ["stepped", "skipped"])
+def test_a_remainder_join_does_not_outlive_the_next_step(steps):
     """A remainder checkpoint loaded model-first queues a join with a later model load only until
-    the next step: fp32 weights loaded after training make exact masters."""
+    the next step, or its skip: fp32 weights loaded after that make exact masters."""
     from peak.optimizers import FusedAdam
     torch.manual_seed(0)
     src = nn.Linear(16, 16).bfloat16()
@@ -682,13 +683,14 @@ def test_a_remainder_join_does_not_outlive_the_next_step():
     torch.manual_seed(3)
     model = nn.Linear(16, 16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, loss_scale=1.0,
-                   verbosity=0)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0,
+                   loss_scale=1.0 if steps == "stepped" else "dynamic")
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     for i in range(2):
         opt.zero_grad()
-        with amp.scale_loss(model(torch.randn(4, 16).bfloat16()).float().pow(2).mean(), opt) as s:
+        loss = model(torch.randn(4, 16).bfloat16()).float().pow(2).mean()
+        with amp.scale_loss(loss * (1.0 if steps == "stepped" else float("inf")), opt) as s:
             s.backward()
         opt.step()
     model.load_state_dict(fp32)

@@ -363,3 +363,45 @@ def test_the_documented_pre_2019_dynamic_scaler_recipe():
     opt = make(model, dynamic_loss_scale=True, verbose=False, dynamic_loss_args={
         "init_scale": 2**32, "scale_window": 1000, "min_loss_scale": 1, "max_loss_scale": None})
     assert opt.loss_scale == 2.0 ** 32
+
+
+@pytest.mark.parametrize("then", ["step", "zero_grad_and_backward"])
+def test_a_backward_that_raises_then_step_or_zero_grad_as_torch(then):
+    """A failed pass keeps what it wrote (torch's rule); step() unscales it and adds the earlier
+    fp32 gradients back, zero_grad() zeroes them all (nothing set aside leaks into a later step).
+    Reference: the same fp32 network under plain torch."""
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("a failing backward")
+
+    low, high = mixed_model()
+    low_ref, high_ref = copy.deepcopy(low).float(), copy.deepcopy(high)
+    opt = make(torch.nn.Sequential(low, high), static_loss_scale=128.0, verbose=False)
+    ref = torch.optim.SGD(list(low_ref.parameters()) + list(high_ref.parameters()), lr=0.1,
+                          momentum=0.9)  # (as make())
+    x1, x2, x3 = (torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    opt.zero_grad()
+    opt.backward(high(low(x1.half()).float()).sum())
+    high_ref(low_ref(x1)).sum().backward()
+    with pytest.raises(RuntimeError, match="a failing backward"):
+        opt.backward(high(Fails.apply(low(x2.half()).float())).sum())
+    with pytest.raises(RuntimeError, match="a failing backward"):
+        high_ref(Fails.apply(low_ref(x2))).sum().backward()
+    if then == "zero_grad_and_backward":
+        opt.zero_grad()
+        ref.zero_grad(set_to_none=False)
+    else:  # (the step consumes what was set aside: the next step's gradients are its own)
+        opt.step()
+        ref.step()
+        torch.nn.Sequential(low, high).zero_grad(set_to_none=False)
+        ref.zero_grad(set_to_none=False)
+    opt.backward(high(low(x3.half()).float()).sum())
+    high_ref(low_ref(x3)).sum().backward()
+    opt.step()
+    ref.step()
+    torch.testing.assert_close(high.weight.detach(), high_ref.weight.detach(), rtol=1e-4, atol=1e-4)

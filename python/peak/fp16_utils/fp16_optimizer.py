@@ -192,6 +192,8 @@ class FP16_Optimizer:
             raise TypeError("Using step with a closure is currently not compatible with dynamic "
                             "loss scaling: use a static_loss_scale, or call backward(loss) and "
                             "then step() without a closure.")
+        if self._fp32_set_aside is not None:  # (a backward since the last update raised)
+            self.update_master_grads()
         self._fp32_unscaled = False
         if self.overflow:
             self._update_scale()
@@ -224,6 +226,8 @@ class FP16_Optimizer:
             self._core.update()
 
     def zero_grad(self, set_grads_to_None=False):
+        for p, g in self._fp32_set_aside or ():  # (zeroed below as the others, or dropped)
+            p.grad = g if p.grad is None else p.grad
         self._fp32_unscaled, self._fp32_set_aside = False, None
         for p in self.model_params + self.master_params + sum(self.fp32_from_fp32_groups, []):
             if set_grads_to_None:

@@ -188,6 +188,7 @@ class MasterWeights:
                     self.own_params.append(p)
                 else:  # (no master for a frozen weight: fine-tuning freezes most of a model)
                     self.frozen.append(p)
+                    _frozen_in_store[p] = True
                 out.append(p)
         return out
 
@@ -198,6 +199,8 @@ class MasterWeights:
 
     def _register_frozen(self, unfrozen: list) -> None:
         self.frozen = [p for p in self.frozen if not any(p is q for q in unfrozen)]
+        for p in unfrozen:
+            _frozen_in_store.pop(p, None)
         optimizer = self._optimizer_ref() if self._optimizer_ref is not None else None
         for p in unfrozen:
             if p.dtype in LOW_DTYPES and optimizer is not None:
@@ -226,6 +229,8 @@ class MasterWeights:
         for p in self.model_params[mark[0]:]:
             _master_of_param.pop(p, None)
         del self.model_params[mark[0]:], self.masters[mark[0]:], self.own_params[mark[1]:]
+        for p in self.frozen[mark[2]:]:
+            _frozen_in_store.pop(p, None)
         del self.frozen[mark[2]:]
 
     def holds(self, p: Tensor) -> bool:
@@ -233,7 +238,11 @@ class MasterWeights:
 
     def copy_to_model(self) -> None:
         copy_to_model(self.masters, self.model_params)
-        if _arrived or _join_on_arrival:  # (a step or load: the model is the masters' rounding)
+        self._settle()
+
+    def _settle(self) -> None:
+        """A step (or its skip) or a load: what a model load gave is settled."""
+        if _arrived or _join_on_arrival:
             for p in self.model_params + self.frozen:
                 _arrived.pop(p, None)
                 _join_on_arrival.pop(p, None)
@@ -243,6 +252,7 @@ class MasterWeights:
         ``zero_grad(set_to_none=False)`` gives those zeros again (as torch keeps zeroed ones)."""
         self.had_grads = [m.grad is not None for m in self.masters]
         self.took_grads = False
+        self._settle()
         for m in self.masters:
             m.grad = None
 
@@ -440,6 +450,7 @@ _awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loade
 _join_on_arrival = WeakIdKeyDictionary()
 # parameter -> True: weights a model load gave a store's parameter, until its next step
 _arrived = WeakIdKeyDictionary()
+_frozen_in_store = WeakIdKeyDictionary()  # parameter -> True: a store's, frozen at registration
 
 
 def note_load_hook(module, state_dict, prefix, *args) -> None:
@@ -463,8 +474,8 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
             master.copy_(join_remainder(p, remainder))
         elif master is not None and not torch.equal(master.to(p.dtype), p):
             master.copy_(p if value is None else value)  # (exact where fp32 weights arrive)
-        if value is not None:  # (a store's weight, or a frozen one: checked at its next load)
-            _arrived[p] = True
+        if value is not None and (p in _master_of_param or p in _frozen_in_store):
+            _arrived[p] = True  # (a store's weight: checked at its optimizer's next load)
         owner = _owner_of_param[p]() if p in _owner_of_param else None
         state = owner.state.get(p, {}) if owner is not None else {}
         if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
