@@ -510,3 +510,18 @@ def test_state_follows_the_layout_back_while_a_parameter_sits_out_a_step():
         ref.step()
     for p, r in zip(ps, refs):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_fused_load_refreshes_the_model_from_its_masters():
+    """Outside amp too: after load_state_dict alone the weights are the loaded masters' rounding
+    (an optimizer-only load, or a model load that left a weight out, restores it)."""
+    p = torch.nn.Parameter(fp32_weights(8, ((32,),))[0].to(torch.bfloat16))
+    opt = FusedAdam([p], lr=0.1)
+    for i in range(2):
+        p.grad = torch.randn(32, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    fresh = torch.nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
+    loaded = FusedAdam([fresh], lr=0.1)
+    loaded.load_state_dict(sd)
+    assert_bitwise_equal(fresh.detach(), p.detach())

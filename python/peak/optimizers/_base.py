@@ -16,13 +16,13 @@ from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
 from ._arguments import check_bool, check_group, check_moment_dtype, check_moment_rounding
 from ._checkpoint_check import EIGHT_BIT_LAYOUT, STORAGE_KEYS, check_loadable
-from ._layout import LayoutWatch, dense
+from ._layout import LayoutWatch, dense, follow_layout
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
 from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, follow_weight,
                       join_remainder, load_master, master_in_state, note_stepped,
-                      take_fp32_sums, weight_loaded, weights_settled)
+                      masters_loaded, take_fp32_sums, weights_settled)
 
 # State whose dtype the optimizer chooses, not the parameter's: fp32 or a group's lean storage
 # (docs/core.md, "Lean optimizer state"). torch's load_state_dict would cast it: we restore it.
@@ -564,9 +564,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
             joined[p] = load_master(self, p, state, group, entries)
             self._complete_loaded_state(p, state)
-        for group in self.param_groups:  # (which weight the loaded masters go with)
-            for p in group["params"]:
-                weight_loaded(p, joined.get(p), MASTER_KEY in self.state.get(p, {}))
+        for p in (p for g in self.param_groups for p in g["params"] if p in self.state):
+            if not is_sharded(p):  # (the checkpoint's layout: p's)
+                follow_layout(p, self.state[p])
+        masters_loaded(self, joined, any(k in g for g in state_dict["param_groups"]
+                                         for k in _TORCH_GROUP_KEYS))
         self._layouts = LayoutWatch()  # (the checkpoint's state may have another layout)
 
     def _translate_torch_group(self, group: dict) -> None:
@@ -590,6 +592,7 @@ _EAGER_FUSED_STEP = torch._disable_dynamo(FusedOptimizer._fused_step)
 
 
 _STEPPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TORCH_GROUP_KEYS = ("foreach", "differentiable", "fused")  # torch.optim's, not peak's
 # What a constructor sets beside torch's attributes, kept through pickling and deepcopy.
 _CONSTRUCTOR_ATTRIBUTES = ("master_weights", "set_grad_none", "store_unscaled_grads",
                            "_group_keys", "reduced_precision_dtype", "_initial_step")

@@ -472,8 +472,9 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
         remainder = _join_on_arrival.pop(p, None)
         if master is not None and remainder is not None:  # (its rounding is p by construction)
             master.copy_(join_remainder(p, remainder))
-        elif master is not None and not torch.equal(master.to(p.dtype), p):
-            master.copy_(p if value is None else value)  # (exact where fp32 weights arrive)
+        elif (master is not None and value is not None  # (not a weight this load left out)
+              and not torch.equal(master.to(p.dtype), p)):
+            master.copy_(value)  # (exact where fp32 weights arrive)
         if value is not None and (p in _master_of_param or p in _frozen_in_store):
             _arrived[p] = True  # (a store's weight: checked at its optimizer's next load)
         owner = _owner_of_param[p]() if p in _owner_of_param else None
@@ -504,12 +505,31 @@ def weight_loaded(p: Tensor, joined_remainder: Tensor | None, fp32_master: bool)
     loaded later. An earlier load's pending join is dropped."""
     _join_on_arrival.pop(p, None)
     entry = _weight_version.get(id(p))
-    if joined_remainder is not None:
-        _join_on_arrival[p] = joined_remainder
     if fp32_master:
         note_weight(p, version=-1)  # (a version no weight has: followed at the next step)
-    elif entry is not None and entry[0]() is p:
+    if joined_remainder is not None:
+        _join_on_arrival[p] = joined_remainder
+        if not fp32_master:
+            note_weight(p)  # (a weight written from now on is joined at the next step)
+    elif not fp32_master and entry is not None and entry[0]() is p:
         _forget_id(id(p))
+
+
+def masters_loaded(optimizer, joined: dict, via_torch: bool) -> None:
+    """After a fused optimizer's load (``joined``: parameter -> the remainder its fp32 master was
+    joined from): the loaded fp32 masters refresh the model, as a store's do. A checkpoint a torch
+    optimizer wrote (``via_torch``: its options in the groups) may hold stale masters (torch keeps
+    an unknown 'master_param' as it was while it trains the weights): those are checked against
+    the weights at the next step instead, and follow them where they do not round to them."""
+    refresh = ([], [])
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            master = optimizer.state.get(p, {}).get(MASTER_KEY)
+            weight_loaded(p, joined.get(p), via_torch and master is not None)
+            if master is not None and not via_torch and joined.get(p) is None:
+                refresh[0].append(local_shard(master))
+                refresh[1].append(local_shard(p))
+    copy_to_model(*refresh)
 
 
 def _checksum(p: Tensor) -> Tensor:
