@@ -728,3 +728,23 @@ def test_a_fused_optimizers_masters_restore_weights_a_partial_model_load_left_ou
     _train_seq(resumed, resumed_opt, range(3, 5))
     for p, q in zip(resumed.parameters(), model.parameters()):
         H.assert_bitwise_equal(p.detach(), q.detach())
+
+
+def test_a_fused_optimizer_keeps_no_master_for_a_frozen_parameter_until_it_steps_it():
+    """Fine-tuning freezes most of a model: no fp32 master for a frozen weight under O2 with a
+    fused optimizer either, until it is unfrozen and stepped."""
+    from peak.optimizers import FusedAdam
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    opt = FusedAdam(model.parameters(), lr=0.01)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, loss_scale=1.0,
+                   verbosity=0)
+    assert "master_param" not in opt.state.get(model[0].weight, {})
+    assert "master_param" in opt.state[model[1].weight]
+    _train_seq(model, opt, range(1))
+    assert "master_param" not in opt.state.get(model[0].weight, {})
+    model[0].requires_grad_(True)
+    _train_seq(model, opt, range(1, 2))
+    assert torch.equal(opt.state[model[0].weight]["master_param"].to(torch.bfloat16),
+                       model[0].weight.detach())

@@ -137,8 +137,8 @@ class ScaledGradsState(AmpOptimizerState):
         optimizer's masters."""
         for p in params:
             original = fp32_originals.pop(id(p), None) if fp32_originals else None
-            if original is not None and p.dtype in LOW_DTYPES:
-                self.optimizer.set_master(p, original)
+            if original is not None and p.dtype in LOW_DTYPES and p.requires_grad:
+                self.optimizer.set_master(p, original)  # (a frozen one's: when first stepped)
             register_owner(p, self.optimizer)  # (the model's load hook refreshes its master)
             self.params.append(p)
         return list(params)
