@@ -520,32 +520,22 @@ def _frozen_then_unfrozen(seed):
     return model, opt
 
 
-def _train_seq(model, opt, steps):
-    for i in steps:
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
-        opt.zero_grad()
-        with amp.scale_loss((model(x.bfloat16()).float() - y).pow(2).mean(), opt) as scaled:
-            scaled.backward()
-        opt.step()
-
-
 def test_a_run_resumed_after_an_unfreeze_continues_bit_for_bit():
     """The checkpoint has a master for a parameter the resumed script froze at initialize: it
     gets its master before torch loads the state (Adam's moments onto it, in fp32)."""
     model, opt = _frozen_then_unfrozen(0)
-    _train_seq(model, opt, range(2))
+    _train_o2(model, opt, range(2))
     model[0].requires_grad_(True)
-    _train_seq(model, opt, range(2, 4))
+    _train_o2(model, opt, range(2, 4))
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    _train_seq(model, opt, range(4, 6))
+    _train_o2(model, opt, range(4, 6))
     resumed, resumed_opt = _frozen_then_unfrozen(1)
     resumed[0].requires_grad_(True)
     resumed.load_state_dict(ckpt["model"])
     resumed_opt.load_state_dict(ckpt["opt"])
     assert all(v.dtype == torch.float32 for s in resumed_opt.state.values() for v in s.values()
                if v.is_floating_point())
-    _train_seq(resumed, resumed_opt, range(4, 6))
+    _train_o2(resumed, resumed_opt, range(4, 6))
     for p, q in zip(resumed.parameters(), model.parameters()):
         H.assert_bitwise_equal(p.detach(), q.detach())
 
@@ -609,7 +599,7 @@ def test_a_partial_model_load_leaves_the_other_masters_to_the_optimizer_checkpoi
     masters of those (not stale: their weights were not loaded) restore them."""
     model, opt = _frozen_then_unfrozen(0)
     model[0].requires_grad_(True)
-    _train_seq(model, opt, range(3))
+    _train_o2(model, opt, range(3))
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
     resumed, resumed_opt = _frozen_then_unfrozen(1)
     resumed[0].requires_grad_(True)
@@ -624,7 +614,7 @@ def test_a_partial_model_load_leaves_the_other_masters_to_the_optimizer_checkpoi
 def test_a_stale_master_never_overwrites_loaded_weights_frozen_or_not(frozen):
     model, opt = _frozen_then_unfrozen(0)
     model[0].requires_grad_(True)
-    _train_seq(model, opt, range(3))
+    _train_o2(model, opt, range(3))
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
     new_weight = (ckpt["model"]["0.weight"] + 0.5).bfloat16()  # not the masters' weights
     ckpt["model"]["0.weight"] = new_weight
@@ -647,7 +637,7 @@ def test_a_stale_master_never_overwrites_loaded_weights_frozen_or_not(frozen):
 def test_a_refused_optimizer_load_leaves_frozen_parameters_as_they_were(damage):
     model, opt = _frozen_then_unfrozen(0)
     model[0].requires_grad_(True)
-    _train_seq(model, opt, range(2))
+    _train_o2(model, opt, range(2))
     bad = copy.deepcopy(opt.state_dict())
     if damage == "master_shape":
         bad["state"][3]["master_param"] = torch.zeros(5)
@@ -661,7 +651,7 @@ def test_a_refused_optimizer_load_leaves_frozen_parameters_as_they_were(damage):
                for a, b in zip(g, h["params"]))
     with torch.no_grad():
         resumed[0].weight.fill_(0.25)  # a frozen weight the user sets stays through a step
-    _train_seq(resumed, resumed_opt, range(1))
+    _train_o2(resumed, resumed_opt, range(1))
     assert bool((resumed[0].weight == 0.25).all())
 
 
@@ -715,9 +705,9 @@ def test_a_fused_optimizers_masters_restore_weights_a_partial_model_load_left_ou
         return model, opt
 
     model, opt = build(0)
-    _train_seq(model, opt, range(3))
+    _train_o2(model, opt, range(3))
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    _train_seq(model, opt, range(3, 5))
+    _train_o2(model, opt, range(3, 5))
     resumed, resumed_opt = build(1)
     partial = {k: v for k, v in ckpt["model"].items() if not k.startswith("1.")}
     if order == "model_first":
@@ -725,7 +715,7 @@ def test_a_fused_optimizers_masters_restore_weights_a_partial_model_load_left_ou
     resumed_opt.load_state_dict(ckpt["opt"])
     if order == "optimizer_first":
         resumed.load_state_dict(partial, strict=False)
-    _train_seq(resumed, resumed_opt, range(3, 5))
+    _train_o2(resumed, resumed_opt, range(3, 5))
     for p, q in zip(resumed.parameters(), model.parameters()):
         H.assert_bitwise_equal(p.detach(), q.detach())
 
@@ -742,9 +732,9 @@ def test_a_fused_optimizer_keeps_no_master_for_a_frozen_parameter_until_it_steps
                    verbosity=0)
     assert "master_param" not in opt.state.get(model[0].weight, {})
     assert "master_param" in opt.state[model[1].weight]
-    _train_seq(model, opt, range(1))
+    _train_o2(model, opt, range(1))
     assert "master_param" not in opt.state.get(model[0].weight, {})
     model[0].requires_grad_(True)
-    _train_seq(model, opt, range(1, 2))
+    _train_o2(model, opt, range(1, 2))
     assert torch.equal(opt.state[model[0].weight]["master_param"].to(torch.bfloat16),
                        model[0].weight.detach())
