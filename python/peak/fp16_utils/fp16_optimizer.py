@@ -227,7 +227,8 @@ class FP16_Optimizer:
 
     def zero_grad(self, set_grads_to_None=False):
         for p, g in self._fp32_set_aside or ():  # (zeroed below as the others, or dropped)
-            p.grad = g if p.grad is None else p.grad
+            if p.grad is None:
+                p.grad = g
         self._fp32_unscaled, self._fp32_set_aside = False, None
         for p in self.model_params + self.master_params + sum(self.fp32_from_fp32_groups, []):
             if set_grads_to_None:

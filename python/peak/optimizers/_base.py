@@ -565,11 +565,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             joined[p] = load_master(self, p, state, group, entries)
             self._complete_loaded_state(p, state)
         for p in (p for g in self.param_groups for p in g["params"] if p in self.state):
-            if not is_sharded(p):  # (the checkpoint's layout: p's)
+            if not is_sharded(p):  # (the checkpoint's layout becomes p's)
                 follow_layout(p, self.state[p])
         masters_loaded(self, joined, any(k in g for g in state_dict["param_groups"]
                                          for k in _TORCH_GROUP_KEYS))
-        self._layouts = LayoutWatch()  # (the checkpoint's state may have another layout)
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""

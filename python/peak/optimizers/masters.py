@@ -192,12 +192,9 @@ class MasterWeights:
                 out.append(p)
         return out
 
-    def _register_unfrozen(self) -> None:
-        """Frozen parameters a backward pass gave gradients are registered now, before those
-        are unscaled: a master in place of a low-precision one, an fp32 one as its own master."""
-        self._register_frozen([p for p in self.frozen if p.grad is not None])
-
     def _register_frozen(self, unfrozen: list) -> None:
+        """Register frozen parameters (unfrozen since, or with masters in a checkpoint): a master
+        in place of a low-precision one in its group, an fp32 one as its own master."""
         self.frozen = [p for p in self.frozen if not any(p is q for q in unfrozen)]
         for p in unfrozen:
             _frozen_in_store.pop(p, None)
@@ -285,8 +282,8 @@ class MasterWeights:
         ``unscale_with_stashed(grads, earlier, outs)``, flagging inf/NaN) into the masters'
         gradients (own params: in place), added to those of earlier passes of the step. Returns
         whether the pass gave any of them a gradient."""
-        if self.frozen:
-            self._register_unfrozen()
+        if self.frozen:  # (unfrozen since: registered before their gradients are unscaled)
+            self._register_frozen([p for p in self.frozen if p.grad is not None])
         rows = []  # (new gradient, earlier gradient or None, output)
         for p, m in zip(self.model_params, self.masters):
             if p.grad is not None:
@@ -498,20 +495,17 @@ def note_weight(p: Tensor, checksum: Tensor | None = None, version: int | None =
 
 
 def weight_loaded(p: Tensor, joined_remainder: Tensor | None, fp32_master: bool) -> None:
-    """After an optimizer load: an fp32 master is checked against p's weight at the next step
-    (a master that does not round to it was saved with other weights, as after a round trip
-    through torch.optim, which keeps it as it was: the weight wins); a remainder is taken to go
-    with p's weight (its version is forgotten). A master joined from a remainder follows a weight
-    loaded later. An earlier load's pending join is dropped."""
+    """After an optimizer load: with ``fp32_master`` p's master is checked against its weight at
+    the next step (``masters_loaded``: the weight wins where the master does not round to it); a
+    master joined from a remainder is joined again with a weight written after the load; else p's
+    weight is taken to go with its loaded master (its version is forgotten). An earlier load's
+    pending join is dropped."""
     _join_on_arrival.pop(p, None)
-    entry = _weight_version.get(id(p))
-    if fp32_master:
-        note_weight(p, version=-1)  # (a version no weight has: followed at the next step)
     if joined_remainder is not None:
         _join_on_arrival[p] = joined_remainder
-        if not fp32_master:
-            note_weight(p)  # (a weight written from now on is joined at the next step)
-    elif not fp32_master and entry is not None and entry[0]() is p:
+    if fp32_master or joined_remainder is not None:  # (-1: a version no weight has)
+        note_weight(p, version=-1 if fp32_master else None)
+    elif (entry := _weight_version.get(id(p))) is not None and entry[0]() is p:
         _forget_id(id(p))
 
 
