@@ -756,6 +756,42 @@ def test_fused_optimizer_without_gradients_steps_like_torch():
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 
+@pytest.mark.parametrize("optimizer", ["torch_fused", "peak_fused"])
+def test_torch_scaler_over_a_fused_optimizer_without_gradients(optimizer):
+    """torch's scaler hands found_inf = sum([]) == 0 (an int) when no parameter has a gradient:
+    the step is a no-op and update() raises torch's own error, whichever fused optimizer."""
+    from peak.optimizers import FusedAdamW
+    m = torch.nn.Linear(4, 3)
+    o = (torch.optim.AdamW(m.parameters(), fused=True) if optimizer == "torch_fused"
+         else FusedAdamW(m.parameters()))
+    before = [p.detach().clone() for p in m.parameters()]
+    s = torch.amp.GradScaler("cpu")
+    s.scale(torch.tensor(1.0, requires_grad=True) * 2)
+    s.step(o)
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        s.update()
+
+
+@pytest.mark.parametrize("cls", [torch.amp.GradScaler, amp.GradScaler])
+def test_an_expanded_gradient_is_refused_before_a_fused_step(cls):
+    """A gradient whose elements share memory (``expand``): torch's fused steps unscale it in
+    place and write out of bounds; both scalers refuse it with torch's message, weights and
+    scale untouched."""
+    w = torch.nn.Parameter(torch.ones(6, 5))
+    o = torch.optim.SGD([w], lr=1.0, fused=True)
+    s = cls("cpu", init_scale=256.0)
+    s.scale(torch.tensor(1.0))
+    w.grad = torch.tensor([256.0]).expand(6, 5)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        s.step(o)
+    assert torch.equal(w.detach(), torch.ones(6, 5)) and s.get_scale() == 256.0
+    w.grad = w.grad.clone()
+    s.step(o)
+    s.update()
+    assert torch.equal(w.detach(), torch.zeros(6, 5))
+
+
 def test_subclass_overriding_unscale_grads_keeps_torchs_contract():
     """A subclass overriding _unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16) (as
     FSDP's ShardedGradScaler does) also serves the fused path."""

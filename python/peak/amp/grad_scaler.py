@@ -151,6 +151,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             if count >= 0:
                 return {found_inf.device: found_inf} if count else {}
         grads, owners = optimizer_gradients(optimizer, report)
+        if _check_only:  # (the unscaling pass refuses these itself; a fused step writes them)
+            _refuse_overlapping(grads)
         on_group = None
         if report:
             def on_group(indices, per_grad_flags):
@@ -476,6 +478,17 @@ for _attr in ("scale", "growth_tracker", "hysteresis_tracker", "init_scale", "in
               "init_hysteresis_tracker", "growth_factor", "backoff_factor", "growth_interval",
               "hysteresis", "min_scale", "max_scale"):
     setattr(GradScaler, "_" + _attr, core_attribute(_attr))
+
+
+def _refuse_overlapping(grads) -> None:
+    """torch's error for a gradient whose elements share memory (``expand``): torch's fused steps
+    unscale gradients in place, and its kernels write such a gradient out of bounds."""
+    for g in grads:
+        if any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
+            raise RuntimeError(
+                "unsupported operation: more than one element of the written-to tensor refers to "
+                f"a single memory location (a gradient of shape {tuple(g.shape)} with strides "
+                f"{g.stride()}). Please clone() the tensor before assigning it to .grad.")
 
 
 def _run_torch_code(name: str) -> None:

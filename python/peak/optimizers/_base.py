@@ -309,6 +309,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         # torch.amp.GradScaler hands these over as attributes of the optimizer instead.
         grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
+        if type(found_inf) is int and found_inf == 0:  # (torch's scaler found no gradient: sum([]))
+            found_inf = None
         for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf),
                         ("grad_norm", grad_norm)):  # (checked before anything changes)
             if t is not None and not (isinstance(t, Tensor) and t.numel() == 1
