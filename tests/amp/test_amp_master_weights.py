@@ -738,3 +738,44 @@ def test_a_fused_optimizer_keeps_no_master_for_a_frozen_parameter_until_it_steps
     _train_o2(model, opt, range(1, 2))
     assert torch.equal(opt.state[model[0].weight]["master_param"].to(torch.bfloat16),
                        model[0].weight.detach())
+
+
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first"])
+@pytest.mark.parametrize("opt_name", ["FusedAdam", "FusedAdam-remainders", "FusedSGD"])
+def test_a_plain_fp32_torch_checkpoint_gives_a_fused_optimizer_exact_masters(opt_name, order):
+    """A checkpoint of plain fp32 training (torch.optim, no masters in it) resumed under amp O2
+    with a peak fused optimizer, in either order: the masters are the checkpoint's fp32 weights,
+    bit for bit (the optimizer's load keeps the masters the model load made), also for a
+    parameter with no state in the checkpoint; the next step starts from them."""
+    from peak import optimizers as po
+
+    fused_cls = po.FusedSGD if opt_name == "FusedSGD" else po.FusedAdam
+    torch_cls = torch.optim.SGD if opt_name == "FusedSGD" else torch.optim.Adam
+    extra = {"momentum": 0.9} if opt_name == "FusedSGD" else {}
+    low = torch.float16 if opt_name == "FusedSGD" else torch.bfloat16
+    ref = H.make_cnn(0)
+    frozen = next(p for p in ref.parameters() if p.dim() == 1)
+    frozen.requires_grad_(False)  # (no state for it in the checkpoint)
+    ropt = torch_cls(ref.parameters(), lr=1e-2, **extra)
+    for step in range(2):
+        x, y = H.batch(step, n=8, shape=(3, 6, 6))
+        ropt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ropt.step()
+    frozen.requires_grad_(True)
+    ckpt = copy.deepcopy({"model": ref.state_dict(), "opt": ropt.state_dict()})
+    model = H.make_cnn(5)
+    opt = fused_cls(model.parameters(), lr=1e-2, **extra,
+                    store_param_remainders=opt_name.endswith("remainders"))
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=low, verbosity=0)
+    for load in (["model", "opt"] if order == "model_first" else ["opt", "model"]):
+        (model if load == "model" else opt).load_state_dict(ckpt[load])
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.dtype == low:
+            H.assert_bitwise_equal(opt.master_of(p), q.detach(), n)
+    for group in opt.param_groups:
+        group["lr"] = 0.0  # (the step leaves the masters it starts from as they are)
+    _step(model, opt, 2)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.dtype == low:
+            H.assert_bitwise_equal(opt.master_of(p), q.detach(), n)

@@ -615,3 +615,27 @@ def test_o2_with_a_fused_optimizer_without_masters_keeps_none():
     opt.step()
     assert all("master_param" not in opt.state[p] for p in model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, _weights(model)))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_a_whole_model_and_optimizer_saved_after_initialize_load_and_run(level):
+    """torch.save(model) (and of the optimizer) after initialize: the files load, the loaded
+    model's forward casts as the saved one's did, and amp's patches keep a bound method's
+    signature."""
+    import inspect
+    import io
+
+    model = make_mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype="bf16",
+                                verbosity=0)
+    x = torch.randn(4, model[0].in_features)
+    buf = io.BytesIO()
+    torch.save({"model": model, "opt": opt}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    out, out_loaded = model(x), loaded["model"](x)
+    assert out_loaded.dtype == out.dtype
+    _assert_bitwise(out_loaded, out)
+    assert list(inspect.signature(opt.step).parameters) == ["closure"]
+    assert loaded["opt"].step.__self__ is loaded["opt"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import sys
-import types
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from peak.optimizers.masters import note_load_hook, refresh_after_load_hook
 from . import _caster
 from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
 from ._process_optimizer import inner_optimizer, process_optimizer
+from .._bound import BoundMethod
 from .._stacklevel import user_stacklevel
 
 # Models that went through an enabled amp.initialize (params may be cast, forward patched).
@@ -268,7 +268,7 @@ def patch_forward(model, input_dtype, output_dtype) -> None:
     not cast); a method bound to the instance, so that ``copy.deepcopy(model)`` stays correct."""
     inner = model.__dict__.get("forward")
     model._amp_forward_config = _ForwardConfig(input_dtype, output_dtype, inner)
-    model.forward = types.MethodType(_amp_forward, model)
+    model.forward = BoundMethod(_amp_forward, model)
 
 
 def _amp_forward(self, *args, **kwargs):

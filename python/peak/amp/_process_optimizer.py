@@ -5,7 +5,6 @@ device or the host (docs/amp_api.md, "Master weights (O2)" and "Fused optimizers
 from __future__ import annotations
 
 import logging
-import types
 import warnings
 
 import torch
@@ -15,6 +14,7 @@ from peak.optimizers.masters import LOW_DTYPES, MasterWeights, register_owner
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
+from .._bound import BoundMethod
 from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, group_by_device_dtype, unscale_grads_
 
@@ -345,9 +345,9 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
         optimizer.load_state_dict(optimizer.state_dict())
 
     optimizer._amp_stash = stash
-    optimizer.step = types.MethodType(_step, optimizer)
-    optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)
-    optimizer.add_param_group = types.MethodType(_add_param_group, optimizer)
+    optimizer.step = BoundMethod(_step, optimizer)
+    optimizer.zero_grad = BoundMethod(_zero_grad, optimizer)
+    optimizer.add_param_group = BoundMethod(_add_param_group, optimizer)
     if kind is UnscaledGradsState and master_weights:  # a fused optimizer saves its own masters
         stash.store.attach(optimizer)
 

@@ -481,14 +481,12 @@ for _attr in ("scale", "growth_tracker", "hysteresis_tracker", "init_scale", "in
 
 
 def _refuse_overlapping(grads) -> None:
-    """torch's error for a gradient whose elements share memory (``expand``): torch's fused steps
-    unscale gradients in place, and its kernels write such a gradient out of bounds."""
-    for g in grads:
-        if any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
-            raise RuntimeError(
-                "unsupported operation: more than one element of the written-to tensor refers to "
-                f"a single memory location (a gradient of shape {tuple(g.shape)} with strides "
-                f"{g.stride()}). Please clone() the tensor before assigning it to .grad.")
+    """torch's error for a gradient whose elements share memory (``expand``), which torch's fused
+    steps unscale in place: their kernels write out of bounds."""
+    if any(any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)) for g in grads):
+        raise RuntimeError("unsupported operation: more than one element of the written-to tensor "
+                           "refers to a single memory location (a gradient made by expand()). "
+                           "Please clone() the tensor before assigning it to .grad.")
 
 
 def _run_torch_code(name: str) -> None:

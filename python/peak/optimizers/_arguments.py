@@ -1,6 +1,7 @@
 """The fused optimizers' argument checks: hyperparameter ranges and lean-state options."""
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .._dtypes import MOMENT_STORAGE, parse_dtype
@@ -21,6 +22,28 @@ def check_moment_rounding(value):
     if value not in ("stochastic", "nearest"):
         raise ValueError(f"moment_rounding must be 'stochastic' (bf16 moments rounded up or down "
                          f"at random, in proportion; the default) or 'nearest', got {value!r}")
+
+
+def check_lean(lean: dict | None, master_weights) -> dict:
+    """The lean-state options (remainders, moment storage and rounding), checked and normalized."""
+    lean = dict(lean or {})
+    if not lean:
+        return lean
+    check_bool("store_param_remainders", lean.get("store_param_remainders", False))
+    if lean.get("store_param_remainders") and master_weights is False:
+        raise ValueError("store_param_remainders=True keeps the masters of bf16 weights as "
+                         "16-bit remainders; it needs master weights: leave "
+                         "master_weights=None (or True)")
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
+        if key in lean:
+            lean[key] = check_moment_dtype(key, lean[key])
+    q8 = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if lean.get(k) == torch.uint8]
+    if len(q8) == 1:
+        other = ({"exp_avg_dtype", "exp_avg_sq_dtype"} - set(q8)).pop()
+        raise ValueError(f"{q8[0]}=torch.uint8 (8-bit block-quantized moments) needs "
+                         f"{other}=torch.uint8 as well: both moments are 8-bit or neither")
+    check_moment_rounding(lean.get("moment_rounding", "stochastic"))
+    return lean
 
 
 def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):

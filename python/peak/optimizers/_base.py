@@ -14,15 +14,16 @@ from torch import Tensor
 from .. import ops
 from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
-from ._arguments import check_bool, check_group, check_moment_dtype, check_moment_rounding
+from ._arguments import check_bool, check_group, check_lean
 from ._checkpoint_check import EIGHT_BIT_LAYOUT, STORAGE_KEYS, check_loadable
 from ._layout import LayoutWatch, dense, follow_layout
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
-from .masters import (MASTER_KEY, REMAINDER_KEY, accumulate_fp32, copy_to_model, follow_weight,
-                      join_remainder, load_master, master_in_state, note_stepped,
-                      masters_loaded, take_fp32_sums, weights_settled)
+from ._fp32_sums import accumulate_fp32, take_fp32_sums
+from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
+                      load_master, master_in_state, masters_before_load, masters_loaded,
+                      note_stepped, weights_settled)
 
 # State whose dtype the optimizer chooses, not the parameter's: fp32 or a group's lean storage
 # (docs/core.md, "Lean optimizer state"). torch's load_state_dict would cast it: we restore it.
@@ -68,25 +69,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         # In param_groups, so checkpoints carry them: the rounding's hash key (NOTE: [Stochastic
         # rounding to bf16]; from torch's seed, so torch.manual_seed repeats runs), capturable (the
         # step never syncs either way: True is what it asks for) and the lean state's options.
-        lean = dict(lean or {})
-        if lean:
-            check_bool("store_param_remainders", lean.get("store_param_remainders", False))
-            if lean.get("store_param_remainders") and master_weights is False:
-                raise ValueError("store_param_remainders=True keeps the masters of bf16 weights as "
-                                 "16-bit remainders; it needs master weights: leave "
-                                 "master_weights=None (or True)")
-            for key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
-                if key in lean:
-                    lean[key] = check_moment_dtype(key, lean[key])
-            q8 = [k for k in ("exp_avg_dtype", "exp_avg_sq_dtype") if lean.get(k) == torch.uint8]
-            if len(q8) == 1:
-                other = ({"exp_avg_dtype", "exp_avg_sq_dtype"} - set(q8)).pop()
-                raise ValueError(f"{q8[0]}=torch.uint8 (8-bit block-quantized moments) needs "
-                                 f"{other}=torch.uint8 as well: both moments are 8-bit or neither")
-            check_moment_rounding(lean.get("moment_rounding", "stochastic"))
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
                         stochastic_rounding_seed=torch.initial_seed() % 2**32,
-                        capturable=capturable, **lean)
+                        capturable=capturable, **check_lean(lean, master_weights))
         super().__init__(params, defaults)
         # What a param group of ours holds (torch's __setstate__ adds 'differentiable' and others
         # to self.defaults later; they are not copied into loaded groups).
@@ -536,6 +521,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # The storage of the state is this optimizer's choice, not the checkpoint's: a checkpoint
         # saved with fp32 state loads into a lean optimizer (and back), converted below.
         storage = [{k: g[k] for k in LEAN_KEYS if k in g} for g in self.param_groups]
+        kept = masters_before_load(self)
         super().load_state_dict(stripped)
         own_keys = getattr(self, "_group_keys", tuple(self.defaults))
         for group, own in zip(self.param_groups, storage):
@@ -564,13 +550,19 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
                 else:  # a Python number (older torch 'step', Apex's group step)
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=p.device)
+            if MASTER_KEY in entries or REMAINDER_KEY in entries or p not in kept:
+                kept.pop(p, None)
+            else:  # (a torch.optim or Apex checkpoint: the masters made from the model stay)
+                entries = {**entries, MASTER_KEY: kept[p]}
             joined[p] = load_master(self, p, state, group, entries)
             self._complete_loaded_state(p, state)
+        for p in kept.keys() - joined.keys():  # (no state in the checkpoint)
+            load_master(self, p, self.state[p], self._group_of(p), {MASTER_KEY: kept[p]})
         for p in (p for g in self.param_groups for p in g["params"] if p in self.state):
             if not is_sharded(p):  # (the checkpoint's layout becomes p's)
                 follow_layout(p, self.state[p])
-        masters_loaded(self, joined, any(k in g for g in state_dict["param_groups"]
-                                         for k in _TORCH_GROUP_KEYS))
+        masters_loaded(self, joined, kept, any(k in g for g in state_dict["param_groups"]
+                                               for k in _TORCH_GROUP_KEYS))
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""

@@ -12,6 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
+from ._sharded import is_sharded
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
            "copy_to_model", "join_remainder", "split_master", "keep_as_remainder", "load_master",
@@ -114,42 +115,6 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
         state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
         return remainder  # (joined with the weight now; again with one loaded after it)
     return None
-
-
-# NOTE: [fp32 gradient accumulation] fp16/bf16 gradients accumulated by autograd over micro-batches
-# round every partial sum (FSDP2 gives bf16 shards bf16 gradients). accumulate_grads() adds each
-# into an fp32 sum instead (Megatron's main_grad) and drops it; the step steps the exact sum: an
-# fp32 master takes it as its gradient, a remainder or master-less parameter gets it rounded once.
-# Not with loss scaling (the sums would carry scales GradScaler never sees): for bf16 training.
-def accumulate_fp32(optimizer) -> None:
-    sums = optimizer.__dict__.setdefault("_fp32_grad_sums", {})
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None or p.dtype == torch.float32:
-                continue  # (fp32 gradients accumulate in fp32 already)
-            total = sums.get(p)
-            sums[p] = p.grad.to(torch.float32) if total is None else total.add_(p.grad)
-            p.grad = None
-
-
-def take_fp32_sums(optimizer, grad_scale) -> bool:
-    """Before a step: the fp32 sums become the gradients stepped (NOTE: [fp32 gradient
-    accumulation]); a gradient since the last accumulate_grads() is added first."""
-    sums = optimizer.__dict__.get("_fp32_grad_sums")
-    if not sums:
-        return False
-    if grad_scale is not None:  # (refused before anything changes: the sums stay)
-        raise ValueError(f"{type(optimizer).__name__}.step(): gradients were accumulated in fp32 "
-                         "(accumulate_grads), which is for bf16 training without loss scaling; "
-                         "with a loss scaler let autograd accumulate, or train in bf16 unscaled")
-    del optimizer.__dict__["_fp32_grad_sums"]
-    for p, total in sums.items():
-        if p.grad is not None:
-            total.add_(p.grad)
-        p.grad = total.to(p.dtype)  # (the model's view of the gradient, rounded once)
-        if optimizer.wants_master(p) and not optimizer.keeps_remainder(p):
-            master_in_state(optimizer, p, optimizer.state[p]).grad = total
-    return True
 
 
 class MasterWeights:
@@ -509,18 +474,35 @@ def weight_loaded(p: Tensor, joined_remainder: Tensor | None, fp32_master: bool)
         _forget_id(id(p))
 
 
-def masters_loaded(optimizer, joined: dict, via_torch: bool) -> None:
+def masters_before_load(optimizer) -> dict:
+    """p -> its fp32 master, to keep where a fused optimizer's checkpoint has none for p (torch's
+    or Apex's): a master (from the model's weights, exact if fp32 ones were loaded), or a
+    remainder joined with its weight while that weight is the one it goes with."""
+    kept = {}
+    for p, st in optimizer.state.items():
+        entry = _weight_version.get(id(p))
+        if MASTER_KEY in st:
+            kept[p] = st[MASTER_KEY]
+        elif REMAINDER_KEY in st and not is_sharded(p) and (
+                entry is None or entry[0]() is not p or entry[1] == p._version):
+            kept[p] = join_remainder(p.detach(), st[REMAINDER_KEY])
+    return kept
+
+
+def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None:
     """After a fused optimizer's load (``joined``: parameter -> the remainder its fp32 master was
     joined from): the loaded fp32 masters refresh the model, as a store's do. A checkpoint a torch
     optimizer wrote (``via_torch``: its options in the groups) may hold stale masters (torch keeps
-    an unknown 'master_param' as it was while it trains the weights): those are checked against
-    the weights at the next step instead, and follow them where they do not round to them."""
+    an unknown 'master_param' as it was while it trains the weights), and masters ``kept`` from
+    before the load may be older than the weights: those are checked against the weights at the
+    next step instead, and follow them where they do not round to them."""
     refresh = ([], [])
     for group in optimizer.param_groups:
         for p in group["params"]:
             master = optimizer.state.get(p, {}).get(MASTER_KEY)
-            weight_loaded(p, joined.get(p), via_torch and master is not None)
-            if master is not None and not via_torch and joined.get(p) is None:
+            check = master is not None and (via_torch or p in kept)
+            weight_loaded(p, joined.get(p), check)
+            if master is not None and not check and joined.get(p) is None:
                 refresh[0].append(local_shard(master))
                 refresh[1].append(local_shard(p))
     copy_to_model(*refresh)

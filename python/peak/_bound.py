@@ -1,0 +1,30 @@
+"""Functions peak binds to a user's object as instance attributes (amp's ``forward``, ``step``...)."""
+from __future__ import annotations
+
+import inspect
+import types
+
+
+class BoundMethod:
+    """``func`` bound to ``obj``: called, inspected and deep-copied as ``types.MethodType(func,
+    obj)`` is, and it pickles (a bound method pickles as ``getattr(obj, func.__name__)``, which
+    fails for a function that is not on the object's class: ``torch.save(model)`` wrote a file
+    that did not load)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, func, obj) -> None:
+        self.__func__, self.__self__ = func, obj
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    def __getattr__(self, name: str):  # (__name__, __doc__, __wrapped__...: the function's)
+        return getattr(self.__func__, name)
+
+    def __reduce__(self):
+        return type(self), (self.__func__, self.__self__)
