@@ -41,16 +41,17 @@ void fused_adam(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
    with_state_storage(list_dtype(a.masters), list_dtype(exp_avgs), list_dtype(exp_avg_sqs),
                       moment_rounding_seed.has_value(), [&](auto storage) {
     using Storage = decltype(storage);
-    constexpr bool kLean = Storage::remainder || Storage::rounds_moments || Storage::quantized;
     with_bool(amsgrad, [&](auto ams) {
-     // Combinations the checks exclude are not instantiated: amsgrad keeps fp32 state, a
-     // remainder needs master_params, 8-bit moments are both or neither.
+     // Combinations the checks exclude are not instantiated: amsgrad keeps fp32 moments (a
+     // remainder master is fine), a remainder needs master_params, 8-bit moments are both or
+     // neither. Reaching one is a missed check, never a silent no-op step.
      constexpr bool kFp32Moments = std::is_same_v<typename Storage::ExpAvg, float> &&
-                                   std::is_same_v<typename Storage::ExpAvgSq, float>;
-     if constexpr (((kLean || !kFp32Moments) && std::remove_cvref_t<decltype(ams)>::value) ||
+                                   std::is_same_v<typename Storage::ExpAvgSq, float> &&
+                                   !Storage::rounds_moments && !Storage::quantized;
+     if constexpr ((!kFp32Moments && std::remove_cvref_t<decltype(ams)>::value) ||
                    (Storage::q8_exp_avg != Storage::q8_exp_avg_sq) ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
-       return;
+       TORCH_CHECK(false, a.name, ": an excluded combination of state storage and options");
      } else {
       AdamOp<std::remove_cvref_t<decltype(has_master)>::value,
              std::remove_cvref_t<decltype(ams)>::value,
@@ -113,7 +114,7 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
                    !std::is_same_v<typename Storage::ExpAvgSq, float> ||
                    (!kMomentum && !std::is_same_v<typename Storage::ExpAvg, float>) ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
-       return;  // excluded by the checks: not instantiated
+       TORCH_CHECK(false, a.name, ": an excluded combination of state storage and options");
      } else {
       SgdOp<std::remove_cvref_t<decltype(has_master)>::value,
             std::remove_cvref_t<decltype(has_momentum)>::value,
@@ -220,7 +221,8 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                        moment_rounding_seed.has_value(), [&](auto storage) {
      if constexpr (decltype(storage)::remainder ||
                    decltype(storage)::q8_exp_avg != decltype(storage)::q8_exp_avg_sq) {
-       return;  // (not instantiated: LAMB keeps fp32 masters; 8-bit moments are both or neither)
+       // (not instantiated: LAMB keeps fp32 masters; 8-bit moments are both or neither)
+       TORCH_CHECK(false, a.name, ": an excluded combination of state storage and options");
      } else {
       using Op = LambStage1Op<decltype(storage)>;
       Op op;

@@ -207,9 +207,11 @@ def test_a_param_groups_own_options_are_checked_as_the_constructors(make, group,
 def test_a_step_the_kernels_cannot_take_is_refused_before_any_group_steps(bad, options, exc,
                                                                           match):
     """A parameter the kernels cannot step, in a later group: refused before the first group
-    steps (it used to be stepped, and a retried step stepped it twice)."""
+    steps (it used to be stepped, and a retried step stepped it twice). An fp64 parameter is
+    refused when its group is added; made fp64 later (model.double()), at the step."""
     good = torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
-    other = torch.nn.Parameter(bad())
+    value = bad()
+    other = torch.nn.Parameter(value.float() if value.dtype == torch.float64 else value)
     group = {"params": [other], **options}
     if "stochastic_rounding" in options:
         opt = FusedAdam([{"params": [good]}], lr=0.1, master_weights=False,
@@ -217,6 +219,7 @@ def test_a_step_the_kernels_cannot_take_is_refused_before_any_group_steps(bad, o
         opt.add_param_group(group)
     else:
         opt = FusedAdam([{"params": [good]}, group], lr=0.1)
+    other.data = value
     good.grad, other.grad = torch.ones_like(good), torch.ones_like(other)
     before = good.detach().clone()
     with pytest.raises(exc, match=match):

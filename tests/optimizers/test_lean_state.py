@@ -92,9 +92,11 @@ def _call(ns, family, params, grads, masters, state, found, *, chunk=64, store=F
     op = getattr(torch.ops, ns)
     lr = torch.tensor([lr])
     kw = dict(store_unscaled_grads=store, moment_rounding_seed=seed)
-    if family == "adam":
-        op.fused_adam_(params, grads, masters, state["m"], state["v"], [], state["steps"], lr=lr,
-                       beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, amsgrad=False,
+    if family.startswith("adam"):
+        ams = family == "adam_amsgrad"
+        op.fused_adam_(params, grads, masters, state["m"], state["v"],
+                       state["vmax"] if ams else [], state["steps"], lr=lr,
+                       beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, amsgrad=ams,
                        adam_w_mode=True, maximize=False, bias_correction=True,
                        grad_scale=torch.tensor([4.0]), found_inf=found, chunk_size=chunk, **kw)
     elif family == "sgd":
@@ -112,10 +114,11 @@ def _call(ns, family, params, grads, masters, state, found, *, chunk=64, store=F
 def _state(sizes, moment_dtype):
     return {"m": [torch.zeros(n, dtype=moment_dtype) for n in sizes],
             "v": [torch.zeros(n, dtype=moment_dtype) for n in sizes],
+            "vmax": [torch.zeros(n, dtype=moment_dtype) for n in sizes],
             "steps": [torch.tensor(float(i % 3)) for i in range(len(sizes))]}
 
 
-@pytest.mark.parametrize("family", ["adam", "sgd"])
+@pytest.mark.parametrize("family", ["adam", "adam_amsgrad", "sgd"])
 @pytest.mark.parametrize("store", [False, True], ids=["", "store_grads"])
 def test_remainder_masters_are_the_fp32_masters_bit_for_bit(family, store):
     """Side by side, an fp32-master step and a remainder step from the same master and the same
@@ -143,15 +146,17 @@ def test_remainder_masters_are_the_fp32_masters_bit_for_bit(family, store):
             assert torch.equal(q, m.to(BF16))  # (RNE)
         for a, b in zip(g1, g2):
             assert torch.equal(a, b)
-        for a, b in zip(s_full["m"] + s_full["steps"], s_lean["m"] + s_lean["steps"]):
-            assert torch.equal(a, b)
+        for key in ("m", "v", "vmax", "steps"):
+            for a, b in zip(s_full[key], s_lean[key]):
+                assert torch.equal(a, b)
+    assert not torch.equal(join_remainder(lean_params[1], remainders[1]), base[1].float())
 
 
 # (LAMB keeps fp32 masters: test_bad_lean_arguments checks its error for remainders.)
 @pytest.mark.parametrize("family,lean", [
     (f, lean) for f in ("adam", "sgd", "lamb")
     for lean in ("remainder", "bf16_moments", "remainder_bf16_sr", "bf16_sr")
-    if not (f == "lamb" and lean.startswith("remainder"))])
+    if not (f == "lamb" and lean.startswith("remainder"))] + [("adam_amsgrad", "remainder")])
 @pytest.mark.parametrize("grid", [(3, 4, 5), (0, 0, 0)], ids=["tiny_grid", "cuda_grid"])
 def test_emulated_cuda_grid_equals_cpu_bitwise(family, lean, grid):
     """Every lean variant through the emulated CUDA grid gives the CPU launcher's bits (LAMB: its
@@ -192,8 +197,8 @@ def test_emulated_cuda_grid_equals_cpu_bitwise(family, lean, grid):
             total += a.numel()
         assert flips <= total // 1000, (flips, total)
         return
-    for a, b in zip(p1 + m1 + s1["m"] + s1["v"] + s1["steps"],
-                    p2 + m2 + s2["m"] + s2["v"] + s2["steps"]):
+    for a, b in zip(p1 + m1 + s1["m"] + s1["v"] + s1["vmax"] + s1["steps"],
+                    p2 + m2 + s2["m"] + s2["v"] + s2["vmax"] + s2["steps"]):
         assert torch.equal(a, b)
 
 
@@ -550,3 +555,87 @@ def test_grad_scaler_with_lean_optimizer_skips_bit_for_bit():
     opt = FusedAdam(model.parameters(), lr=1e-2, **LEAN_ADAM)
     assert_grad_scaler_skips_bit_for_bit(model, opt, 8, (0, 0), float("inf"))
     assert opt.state[next(model.parameters())]["master_param_remainder"].dtype == torch.int16
+
+
+def test_amsgrad_with_remainder_masters_steps_as_with_fp32_masters():
+    """FusedAdam(amsgrad=True, store_param_remainders=True) on a bf16 model: every step's master
+    (weight joined with its remainder) and moments are the fp32-master run's, bit for bit (the
+    kernels once skipped this combination without a word)."""
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(300, generator=g).to(BF16)
+    runs = []
+    for remainders in (False, True):
+        p = torch.nn.Parameter(w0.clone())
+        opt = FusedAdam([p], lr=1e-2, amsgrad=True, store_param_remainders=remainders)
+        for step in range(4):
+            p.grad = (torch.randn(300, generator=torch.Generator().manual_seed(step)) * (4 - step)
+                      ).to(BF16)
+            opt.step()
+        runs.append((opt.master_of(p).clone(), opt.state[p]["max_exp_avg_sq"].clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert not torch.equal(runs[1][0], w0.float())
+
+
+def test_options_added_or_set_on_a_group_are_checked_before_anything_changes():
+    """add_param_group checks what the constructor checks (amsgrad with lean moments, a
+    parameter twice, a dtype the kernels do not step); amsgrad set on a lean group mid-run is
+    refused at the step, with the constructor's message, before any state changes."""
+    p = torch.nn.Parameter(torch.randn(300).to(BF16))
+    opt = FusedAdam([p], lr=1e-2, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    p.grad = torch.randn(300).to(BF16)
+    opt.step()
+    q = torch.nn.Parameter(torch.randn(3).to(BF16))
+    with pytest.raises(ValueError, match="amsgrad=True keeps fp32 moments"):
+        opt.add_param_group({"params": [q], "amsgrad": True})
+    with pytest.raises(ValueError, match="holds a parameter twice"):
+        opt.add_param_group({"params": [q, q]})
+    with pytest.raises(TypeError, match="got a torch.float64 parameter"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]})
+    with pytest.raises(TypeError, match="got a torch.complex64 parameter"):
+        FusedAdam([torch.nn.Parameter(torch.ones(3, dtype=torch.complex64))])
+    assert len(opt.param_groups) == 1
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    weight = p.detach().clone()
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad=True keeps fp32 moments"):
+        opt.step()
+    assert torch.equal(p.detach(), weight) and set(opt.state[p]) == set(before)
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("change", ["moments_fp32", "moments_8bit_string", "remainders_on",
+                                    "remainders_off"])
+def test_storage_options_set_on_a_group_mid_run_convert_its_state(change):
+    """A group's storage options set after its state was made take effect at the next step, the
+    state converted as a checkpoint load into those options converts it (the reference: save,
+    build an optimizer with the new options, load)."""
+    lean = {"moments_fp32": dict(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16"),
+            "moments_8bit_string": {},
+            "remainders_on": {},
+            "remainders_off": dict(store_param_remainders=True)}[change]
+    new = {"moments_fp32": dict(exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32),
+           "moments_8bit_string": dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit"),
+           "remainders_on": dict(store_param_remainders=True),
+           "remainders_off": dict(store_param_remainders=False)}[change]
+    w0 = torch.randn(600, generator=torch.Generator().manual_seed(1)).to(BF16)
+
+    def grad(step):
+        return torch.randn(600, generator=torch.Generator().manual_seed(10 + step)).to(BF16)
+
+    p = torch.nn.Parameter(w0.clone())
+    opt = FusedAdam([p], lr=1e-2, **lean)
+    p.grad = grad(0)
+    opt.step()
+    saved = copy.deepcopy({"w": p.detach().clone(), "opt": opt.state_dict()})
+    opt.param_groups[0].update(new)
+    p.grad = grad(1)
+    opt.step()
+    ref_p = torch.nn.Parameter(saved["w"].clone())
+    ref = FusedAdam([ref_p], lr=1e-2, **{**lean, **new})
+    ref.load_state_dict(saved["opt"])
+    ref_p.grad = grad(1)
+    ref.step()
+    assert torch.equal(p.detach(), ref_p.detach())
+    for key, value in ref.state[ref_p].items():
+        assert opt.state[p][key].dtype == value.dtype, key
+        assert torch.equal(opt.state[p][key], value), key

@@ -14,9 +14,11 @@ from torch import Tensor
 from .. import ops
 from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
-from ._arguments import check_bool, check_group, check_lean
-from ._checkpoint_check import EIGHT_BIT_LAYOUT, STORAGE_KEYS, check_loadable
-from ._layout import LayoutWatch, dense, follow_layout
+from ._arguments import (check_amsgrad_storage, check_bool, check_group, check_group_params,
+                         check_lean)
+from ._checkpoint_check import (EIGHT_BIT_LAYOUT, FP32_STATE_KEYS, LEAN_KEYS, MOMENT_KEYS,
+                                SCALE_KEYS, STORAGE_KEYS, check_loadable)
+from ._layout import LayoutWatch, dense, follow_layout, follow_storage, note_storage
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
@@ -24,15 +26,6 @@ from ._fp32_sums import accumulate_fp32, take_fp32_sums
 from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
                       load_master, master_in_state, masters_before_load, masters_loaded,
                       note_stepped, weights_settled)
-
-# State whose dtype the optimizer chooses, not the parameter's: fp32 or a group's lean storage
-# (docs/core.md, "Lean optimizer state"). torch's load_state_dict would cast it: we restore it.
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
-# The per-block scales of 8-bit moments (``exp_avg_scale``...: _quant.py).
-SCALE_KEYS = tuple(scale_key(k) for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
-FP32_STATE_KEYS = ("step", "sum", MASTER_KEY, REMAINDER_KEY) + MOMENT_KEYS + SCALE_KEYS
-LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
-             "moment_rounding")
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -91,8 +84,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             params = param_group["params"] = [params] if isinstance(params, Tensor) else [*params]
             unwrapped = [p[1] if isinstance(p, tuple) else p for p in params]
             check_group(param_group, self.defaults)
+            check_amsgrad_storage({**self.defaults, **param_group})
+            check_group_params(type(self).__name__, unwrapped)
             check_sharded_group(self, {**self.defaults, **param_group, "params": unwrapped})
         super().add_param_group(param_group)
+        note_storage(self, self.param_groups[-1])
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """As torch's; ``set_to_none=None`` follows the constructor's ``set_grad_none`` (Apex's)."""
@@ -306,6 +302,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         take_fp32_sums(self, grad_scale)
         weights_settled()
         self._check_steppable()
+        follow_storage(self)
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
             agree_on_overflow(self, {found_inf.device: found_inf})  # flag too
@@ -408,6 +405,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         and a retry would step them twice): what the kernels cannot step is refused here."""
         name = type(self).__name__
         for group in self.param_groups:  # (per parameter only what is cheap: this runs per step)
+            check_amsgrad_storage(group)  # (an option switched mid-run)
             remainders = group.get("store_param_remainders", False)
             rounding = group.get("stochastic_rounding", False)
             for p in group["params"]:
@@ -530,6 +528,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key in own_keys:
                 if key in self.defaults:
                     group.setdefault(key, self.defaults[key])
+            note_storage(self, group)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         id_to_param = dict(zip(saved_ids, params))

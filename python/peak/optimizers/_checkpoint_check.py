@@ -23,6 +23,14 @@ from .masters import MASTER_KEY, REMAINDER_KEY
 EIGHT_BIT_LAYOUT = "moments_8bit_layout"
 STORAGE_KEYS = {"exp_avg": "exp_avg_dtype", "exp_avg_sq": "exp_avg_sq_dtype",
                 "momentum_buffer": "momentum_dtype"}
+# State whose dtype the optimizer chooses, not the parameter's: fp32 or a group's lean storage
+# (docs/core.md, "Lean optimizer state"). torch's load_state_dict would cast it: we restore it.
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+# The per-block scales of 8-bit moments (``exp_avg_scale``...: _quant.py).
+SCALE_KEYS = tuple(scale_key(k) for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
+FP32_STATE_KEYS = ("step", "sum", MASTER_KEY, REMAINDER_KEY) + MOMENT_KEYS + SCALE_KEYS
+LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
+             "moment_rounding")
 
 
 def check_loadable(optimizer, state_dict) -> None:

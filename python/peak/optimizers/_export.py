@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._base import MOMENT_KEYS, SCALE_KEYS
+from ._checkpoint_check import MOMENT_KEYS, SCALE_KEYS
 from ._quant import dequantize, scale_key
 from .masters import REMAINDER_KEY, join_remainder, masters_by_param
 

@@ -1,11 +1,15 @@
 """A parameter's memory layout and its optimizer state's: the kernels walk a parameter, its
-gradient and its state as one block of memory, in the same order."""
+gradient and its state as one block of memory, in the same order. And the state's storage, which
+follows its group's options."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ._arguments import check_group
+from ._checkpoint_check import LEAN_KEYS, MOMENT_KEYS
 from ._quant import dequantize, load_moment, scale_key
+from .masters import MASTER_KEY, REMAINDER_KEY, join_remainder, load_master
 
 
 def dense(t: Tensor) -> bool:
@@ -58,3 +62,37 @@ class LayoutWatch:
 
     def step_done(self) -> None:
         self.check_all, self.strided = self.strided, False
+
+
+def note_storage(optimizer, group: dict) -> None:
+    """The storage options ``group``'s state is kept in (a group added, or loaded)."""
+    optimizer.__dict__.setdefault("_storage_seen", {})[id(group)] = (
+        group, tuple(str(group.get(k)) for k in LEAN_KEYS))
+
+
+def follow_storage(optimizer) -> None:
+    """Before a step: state made before its group's storage options were set on the group
+    (``group["exp_avg_dtype"] = "bf16"``, ``store_param_remainders``) takes them, converted as a
+    load converts a checkpoint's; every changed group is checked before any state changes."""
+    seen, changed = optimizer.__dict__.setdefault("_storage_seen", {}), []
+    for group in optimizer.param_groups:
+        entry = seen.get(id(group))
+        if entry is None or entry[0] is not group:
+            note_storage(optimizer, group)
+        elif entry[1] != tuple(str(group.get(k)) for k in LEAN_KEYS):
+            check_group(group, optimizer.defaults)  # (strings become dtypes)
+            for p in group["params"]:
+                optimizer.keeps_remainder(p, group)  # (raises for an fp16 parameter)
+            changed.append(group)
+    for group in changed:
+        note_storage(optimizer, group)
+        for p in (p for p in group["params"] if optimizer.state.get(p)):
+            state = optimizer.state[p]
+            for key in [k for k in MOMENT_KEYS if k in state]:
+                load_moment(state, key, state[key], state.get(scale_key(key)),
+                            optimizer._state_dtype(group, key, p), p)
+            if (REMAINDER_KEY in state) != optimizer.keeps_remainder(p, group):
+                master = state.get(MASTER_KEY)
+                if master is None:
+                    master = join_remainder(p.detach(), state[REMAINDER_KEY])
+                load_master(optimizer, p, state, group, {MASTER_KEY: master})

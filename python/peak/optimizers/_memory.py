@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ._base import MOMENT_KEYS
+from ._checkpoint_check import MOMENT_KEYS
 from .masters import MASTER_KEY, REMAINDER_KEY
 
 PARTS = ("weights", "grads", "masters", "moments", "scales", "other")

@@ -121,10 +121,6 @@ class FusedAdam(FusedOptimizer):
         _check_materialize(materialize_master_grads)
         exp_avg_dtype = check_moment_dtype("exp_avg_dtype", exp_avg_dtype)
         exp_avg_sq_dtype = check_moment_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
-        if amsgrad and (exp_avg_dtype != torch.float32 or exp_avg_sq_dtype != torch.float32):
-            raise ValueError("amsgrad=True keeps fp32 moments: leave exp_avg_dtype and "
-                             "exp_avg_sq_dtype at torch.float32, or set amsgrad=False (bf16 "
-                             "and 8-bit moments are for Adam without amsgrad)")
         lean = dict(store_param_remainders=store_param_remainders, exp_avg_dtype=exp_avg_dtype,
                     exp_avg_sq_dtype=exp_avg_sq_dtype, moment_rounding=moment_rounding)
         super().__init__(params, defaults, master_weights, stochastic_rounding, set_grad_none,
