@@ -114,7 +114,7 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
                    !std::is_same_v<typename Storage::ExpAvgSq, float> ||
                    (!kMomentum && !std::is_same_v<typename Storage::ExpAvg, float>) ||
                    (Storage::remainder && !std::remove_cvref_t<decltype(has_master)>::value)) {
-       TORCH_CHECK(false, a.name, ": an excluded combination of state storage and options");
+       return;  // excluded by the checks: not instantiated
      } else {
       SgdOp<std::remove_cvref_t<decltype(has_master)>::value,
             std::remove_cvref_t<decltype(has_momentum)>::value,
@@ -221,8 +221,7 @@ void fused_lamb(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                        moment_rounding_seed.has_value(), [&](auto storage) {
      if constexpr (decltype(storage)::remainder ||
                    decltype(storage)::q8_exp_avg != decltype(storage)::q8_exp_avg_sq) {
-       // (not instantiated: LAMB keeps fp32 masters; 8-bit moments are both or neither)
-       TORCH_CHECK(false, a.name, ": an excluded combination of state storage and options");
+       return;  // (not instantiated: LAMB keeps fp32 masters; 8-bit moments are both or neither)
      } else {
       using Op = LambStage1Op<decltype(storage)>;
       Op op;

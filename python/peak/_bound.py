@@ -11,7 +11,7 @@ class BoundMethod:
     fails for a function that is not on the object's class: ``torch.save(model)`` wrote a file
     that did not load)."""
 
-    __slots__ = ("__func__", "__self__")
+    __slots__ = ("__func__", "__self__", "__weakref__")
 
     def __init__(self, func, obj) -> None:
         self.__func__, self.__self__ = func, obj
@@ -25,6 +25,9 @@ class BoundMethod:
 
     def __getattr__(self, name: str):  # (__name__, __doc__, __wrapped__...: the function's)
         return getattr(self.__func__, name)
+
+    def __repr__(self) -> str:
+        return f"<bound method {self.__func__.__qualname__} of {self.__self__!r}>"
 
     def __reduce__(self):
         return type(self), (self.__func__, self.__self__)

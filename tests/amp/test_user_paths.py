@@ -639,3 +639,5 @@ def test_a_whole_model_and_optimizer_saved_after_initialize_load_and_run(level):
     _assert_bitwise(out_loaded, out)
     assert list(inspect.signature(opt.step).parameters) == ["closure"]
     assert loaded["opt"].step.__self__ is loaded["opt"]
+    import weakref
+    assert weakref.ref(model.forward)() is model.forward and "bound method" in repr(opt.step)

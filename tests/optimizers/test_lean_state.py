@@ -577,9 +577,10 @@ def test_amsgrad_with_remainder_masters_steps_as_with_fp32_masters():
 
 
 def test_options_added_or_set_on_a_group_are_checked_before_anything_changes():
-    """add_param_group checks what the constructor checks (amsgrad with lean moments, a
-    parameter twice, a dtype the kernels do not step); amsgrad set on a lean group mid-run is
-    refused at the step, with the constructor's message, before any state changes."""
+    """add_param_group checks what the constructor checks (amsgrad with lean moments, one
+    moment 8-bit, an option the optimizer does not take) and refuses a parameter given twice;
+    options set on a group mid-run that its constructor would refuse (amsgrad on lean moments,
+    one moment 8-bit) are refused at the step, before any state changes."""
     p = torch.nn.Parameter(torch.randn(300).to(BF16))
     opt = FusedAdam([p], lr=1e-2, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
     p.grad = torch.randn(300).to(BF16)
@@ -589,10 +590,10 @@ def test_options_added_or_set_on_a_group_are_checked_before_anything_changes():
         opt.add_param_group({"params": [q], "amsgrad": True})
     with pytest.raises(ValueError, match="holds a parameter twice"):
         opt.add_param_group({"params": [q, q]})
-    with pytest.raises(TypeError, match="got a torch.float64 parameter"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]})
-    with pytest.raises(TypeError, match="got a torch.complex64 parameter"):
-        FusedAdam([torch.nn.Parameter(torch.ones(3, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match=r"exp_avg_dtype=torch.uint8 .* needs exp_avg_sq_dtype"):
+        opt.add_param_group({"params": [q], "exp_avg_dtype": torch.uint8})
+    with pytest.raises(ValueError, match="FusedLAMB does not take store_param_remainders"):
+        FusedLAMB([p]).add_param_group({"params": [q], "store_param_remainders": True})
     assert len(opt.param_groups) == 1
     before = {k: v.clone() for k, v in opt.state[p].items()}
     weight = p.detach().clone()
@@ -601,6 +602,14 @@ def test_options_added_or_set_on_a_group_are_checked_before_anything_changes():
         opt.step()
     assert torch.equal(p.detach(), weight) and set(opt.state[p]) == set(before)
     assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
+    opt.param_groups[0].update(amsgrad=False, exp_avg_dtype="8bit")
+    with pytest.raises(ValueError, match="both moments are 8-bit or neither"):
+        opt.step()
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
+    assert torch.equal(p.detach(), weight)
+    opt.param_groups[0].update(exp_avg_dtype="fp32", exp_avg_sq_dtype="fp32", amsgrad=True)
+    opt.step()  # (the documented strings, amsgrad on: the moments become fp32)
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and "max_exp_avg_sq" in opt.state[p]
 
 
 @pytest.mark.parametrize("change", ["moments_fp32", "moments_8bit_string", "remainders_on",
@@ -639,3 +648,79 @@ def test_storage_options_set_on_a_group_mid_run_convert_its_state(change):
     for key, value in ref.state[ref_p].items():
         assert opt.state[p][key].dtype == value.dtype, key
         assert torch.equal(opt.state[p][key], value), key
+
+
+def test_storage_options_follow_through_a_copy_and_only_current_groups_are_watched():
+    """An option set on a deepcopy's (or an unpickled optimizer's) group before its first step
+    converts its state too; the watch holds the optimizer's current groups only (a replaced
+    group and its parameters are not kept alive)."""
+    p = torch.nn.Parameter(torch.randn(300).to(BF16))
+    opt = FusedAdam([p], lr=1e-2, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    p.grad = torch.randn(300).to(BF16)
+    opt.step()
+    twin = copy.deepcopy(opt)
+    q = twin.param_groups[0]["params"][0]
+    twin.param_groups[0].update(exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
+    q.grad = torch.randn(300).to(BF16)
+    twin.step()
+    assert twin.state[q]["exp_avg"].dtype == torch.float32
+    for _ in range(3):
+        opt.load_state_dict(opt.state_dict())
+        opt.step()
+    assert [g for g, _ in opt._storage_seen] == opt.param_groups
+
+
+def test_remainders_switched_on_mid_run_keep_a_weight_loaded_since_the_last_step():
+    p = torch.nn.Parameter(torch.randn(300).to(BF16))
+    opt = FusedAdam([p], lr=0.0)
+    p.grad = torch.randn(300).to(BF16)
+    opt.step()
+    loaded = torch.randn(300).to(BF16)
+    with torch.no_grad():
+        p.copy_(loaded)
+    opt.param_groups[0]["store_param_remainders"] = True
+    opt.step()
+    assert torch.equal(p.detach(), loaded)
+    assert torch.equal(opt.master_of(p), loaded.float())
+
+
+@pytest.mark.parametrize("case", ["weights_loaded_outside_amp", "param_left_its_group",
+                                  "model_made_fp32", "remainders"])
+def test_masters_kept_through_a_torch_checkpoint_load(case):
+    """A torch.optim checkpoint (no masters) into a fused optimizer that has state: the masters
+    it keeps go with the weights at once (a weight written since wins where the master does not
+    round to it), a remainder is kept as it is (joined, not copied), and what the state holds
+    beyond the groups or no longer fits its parameter loads as torch loads it."""
+    from peak.optimizers import masters as M
+
+    remainders = case in ("remainders", "model_made_fp32")
+    p = torch.nn.Parameter(torch.randn(64).to(BF16))
+    extra = torch.nn.Parameter(torch.randn(8).to(BF16))
+    opt = FusedAdam([p, extra], lr=1e-2, store_param_remainders=remainders)
+    p.grad, extra.grad = torch.randn(64).to(BF16), torch.randn(8).to(BF16)
+    opt.step()
+    ref = torch.nn.Parameter(torch.randn(64))
+    ref_extra = torch.nn.Parameter(torch.randn(8))
+    ref_opt = torch.optim.Adam([ref, ref_extra], lr=1e-2)
+    ref.grad, ref_extra.grad = torch.randn(64), torch.randn(8)
+    ref_opt.step()
+    ckpt = copy.deepcopy(ref_opt.state_dict())
+    if case == "weights_loaded_outside_amp":
+        with torch.no_grad():
+            p.copy_(ref.detach().to(BF16))
+    elif case == "param_left_its_group":
+        opt.param_groups[0]["params"] = [p, torch.nn.Parameter(torch.randn(8).to(BF16))]
+    elif case == "model_made_fp32":
+        p.data, extra.data = p.data.float(), extra.data.float()
+    kept = M.masters_before_load(opt)
+    if case == "remainders":
+        assert all(t.dtype == torch.int16 for t in kept.values()) and kept
+    before = opt.master_of(p).clone() if case != "model_made_fp32" else None
+    opt.load_state_dict(ckpt)
+    if case == "weights_loaded_outside_amp":
+        assert torch.equal(opt.master_of(p), ref.detach().to(BF16).float())
+    elif case in ("param_left_its_group", "remainders"):
+        assert torch.equal(opt.master_of(p), before)
+    p.grad, extra.grad = torch.randn(64).to(p.dtype), None
+    opt.step()
+    assert torch.isfinite(p).all()

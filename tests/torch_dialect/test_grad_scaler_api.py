@@ -790,6 +790,13 @@ def test_an_expanded_gradient_is_refused_before_a_fused_step(cls):
     s.step(o)
     s.update()
     assert torch.equal(w.detach(), torch.zeros(6, 5))
+    if cls is amp.GradScaler:  # (unscale_ refuses before it unscales any gradient; torch's
+        v = torch.nn.Parameter(torch.ones(3))  # unscales those before the expanded one)
+        v.grad, w.grad = torch.full((3,), 8.0), torch.tensor([8.0]).expand(6, 5)
+        s.scale(torch.tensor(1.0))
+        with pytest.raises(RuntimeError, match="single memory location"):
+            s.unscale_(torch.optim.SGD([v, w], lr=1.0))
+        assert torch.equal(v.grad, torch.full((3,), 8.0))
 
 
 def test_subclass_overriding_unscale_grads_keeps_torchs_contract():

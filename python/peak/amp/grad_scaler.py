@@ -151,8 +151,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             if count >= 0:
                 return {found_inf.device: found_inf} if count else {}
         grads, owners = optimizer_gradients(optimizer, report)
-        if _check_only:  # (the unscaling pass refuses these itself; a fused step writes them)
-            _refuse_overlapping(grads)
+        _refuse_overlapping(grads)  # (before any gradient is unscaled or stepped)
         on_group = None
         if report:
             def on_group(indices, per_grad_flags):

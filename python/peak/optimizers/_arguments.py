@@ -46,27 +46,31 @@ def check_lean(lean: dict | None, master_weights) -> dict:
     return lean
 
 
-def check_amsgrad_storage(options: dict) -> None:
-    """A group's (or the constructor's) options: amsgrad keeps fp32 moments."""
-    if options.get("amsgrad") and any(options.get(k, torch.float32) != torch.float32
+def check_storage(name: str, options: dict, defaults: dict, master_weights) -> dict:
+    """A group's storage options (``options``: the group over the defaults), as the constructor
+    checks them: when a group is added, and before state converts to options set on a group
+    mid-run. Returns them normalized (dtype strings as dtypes)."""
+    lean_keys = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
+                 "moment_rounding")
+    foreign = [k for k in lean_keys if k in options and k not in defaults]
+    if foreign:
+        raise ValueError(f"{name} does not take {foreign[0]} (its constructor has no such "
+                         "option): remove it from the param group")
+    lean = check_lean({k: options[k] for k in lean_keys if k in options}, master_weights)
+    if options.get("amsgrad") and any(lean.get(k, torch.float32) != torch.float32
                                       for k in ("exp_avg_dtype", "exp_avg_sq_dtype")):
         raise ValueError("amsgrad=True keeps fp32 moments: leave exp_avg_dtype and "
                          "exp_avg_sq_dtype at torch.float32, or set amsgrad=False (bf16 "
                          "and 8-bit moments are for Adam without amsgrad)")
+    return lean
 
 
-def check_group_params(name: str, params: list) -> None:
-    """A group's parameters, when it is added: each once, and trainable ones of a dtype the
-    kernels step (refused here rather than at the first step)."""
+def check_unique(name: str, params: list) -> None:
+    """A group's parameters, when it is added: each once (torch.optim steps a repeated one once
+    per entry, and deprecates that)."""
     if len({id(p) for p in params}) != len(params):
         raise ValueError(f"{name}: a param group holds a parameter twice (torch.optim steps it "
                          "once per entry, and deprecates that): pass each parameter once")
-    for p in params:
-        if isinstance(p, Tensor) and p.requires_grad and p.dtype not in (
-                torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"{name} supports float32, float16 and bfloat16 parameters; got a "
-                            f"{p.dtype} parameter of shape {tuple(p.shape)}: step it with a "
-                            "torch.optim optimizer, or leave it out")
 
 
 def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):

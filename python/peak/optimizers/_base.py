@@ -14,8 +14,7 @@ from torch import Tensor
 from .. import ops
 from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
-from ._arguments import (check_amsgrad_storage, check_bool, check_group, check_group_params,
-                         check_lean)
+from ._arguments import check_bool, check_group, check_lean, check_storage, check_unique
 from ._checkpoint_check import (EIGHT_BIT_LAYOUT, FP32_STATE_KEYS, LEAN_KEYS, MOMENT_KEYS,
                                 SCALE_KEYS, STORAGE_KEYS, check_loadable)
 from ._layout import LayoutWatch, dense, follow_layout, follow_storage, note_storage
@@ -24,8 +23,8 @@ from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local
                        local_states, reduce_over_meshes)
 from ._fp32_sums import accumulate_fp32, take_fp32_sums
 from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
-                      load_master, master_in_state, masters_before_load, masters_loaded,
-                      note_stepped, weights_settled)
+                      kept_master, load_master, master_in_state, masters_before_load,
+                      masters_loaded, note_stepped, weights_settled)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -84,11 +83,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             params = param_group["params"] = [params] if isinstance(params, Tensor) else [*params]
             unwrapped = [p[1] if isinstance(p, tuple) else p for p in params]
             check_group(param_group, self.defaults)
-            check_amsgrad_storage({**self.defaults, **param_group})
-            check_group_params(type(self).__name__, unwrapped)
+            lean = check_storage(type(self).__name__, {**self.defaults, **param_group},
+                                 self.defaults, self.master_weights)
+            param_group.update({k: v for k, v in lean.items() if k in param_group})
+            check_unique(type(self).__name__, unwrapped)
             check_sharded_group(self, {**self.defaults, **param_group, "params": unwrapped})
         super().add_param_group(param_group)
-        note_storage(self, self.param_groups[-1])
+        note_storage(self)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """As torch's; ``set_to_none=None`` follows the constructor's ``set_grad_none`` (Apex's)."""
@@ -405,7 +406,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         and a retry would step them twice): what the kernels cannot step is refused here."""
         name = type(self).__name__
         for group in self.param_groups:  # (per parameter only what is cheap: this runs per step)
-            check_amsgrad_storage(group)  # (an option switched mid-run)
             remainders = group.get("store_param_remainders", False)
             rounding = group.get("stochastic_rounding", False)
             for p in group["params"]:
@@ -528,7 +528,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key in own_keys:
                 if key in self.defaults:
                     group.setdefault(key, self.defaults[key])
-            note_storage(self, group)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         id_to_param = dict(zip(saved_ids, params))
@@ -552,14 +551,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             if MASTER_KEY in entries or REMAINDER_KEY in entries or p not in kept:
                 kept.pop(p, None)
             else:  # (a torch.optim or Apex checkpoint: the masters made from the model stay)
-                entries = {**entries, MASTER_KEY: kept[p]}
+                entries = {**entries, MASTER_KEY: kept_master(p, kept[p])}
             joined[p] = load_master(self, p, state, group, entries)
             self._complete_loaded_state(p, state)
         for p in kept.keys() - joined.keys():  # (no state in the checkpoint)
-            load_master(self, p, self.state[p], self._group_of(p), {MASTER_KEY: kept[p]})
+            load_master(self, p, self.state[p], self._group_of(p),
+                        {MASTER_KEY: kept_master(p, kept[p])})
         for p in (p for g in self.param_groups for p in g["params"] if p in self.state):
             if not is_sharded(p):  # (the checkpoint's layout becomes p's)
                 follow_layout(p, self.state[p])
+        note_storage(self)
         masters_loaded(self, joined, kept, any(k in g for g in state_dict["param_groups"]
                                                for k in _TORCH_GROUP_KEYS))
 
@@ -587,5 +588,6 @@ _STEPPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TORCH_GROUP_KEYS = ("foreach", "differentiable", "fused")  # torch.optim's, not peak's
 # What a constructor sets beside torch's attributes, kept through pickling and deepcopy.
 _CONSTRUCTOR_ATTRIBUTES = ("master_weights", "set_grad_none", "store_unscaled_grads",
-                           "_group_keys", "reduced_precision_dtype", "_initial_step")
+                           "_group_keys", "reduced_precision_dtype", "_initial_step",
+                           "_storage_seen")
 _MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with

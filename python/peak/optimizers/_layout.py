@@ -6,10 +6,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._arguments import check_group
+from ._arguments import check_group, check_storage
 from ._checkpoint_check import LEAN_KEYS, MOMENT_KEYS
 from ._quant import dequantize, load_moment, scale_key
-from .masters import MASTER_KEY, REMAINDER_KEY, join_remainder, load_master
+from ._sharded import is_sharded
+from .masters import MASTER_KEY, REMAINDER_KEY, follow_weight, join_remainder, load_master
+
+_STORAGE_OPTIONS = LEAN_KEYS + ("amsgrad",)  # (amsgrad keeps a moment more, in fp32)
 
 
 def dense(t: Tensor) -> bool:
@@ -64,35 +67,48 @@ class LayoutWatch:
         self.check_all, self.strided = self.strided, False
 
 
-def note_storage(optimizer, group: dict) -> None:
-    """The storage options ``group``'s state is kept in (a group added, or loaded)."""
-    optimizer.__dict__.setdefault("_storage_seen", {})[id(group)] = (
-        group, tuple(str(group.get(k)) for k in LEAN_KEYS))
+def _storage(group: dict) -> tuple:
+    return tuple(group.get(k) for k in _STORAGE_OPTIONS)
+
+
+def note_storage(optimizer) -> None:
+    """The storage options its groups' state is kept in (a group added, a load)."""
+    optimizer._storage_seen = [(group, _storage(group)) for group in optimizer.param_groups]
 
 
 def follow_storage(optimizer) -> None:
-    """Before a step: state made before its group's storage options were set on the group
-    (``group["exp_avg_dtype"] = "bf16"``, ``store_param_remainders``) takes them, converted as a
-    load converts a checkpoint's; every changed group is checked before any state changes."""
-    seen, changed = optimizer.__dict__.setdefault("_storage_seen", {}), []
-    for group in optimizer.param_groups:
-        entry = seen.get(id(group))
-        if entry is None or entry[0] is not group:
-            note_storage(optimizer, group)
-        elif entry[1] != tuple(str(group.get(k)) for k in LEAN_KEYS):
-            check_group(group, optimizer.defaults)  # (strings become dtypes)
-            for p in group["params"]:
-                optimizer.keeps_remainder(p, group)  # (raises for an fp16 parameter)
-            changed.append(group)
+    """Before a step: state made before storage options were set on its group
+    (``group["exp_avg_dtype"] = "bf16"``, ``store_param_remainders``, ``amsgrad``) takes them,
+    converted as a load converts a checkpoint's. Every changed group is checked as the
+    constructor checks its options before any state changes."""
+    seen = optimizer.__dict__.get("_storage_seen", ())
+    changed = [group for group, (was, options) in zip(optimizer.param_groups, seen)
+               if was is group and options != _storage(group)]
+    name = type(optimizer).__name__
     for group in changed:
-        note_storage(optimizer, group)
+        check_group(group, optimizer.defaults)
+        group.update(check_storage(name, group, optimizer.defaults, optimizer.master_weights))
+        for p in (p for p in group["params"] if optimizer.state.get(p)):
+            optimizer.keeps_remainder(p, group)  # (raises for an fp16 parameter)
+            if is_sharded(p) and any(
+                    (optimizer.state[p][k].dtype == torch.uint8)
+                    != (optimizer._state_dtype(group, k, p) == torch.uint8)
+                    for k in MOMENT_KEYS if k in optimizer.state[p]):
+                raise NotImplementedError(
+                    f"{name}: a param group's moments set to or from 8-bit mid-run on sharded "
+                    "(DTensor) parameters; convert the storage in one process (save, build the "
+                    "optimizer with the new options, load)")
+    for group in changed:
         for p in (p for p in group["params"] if optimizer.state.get(p)):
             state = optimizer.state[p]
             for key in [k for k in MOMENT_KEYS if k in state]:
                 load_moment(state, key, state[key], state.get(scale_key(key)),
                             optimizer._state_dtype(group, key, p), p)
             if (REMAINDER_KEY in state) != optimizer.keeps_remainder(p, group):
+                follow_weight(p, state)  # (a weight loaded since the last step wins)
                 master = state.get(MASTER_KEY)
                 if master is None:
                     master = join_remainder(p.detach(), state[REMAINDER_KEY])
                 load_master(optimizer, p, state, group, {MASTER_KEY: master})
+    if changed or len(seen) != len(optimizer.param_groups):
+        note_storage(optimizer)

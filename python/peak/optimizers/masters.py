@@ -475,34 +475,43 @@ def weight_loaded(p: Tensor, joined_remainder: Tensor | None, fp32_master: bool)
 
 
 def masters_before_load(optimizer) -> dict:
-    """p -> its fp32 master, to keep where a fused optimizer's checkpoint has none for p (torch's
-    or Apex's): a master (from the model's weights, exact if fp32 ones were loaded), or a
-    remainder joined with its weight while that weight is the one it goes with."""
+    """p -> its master before a fused optimizer's load, kept where the checkpoint has none for p
+    (torch's or Apex's): an fp32 master, or a remainder while its weight is the one it goes with
+    (``kept_master`` makes the master)."""
     kept = {}
-    for p, st in optimizer.state.items():
-        entry = _weight_version.get(id(p))
-        if MASTER_KEY in st:
-            kept[p] = st[MASTER_KEY]
-        elif REMAINDER_KEY in st and not is_sharded(p) and (
-                entry is None or entry[0]() is not p or entry[1] == p._version):
-            kept[p] = join_remainder(p.detach(), st[REMAINDER_KEY])
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        st, entry = optimizer.state.get(p, {}), _weight_version.get(id(p))
+        t = st.get(MASTER_KEY, st.get(REMAINDER_KEY))
+        if t is None or t.shape != p.shape or t.device != p.device or is_sharded(p):
+            continue
+        if t.dtype == torch.float32 or (p.dtype == torch.bfloat16 and (
+                entry is None or entry[0]() is not p or entry[1] == p._version)):
+            kept[p] = t
     return kept
+
+
+def kept_master(p: Tensor, kept: Tensor) -> Tensor:
+    """The fp32 master ``kept`` stands for: a remainder joined with p's weight, or an fp32 master
+    where it rounds to the weight and the weight where not (a weight written since it was)."""
+    if kept.dtype == torch.int16:
+        return join_remainder(p.detach(), kept)
+    return torch.where(kept.to(p.dtype) == p.detach(), kept, p.detach().to(torch.float32))
 
 
 def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None:
     """After a fused optimizer's load (``joined``: parameter -> the remainder its fp32 master was
     joined from): the loaded fp32 masters refresh the model, as a store's do. A checkpoint a torch
     optimizer wrote (``via_torch``: its options in the groups) may hold stale masters (torch keeps
-    an unknown 'master_param' as it was while it trains the weights), and masters ``kept`` from
-    before the load may be older than the weights: those are checked against the weights at the
-    next step instead, and follow them where they do not round to them."""
+    an unknown 'master_param' as it was while it trains the weights): those are checked against
+    the weights at the next step instead, and follow them where they do not round to them. Masters
+    ``kept`` from before the load go with the weights already."""
     refresh = ([], [])
     for group in optimizer.param_groups:
         for p in group["params"]:
             master = optimizer.state.get(p, {}).get(MASTER_KEY)
-            check = master is not None and (via_torch or p in kept)
+            check = master is not None and via_torch and p not in kept
             weight_loaded(p, joined.get(p), check)
-            if master is not None and not check and joined.get(p) is None:
+            if master is not None and not via_torch and joined.get(p) is None and p not in kept:
                 refresh[0].append(local_shard(master))
                 refresh[1].append(local_shard(p))
     copy_to_model(*refresh)
