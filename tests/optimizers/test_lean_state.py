@@ -724,3 +724,82 @@ def test_masters_kept_through_a_torch_checkpoint_load(case):
     p.grad, extra.grad = torch.randn(64).to(p.dtype), None
     opt.step()
     assert torch.isfinite(p).all()
+
+
+def test_a_model_loaded_after_a_torch_optimizer_checkpoint_wins_over_kept_masters():
+    """Outside amp, a running fused optimizer loads a torch.optim checkpoint, then the model
+    loads its weights: the next step starts from the loaded weights, not the masters kept from
+    before the load."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(16, 16).to(BF16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = torch.nn.Linear(16, 16).to(BF16)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    for o, m in ((ref_opt, ref), (opt, model)):
+        for _ in range(2):
+            for p in m.parameters():
+                p.grad = torch.randn_like(p)
+            o.step()
+    weights = copy.deepcopy(ref.state_dict())
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    model.load_state_dict(weights)
+    for group in opt.param_groups:
+        group.update(lr=0.0, weight_decay=0.0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(model.weight.detach(), weights["weight"])
+
+
+@pytest.mark.parametrize("then", ["add_param_group", "pop_a_group"])
+def test_a_storage_option_set_before_the_groups_change_still_converts(then):
+    """An option set on a group, then a group added or removed before the next step: the set
+    group's state still converts (exactly: remainders -> fp32 masters keeps the master)."""
+    w = torch.nn.Parameter(torch.randn(300).to(BF16))
+    other = torch.nn.Parameter(torch.randn(4).to(BF16))
+    groups = [{"params": [w]}] + ([{"params": [other]}] if then == "pop_a_group" else [])
+    opt = FusedAdam(groups[::-1], lr=1e-2, store_param_remainders=True)
+    for step in range(3):
+        w.grad, other.grad = torch.randn(300).to(BF16), torch.randn(4).to(BF16)
+        opt.step()
+    exact = opt.master_of(w).clone()
+    group = next(g for g in opt.param_groups if any(p is w for p in g["params"]))
+    group["store_param_remainders"] = False
+    if then == "add_param_group":
+        opt.add_param_group({"params": [other]})
+    else:
+        opt.param_groups.pop(0)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    w.grad, other.grad = torch.zeros(300).to(BF16), None
+    opt.step()
+    assert "master_param_remainder" not in opt.state[w]
+    assert torch.equal(opt.state[w]["master_param"], exact)
+
+
+def test_a_refused_storage_change_consumes_nothing():
+    """A storage option the step refuses leaves the fp32 gradient sums, the gradients and the
+    masters as they were; remainders switched on between give_master_grads() and step() are
+    refused (the fp32 master gradient would be lost)."""
+    from peak.optimizers import FusedSGD
+
+    p = torch.nn.Parameter(torch.randn(300).to(BF16))
+    opt = FusedAdam([p], lr=1e-2)
+    for _ in range(2):
+        p.grad = torch.randn(300).to(BF16)
+        opt.accumulate_grads()
+    opt.param_groups[0]["exp_avg_dtype"] = torch.uint8
+    with pytest.raises(ValueError, match="both moments are 8-bit or neither"):
+        opt.step()
+    assert p.grad is None and len(opt._fp32_grad_sums) == 1 and not opt.state
+    q = torch.nn.Parameter(torch.randn(300).to(BF16))
+    sgd = FusedSGD([q], lr=1e-2)
+    q.grad = torch.randn(300).to(BF16)
+    sgd.step()
+    q.grad = torch.randn(300).to(BF16) * 1024
+    sgd.give_master_grads(torch.tensor([1024.0]))
+    sgd.param_groups[0]["store_param_remainders"] = True
+    with pytest.raises(RuntimeError, match="between give_master_grads"):
+        sgd.step()
+    sgd.param_groups[0]["store_param_remainders"] = False
+    sgd.step()

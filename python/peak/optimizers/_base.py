@@ -17,7 +17,8 @@ from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, u
 from ._arguments import check_bool, check_group, check_lean, check_storage, check_unique
 from ._checkpoint_check import (EIGHT_BIT_LAYOUT, FP32_STATE_KEYS, LEAN_KEYS, MOMENT_KEYS,
                                 SCALE_KEYS, STORAGE_KEYS, check_loadable)
-from ._layout import LayoutWatch, dense, follow_layout, follow_storage, note_storage
+from ._layout import (LayoutWatch, dense, follow_layout, follow_storage, note_storage,
+                      storage_changes)
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
@@ -89,7 +90,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             check_unique(type(self).__name__, unwrapped)
             check_sharded_group(self, {**self.defaults, **param_group, "params": unwrapped})
         super().add_param_group(param_group)
-        note_storage(self)
+        note_storage(self, self.param_groups[-1:])
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """As torch's; ``set_to_none=None`` follows the constructor's ``set_grad_none`` (Apex's)."""
@@ -300,10 +301,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"{type(self).__name__}.step(): {name} must be a one-element "
                                 f"floating tensor on the parameters' device, got {t!r}; e.g. "
                                 f"{name}=torch.tensor([1.0], device=...)")
+        changed_storage = storage_changes(self)  # (checked before anything changes)
         take_fp32_sums(self, grad_scale)
         weights_settled()
         self._check_steppable()
-        follow_storage(self)
+        follow_storage(self, changed_storage)
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
             agree_on_overflow(self, {found_inf.device: found_inf})  # flag too

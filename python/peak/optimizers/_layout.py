@@ -71,33 +71,47 @@ def _storage(group: dict) -> tuple:
     return tuple(group.get(k) for k in _STORAGE_OPTIONS)
 
 
-def note_storage(optimizer) -> None:
-    """The storage options its groups' state is kept in (a group added, a load)."""
-    optimizer._storage_seen = [(group, _storage(group)) for group in optimizer.param_groups]
+def note_storage(optimizer, groups: list | None = None) -> None:
+    """The storage options ``groups``' state is kept in (a group added; all of them: a load)."""
+    seen = [] if groups is None else optimizer.__dict__.get("_storage_seen", [])
+    optimizer._storage_seen = seen + [(group, _storage(group))
+                                      for group in (groups or optimizer.param_groups)]
 
 
-def follow_storage(optimizer) -> None:
-    """Before a step: state made before storage options were set on its group
-    (``group["exp_avg_dtype"] = "bf16"``, ``store_param_remainders``, ``amsgrad``) takes them,
-    converted as a load converts a checkpoint's. Every changed group is checked as the
-    constructor checks its options before any state changes."""
-    seen = optimizer.__dict__.get("_storage_seen", ())
-    changed = [group for group, (was, options) in zip(optimizer.param_groups, seen)
-               if was is group and options != _storage(group)]
-    name = type(optimizer).__name__
-    for group in changed:
+def storage_changes(optimizer) -> list:
+    """Before a step: the groups whose storage options were set on them since their state was
+    made (``group["exp_avg_dtype"] = "bf16"``, ``store_param_remainders``, ``amsgrad``), each
+    checked as the constructor checks its options before anything changes (``follow_storage``
+    then converts their state)."""
+    seen = {id(group): (group, options)
+            for group, options in optimizer.__dict__.get("_storage_seen", ())}
+    changed, name = [], type(optimizer).__name__
+    for group in optimizer.param_groups:
+        was, options = seen.get(id(group), (None, None))
+        if was is not group or options == _storage(group):
+            continue
+        changed.append(group)
         check_group(group, optimizer.defaults)
         group.update(check_storage(name, group, optimizer.defaults, optimizer.master_weights))
         for p in (p for p in group["params"] if optimizer.state.get(p)):
-            optimizer.keeps_remainder(p, group)  # (raises for an fp16 parameter)
-            if is_sharded(p) and any(
-                    (optimizer.state[p][k].dtype == torch.uint8)
-                    != (optimizer._state_dtype(group, k, p) == torch.uint8)
-                    for k in MOMENT_KEYS if k in optimizer.state[p]):
+            state = optimizer.state[p]
+            remainder = optimizer.keeps_remainder(p, group)  # (raises for an fp16 parameter)
+            if remainder and getattr(state.get(MASTER_KEY), "grad", None) is not None:
+                raise RuntimeError(f"{name}: store_param_remainders set on a param group between "
+                                   "give_master_grads() and step(); set it before or after")
+            if is_sharded(p) and any((state[k].dtype == torch.uint8)
+                                     != (optimizer._state_dtype(group, k, p) == torch.uint8)
+                                     for k in MOMENT_KEYS if k in state):
                 raise NotImplementedError(
                     f"{name}: a param group's moments set to or from 8-bit mid-run on sharded "
                     "(DTensor) parameters; convert the storage in one process (save, build the "
                     "optimizer with the new options, load)")
+    return changed
+
+
+def follow_storage(optimizer, changed: list) -> None:
+    """The state of the ``changed`` groups (``storage_changes``) in their new storage, converted
+    as a load converts a checkpoint's; the watch keeps the optimizer's current groups."""
     for group in changed:
         for p in (p for p in group["params"] if optimizer.state.get(p)):
             state = optimizer.state[p]
@@ -110,5 +124,7 @@ def follow_storage(optimizer) -> None:
                 if master is None:
                     master = join_remainder(p.detach(), state[REMAINDER_KEY])
                 load_master(optimizer, p, state, group, {MASTER_KEY: master})
-    if changed or len(seen) != len(optimizer.param_groups):
+    seen = optimizer.__dict__.get("_storage_seen", ())
+    if changed or len(seen) != len(optimizer.param_groups) or any(
+            a is not b for a, (b, _) in zip(optimizer.param_groups, seen)):
         note_storage(optimizer)

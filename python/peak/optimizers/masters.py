@@ -511,6 +511,8 @@ def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None
             master = optimizer.state.get(p, {}).get(MASTER_KEY)
             check = master is not None and via_torch and p not in kept
             weight_loaded(p, joined.get(p), check)
+            if p in kept:  # (it goes with this weight: a weight written after the load wins)
+                note_weight(p)
             if master is not None and not via_torch and joined.get(p) is None and p not in kept:
                 refresh[0].append(local_shard(master))
                 refresh[1].append(local_shard(p))
