@@ -46,10 +46,11 @@ void sweep_cache() {
 at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache) {
   ThreadState& tls_ = tls;  // one TLS lookup (see the note on `tls` in state.h)
   if (t.scalar_type() == to) return t;
-  // (an inference tensor, e.g. a weight made under inference mode, has no version counter)
+  // (an inference tensor, e.g. a weight made under inference mode, has no version counter; a
+  // torch.func wrapper has no storage to key by)
   const bool cacheable = use_cache && t.scalar_type() == at::ScalarType::Float && t.is_leaf() &&
                          t.requires_grad() && !t.is_view() && !c10::InferenceMode::is_enabled() &&
-                         !t.is_inference();
+                         !t.is_inference() && t.has_storage();
   if (!cacheable) {
     ++tls_.casts;
     return t.to(to);

@@ -310,10 +310,9 @@ PyObject* write_back(PyObject* result, const std::vector<Copy>& copies) {
     if (version_of(c.cast) != c.version) written.push_back(&c);
   }
   if (!result || written.empty()) return result;
-  {
-    at::NoGradGuard no_grad;
-    for (const Copy* c : written) THPVariable_Unpack(c->orig).copy_(c->cast);
-  }
+  // Recorded by autograd (as torch records an in-place op): the caller's tensor now holds what
+  // the op computed, and its gradient flows through the op and the cast.
+  for (const Copy* c : written) THPVariable_Unpack(c->orig).copy_(c->cast);
   if (PyObject* orig = written_orig(result, written)) {
     Py_INCREF(orig);
     Py_DECREF(result);

@@ -45,9 +45,11 @@ const char* const kTorchFp32[] = {"acos", "asin", "cosh", "erfinv", "exp", "expm
                                   "log10", "log2", "reciprocal", "rsqrt", "sinh", "tan", "pow",
                                   "cumprod", "cumsum", "dist", "norm", "prod", "std", "sum",
                                   "var", "renorm"};
+// vdot beside Apex's list: torch's spectral_norm parametrization takes vdot(u, mv(W, v)), with mv
+// on the low list.
 const char* const kTorchCasts[] = {"addcdiv", "addcmul", "atan2", "cross", "bilinear", "dot",
-                                   "add", "div", "mul", "eq", "equal", "ge", "gt", "le", "lt",
-                                   "ne"};
+                                   "vdot", "add", "div", "mul", "eq", "equal", "ge", "gt", "le",
+                                   "lt", "ne"};
 const char* const kTorchSequenceCasts[] = {"cat", "stack"};
 // RNN entry points (Apex 3.5 patched _VF; nn.LSTM/GRU/RNN call torch._VF.<name>, which is the
 // torch.<name> builtin): their inputs, states and weight lists are cast to the low dtype.

@@ -641,3 +641,45 @@ def test_a_whole_model_and_optimizer_saved_after_initialize_load_and_run(level):
     assert loaded["opt"].step.__self__ is loaded["opt"]
     import weakref
     assert weakref.ref(model.forward)() is model.forward and "bound method" in repr(opt.step)
+
+
+def test_o1_with_a_dynamic_scale_unscales_sparse_gradients():
+    """nn.Embedding(sparse=True) under O1 fp16 with the dynamic loss scale: the sparse gradient
+    is unscaled at the scale_loss exit (it crashed in the multi-tensor kernel) and steps as the
+    unscaled backward's gradient (a power-of-two scale is exact)."""
+    grads = []
+    for scaled in (True, False):
+        torch.manual_seed(0)
+        emb, lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)
+        opt = torch.optim.SGD(list(emb.parameters()) + list(lin.parameters()), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            [emb, lin], opt = amp.initialize([emb, lin], opt, opt_level="O1",
+                                             low_precision_dtype=torch.float16, verbosity=0)
+        loss = lin(emb(torch.tensor([1, 2, 3, 2]))).float().sum() / 1024  # (2**16 fits fp16)
+        if scaled:
+            with amp.scale_loss(loss, opt) as s:
+                s.backward()
+        else:
+            loss.backward()
+        assert emb.weight.grad.is_sparse
+        grads.append(emb.weight.grad.to_dense())
+        before = emb.weight.detach().clone()
+        opt.step()
+        grads.append(emb.weight.detach() - before)
+    assert torch.equal(grads[0], grads[2]) and grads[0].abs().sum() > 0
+    assert torch.equal(grads[1], grads[3]) and grads[1].abs().sum() > 0  # (the steps)
+
+
+def test_o1_runs_the_spectral_norm_parametrization():
+    """torch's spectral_norm parametrization takes vdot(u, mv(W, v)) with mv on O1's low list:
+    vdot promotes (beside Apex's lists), so it runs, as under torch.autocast."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    model = spectral_norm(nn.Linear(6, 6))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", low_precision_dtype="bf16",
+                                verbosity=0)
+    out = model(torch.randn(3, 6))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    assert amp.lists.policy_of(torch.vdot) == "promote"

@@ -355,3 +355,18 @@ def test_set_dispatch_accepts_only_patch():
         lists.set_dispatch("mode")
     with pytest.raises(ValueError, match="dispatch must be 'patch'"):
         lists.set_dispatch("hook")
+
+
+@pytest.mark.parametrize("policy", ["lower", "fp32", "promote"])
+def test_an_in_place_method_given_a_casting_policy_is_refused(policy):
+    """Under O1 an in-place Tensor method with a casting policy would run on a cast copy and lose
+    its write (silently): lists.add and lists.local refuse it and name the policies that write
+    (match_self, inplace_fp32), which stay accepted; dunders are not in-place methods."""
+    for edit in (lambda: lists.add(policy, torch.Tensor.add_),
+                 lambda: lists.local({torch.Tensor.exp_: policy}).__enter__()):
+        with pytest.raises(ValueError, match=r"writes its own tensor.*match_self"):
+            edit()
+    assert lists.policy_of(torch.Tensor.add_) != policy
+    lists.add("match_self", torch.Tensor.add_)
+    lists.add(policy, torch.Tensor.__mul__)
+    lists.reset()

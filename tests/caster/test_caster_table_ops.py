@@ -68,7 +68,7 @@ ABSENT = {
     **{f"Tensor.{n}_": _NO_INPLACE for n in (
         "dist", "norm", "prod", "std", "sum", "var", "conv1d", "conv2d", "conv3d",
         "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc", "prelu",
-        "matmul", "mm", "mv", "bmm", "cross", "bilinear", "dot", "equal")},
+        "matmul", "mm", "mv", "bmm", "cross", "bilinear", "dot", "vdot", "equal")},
 }
 
 
@@ -206,6 +206,7 @@ BUILDERS = {
     "cross": lambda: ((r(4, 3), r(4, 3)), {"dim": 1}),
     "bilinear": lambda: (r(2, 3), r(2, 4), r(5, 3, 4), r(5)),
     "dot": lambda: (r(5), r(5)),
+    "vdot": lambda: (r(5), r(5)),
     "equal": lambda: _equal_pair(),
     # ---- sequence promote
     "cat": lambda: ([r(3, 4), r(2, 4), r(1, 4)],),

@@ -637,3 +637,53 @@ def test_custom_bwd_edits_under_compiled_autograd_are_refused_not_dropped():
         assert "list edits" in str(e)
     else:
         assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("edit", ["lower_exp_", "lower_add_", "fp32_exp_"])
+def test_an_edited_in_place_op_is_recorded_by_autograd(edit):
+    """What an edited in-place op wrote back into the caller's tensor carries its gradient: the
+    same as the op run by hand on the cast copy and copied back (the write-back once ran outside
+    autograd, and the gradient skipped the op)."""
+    low = torch.bfloat16
+    x = torch.tensor([0.5, 1.0, -0.25], requires_grad=True)
+    ref_x = x.detach().clone().requires_grad_()
+    kind, name = edit.split("_", 1)
+    region = {"lower_ops" if kind == "lower" else "fp32_ops": [name]}
+    with amp.autocast("cpu", dtype=low, **region):
+        h = x * 1 if kind == "lower" else (x * 1).to(low)
+        h.exp_() if name == "exp_" else h.add_(x)
+    h.sum().backward()
+    dtype = low if kind == "lower" else torch.float32
+    r = ref_x * 1 if kind == "lower" else (ref_x * 1).to(low)
+    c = r.to(dtype)
+    c = c.exp() if name == "exp_" else c + ref_x.to(dtype)
+    r = r.clone().copy_(c) if kind == "lower" else c.to(low)
+    r.sum().backward()
+    assert torch.equal(h.detach(), r.detach())
+    assert torch.equal(x.grad, ref_x.grad) and not torch.equal(x.grad, torch.ones(3))
+
+
+@pytest.mark.parametrize("where", ["O1", "region"])
+def test_torch_func_transforms_run_under_casting(where):
+    """torch.func.grad and vjp take wrapped tensors without storage: they cast without the
+    weight-cast cache (which keys by storage), as torch.autocast lets them run."""
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+
+    def f(w):
+        return F.linear(x, w).float().sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.func.grad(f)(w)
+    if where == "O1":
+        _caster.enable(torch.bfloat16)
+        try:
+            got = torch.func.grad(f)(w)
+            _, vjp = torch.func.vjp(f, w)
+        finally:
+            _caster.disable()
+    else:
+        with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["linear"]):
+            got = torch.func.grad(f)(w)
+            _, vjp = torch.func.vjp(f, w)
+    assert_bitwise_equal(got, expected)
+    assert vjp(torch.tensor(1.0))[0].shape == w.shape

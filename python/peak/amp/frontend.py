@@ -281,8 +281,7 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
 
 
 def state_dict(destination=None):
-    """Every loss scaler's state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int},
-    ...}``."""
+    """Each loss scaler's state: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}}``."""
     _require_initialized("amp.state_dict()")
     destination = OrderedDict() if destination is None else destination
     for idx, scaler in enumerate(_amp_state.loss_scalers):

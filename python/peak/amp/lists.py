@@ -24,9 +24,15 @@ POLICIES = _caster.POLICIES
 _unwrap = _caster.unwrap
 
 
-def _code(policy) -> int:
+def _code(policy, fn=None) -> int:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
+    name = getattr(fn, "__name__", "")  # (an in-place method, not a dunder, of torch.Tensor)
+    if policy in ("lower", "fp32", "promote") and name[-1:] == "_" != name[-2:-1] and (
+            _unwrap(getattr(torch.Tensor, name, None)) is _unwrap(fn)):
+        raise ValueError(f"torch.Tensor.{name} writes its own tensor, which {policy!r} would cast "
+                         f"and lose: give it 'match_self' or 'inplace_fp32', or list "
+                         f"torch.Tensor.{name[:-1]}")
     return _caster.CODES[policy]
 
 
@@ -63,6 +69,7 @@ def add(policy: str, *funcs) -> None:
                         "e.g. lists.add('fp32', torch.nn.functional.gelu)")
     for fn in funcs:
         _check_callable(fn, torch_own=True)
+        _code(policy, fn)
     _caster.set_policies([_unwrap(fn) for fn in funcs], code)
 
 
@@ -104,7 +111,7 @@ def local(edits: dict):
     codes = {}
     for fn, policy in edits.items():
         _check_callable(fn, "edits key", torch_own=True)
-        codes[_unwrap(fn)] = 0 if policy is None else _code(policy)
+        codes[_unwrap(fn)] = 0 if policy is None else _code(policy, fn)
     _caster.push_edits(codes)
     try:
         yield
@@ -124,14 +131,11 @@ def reset() -> None:
 
 
 def set_dispatch(dispatch: str) -> None:
-    """Kept for scripts written for earlier peak: accepts only ``"patch"``, O1's one dispatch
-    (the ``"mode"`` dispatch was removed: docs/caster.md, "One dispatch")."""
-    if dispatch == "mode":
-        raise ValueError("lists.set_dispatch('mode'): the TorchFunctionMode dispatch was removed; "
-                         "O1 always uses the patch dispatch, which casts the same ops at lower "
-                         "cost. Delete the set_dispatch call (see docs/caster.md, 'One dispatch')")
-    if dispatch != "patch":
-        raise ValueError(f"dispatch must be 'patch' (O1's only dispatch), got {dispatch!r}")
+    """Kept for earlier peak's scripts: takes only ``"patch"``, O1's one dispatch."""
+    if dispatch != "patch":  # (the TorchFunctionMode dispatch 'mode' was removed)
+        raise ValueError(f"lists.set_dispatch({dispatch!r}): dispatch must be 'patch' (O1's only "
+                         "one: docs/caster.md, 'One dispatch'; 'mode' was removed). Delete the "
+                         "call")
 
 
 def set_allow_banned(allow: bool) -> None:

@@ -260,6 +260,13 @@ class MasterWeights:
         for p, g in zip(self.own_params, stash):
             if p.grad is None:
                 p.grad = g
+            elif p.grad.is_sparse:  # (nn.Embedding(sparse=True): unscaled on its values, coalesced
+                if p.grad.dtype in LOW_DTYPES:  # where duplicates may overflow only once summed)
+                    p.grad = p.grad.coalesce()
+                values = [p.grad._values()]
+                scaler.unscale(values, values)
+                p.grad = p.grad if g is None else p.grad + g
+                self.took_grads = True
             else:
                 rows.append((p.grad, g, p.grad))
         # (FSDP2: every DTensor to its local shard, one by one: some parameters may not be sharded)
