@@ -61,7 +61,8 @@ at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache) {
   if (it != tls_.cache.end()) {
     const CacheEntry& e = it->second;
     if (!e.source.expired() && e.version == version && e.data == t.data_ptr() &&
-        !e.used->load(std::memory_order_relaxed)) {
+        !e.used->load(std::memory_order_relaxed) &&
+        e.cast.unsafeGetTensorImpl()->version_counter().current_version() == e.cast_version) {
       ++tls_.hits;
       return e.cast;
     }
@@ -76,9 +77,10 @@ at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache) {
     ++tls_.stores;
     auto used = std::make_shared<std::atomic<bool>>(false);
     out.grad_fn()->add_pre_hook(std::make_unique<MarkUsedOnBackward>(used));
+    const uint32_t cast_version = out.unsafeGetTensorImpl()->version_counter().current_version();
     tls_.cache.emplace(key, CacheEntry{c10::weak_intrusive_ptr<c10::TensorImpl>(
                                           t.getIntrusivePtr()),
-                                      version, t.data_ptr(), std::move(used), out});
+                                      version, t.data_ptr(), std::move(used), out, cast_version});
   }
   return out;
 }

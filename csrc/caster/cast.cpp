@@ -5,11 +5,10 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/autocast_mode.h>
-#include <c10/core/InferenceMode.h>
-#include <c10/core/DispatchKeySet.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
-
 #include <ATen/core/grad_mode.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
 #include <optional>
@@ -17,17 +16,6 @@
 
 namespace peak::caster {
 namespace {
-
-// A cast made for a region edit: written back if the op wrote into it (out of place for the
-// caller: `out=`, an in-place op).
-struct Copy {
-  PyObject* orig;  // borrowed: the call's arguments hold it
-  at::Tensor cast;
-  uint32_t version;
-};
-uint32_t version_of(const at::Tensor& t) {
-  return t.unsafeGetTensorImpl()->version_counter().current_version();
-}
 
 // A cast rule applied to every eligible tensor found in an argument tree.
 struct Rule {
@@ -291,51 +279,6 @@ struct AutocastOff {
   c10::DeviceType device;
   bool was;
 };
-
-// The caller's tensor for a cast copy the op wrote into (borrowed), or nullptr.
-PyObject* written_orig(PyObject* r, const std::vector<const Copy*>& written) {
-  if (!THPVariable_Check(r)) return nullptr;
-  const c10::TensorImpl* impl = THPVariable_Unpack(r).unsafeGetTensorImpl();
-  for (const Copy* c : written) {
-    if (c->cast.unsafeGetTensorImpl() == impl) return c->orig;
-  }
-  return nullptr;
-}
-
-// NOTE: [Region edits]: copies back what the op wrote into cast copies; returns `result`, or the
-// caller's tensors where it returned a written copy (steals `result`).
-PyObject* write_back(PyObject* result, const std::vector<Copy>& copies) {
-  std::vector<const Copy*> written;
-  for (const Copy& c : copies) {
-    if (version_of(c.cast) != c.version) written.push_back(&c);
-  }
-  if (!result || written.empty()) return result;
-  // Recorded by autograd (as torch records an in-place op): the caller's tensor now holds what
-  // the op computed, and its gradient flows through the op and the cast.
-  for (const Copy* c : written) THPVariable_Unpack(c->orig).copy_(c->cast);
-  if (PyObject* orig = written_orig(result, written)) {
-    Py_INCREF(orig);
-    Py_DECREF(result);
-    return orig;
-  }
-  const bool is_tuple = PyTuple_CheckExact(result), is_list = PyList_CheckExact(result);
-  if (!is_tuple && !is_list) return result;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(result);
-  PyObject* out = is_tuple ? PyTuple_New(n) : PyList_New(n);
-  if (!out) {
-    Py_DECREF(result);
-    return nullptr;
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PySequence_Fast_GET_ITEM(result, i);
-    PyObject* orig = written_orig(item, written);
-    PyObject* keep = orig ? orig : item;
-    Py_INCREF(keep);
-    if (is_tuple) PyTuple_SET_ITEM(out, i, keep); else PyList_SET_ITEM(out, i, keep);
-  }
-  Py_DECREF(result);
-  return out;
-}
 
 // NOTE: [Region edits]: a region's edit `p` (kFp32 or kLower) of `func`, called.
 PyObject* apply_region(Policy p, const Frame& f, bool own, PyObject* func, PyObject* args,

@@ -5,6 +5,8 @@
 
 #include <Python.h>
 
+#include <vector>
+
 #include "policy.h"
 #include "state.h"
 
@@ -18,6 +20,18 @@ at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache);
 // torch.autocast, if also on, does not re-cast this op). New reference or nullptr.
 // `g`: whose state casts (its low dtype, allow_banned; its own state may use the cache).
 PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs, const Gate& g);
+
+// A cast made for a region edit: written back if the op wrote into it (`out=`, an in-place op).
+struct Copy {
+  PyObject* orig;  // borrowed: the call's arguments hold it
+  at::Tensor cast;
+  uint32_t version;
+};
+uint32_t version_of(const at::Tensor& t);
+
+// What the op wrote into `copies`, copied back into the caller's tensors (write_back.cpp): returns
+// `result`, or the caller's tensors where it returned a written copy (steals `result`).
+PyObject* write_back(PyObject* result, const std::vector<Copy>& copies);
 
 // The call of a wrapped torch callable (`orig`), vectorcall convention.
 PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyObject* kwnames);

@@ -54,6 +54,7 @@ struct CacheEntry {
   const void* data;                                  // the source's data pointer when cast
   std::shared_ptr<std::atomic<bool>> used;           // backward went through the cast
   at::Tensor cast;
+  uint32_t cast_version;  // the cast's own: an in-place op on it (an edited region's) drops it
 };
 
 // One list-edit frame: a peak.amp.lists.local block's edits (acting where O1 casts), or a region

@@ -683,3 +683,31 @@ def test_o1_runs_the_spectral_norm_parametrization():
     out = model(torch.randn(3, 6))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     assert amp.lists.policy_of(torch.vdot) == "promote"
+
+
+def test_o1_unscales_sparse_gradients_that_share_values_once():
+    """Token and position embeddings added together: autograd gives both sparse gradients values
+    that may share memory; each is unscaled once (in its own copy), as the fp32 gradients, and an
+    optimizer with only sparse parameters does not warn that it got no gradient."""
+    torch.manual_seed(0)
+    tok, pos, lin = (nn.Embedding(10, 4, sparse=True), nn.Embedding(8, 4, sparse=True),
+                     nn.Linear(4, 1))
+    ref = copy.deepcopy([tok, pos, lin])
+    opt = torch.optim.SGD([*tok.parameters(), *pos.parameters()], lr=0.1)
+    opt_lin = torch.optim.SGD(lin.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        [tok, pos, lin], [opt, opt_lin] = amp.initialize(
+            [tok, pos, lin], [opt, opt_lin], opt_level="O1", low_precision_dtype=torch.float16,
+            verbosity=0)
+    idx, at = torch.tensor([1, 2, 3, 2]), torch.arange(4)
+    loss = lin(tok(idx) + pos(at)).float().sum() / 1024
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp.scale_loss(loss, [opt, opt_lin]) as s:
+            s.backward()
+    with amp.disable_casts():
+        (ref[2](ref[0](idx) + ref[1](at)).sum() / 1024).backward()
+    for m, r in zip((tok, pos), ref):
+        torch.testing.assert_close(m.weight.grad.to_dense(), r.weight.grad.to_dense(),
+                                   rtol=2e-3, atol=0)

@@ -363,7 +363,8 @@ def test_an_in_place_method_given_a_casting_policy_is_refused(policy):
     its write (silently): lists.add and lists.local refuse it and name the policies that write
     (match_self, inplace_fp32), which stay accepted; dunders are not in-place methods."""
     for edit in (lambda: lists.add(policy, torch.Tensor.add_),
-                 lambda: lists.local({torch.Tensor.exp_: policy}).__enter__()):
+                 lambda: lists.local({torch.Tensor.exp_: policy}).__enter__(),
+                 lambda: lists.add(policy, torch.exp_), lambda: lists.add(policy, F.relu_)):
         with pytest.raises(ValueError, match=r"writes its own tensor.*match_self"):
             edit()
     assert lists.policy_of(torch.Tensor.add_) != policy

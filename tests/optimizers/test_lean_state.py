@@ -803,3 +803,29 @@ def test_a_refused_storage_change_consumes_nothing():
         sgd.step()
     sgd.param_groups[0]["store_param_remainders"] = False
     sgd.step()
+
+
+def test_remainders_switched_off_with_fp32_sums_pending_keep_both():
+    """store_param_remainders switched off while accumulate_grads' fp32 sums wait: the step
+    converts the remainder into the exact fp32 master first, then steps the exact sum (the
+    reference: a checkpoint loaded into fp32 masters, then the same accumulation)."""
+    def grad(step):
+        return torch.randn(600, generator=torch.Generator().manual_seed(10 + step)).to(BF16)
+
+    p = torch.nn.Parameter(torch.randn(600, generator=torch.Generator().manual_seed(1)).to(BF16))
+    opt = FusedAdam([p], lr=1e-2, store_param_remainders=True)
+    p.grad = grad(0)
+    opt.step()
+    saved = copy.deepcopy({"w": p.detach().clone(), "opt": opt.state_dict()})
+    q = torch.nn.Parameter(saved["w"].clone())
+    ref = FusedAdam([q], lr=1e-2)
+    ref.load_state_dict(saved["opt"])
+    for o, t in ((opt, p), (ref, q)):
+        for step in (1, 2):
+            t.grad = grad(step)
+            o.accumulate_grads()
+    opt.param_groups[0]["store_param_remainders"] = False
+    opt.step()
+    ref.step()
+    assert torch.equal(p.detach(), q.detach())
+    assert torch.equal(opt.state[p]["master_param"], ref.state[q]["master_param"])

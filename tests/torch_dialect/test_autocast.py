@@ -687,3 +687,33 @@ def test_torch_func_transforms_run_under_casting(where):
             _, vjp = torch.func.vjp(f, w)
     assert_bitwise_equal(got, expected)
     assert vjp(torch.tensor(1.0))[0].shape == w.shape
+
+
+@pytest.mark.parametrize("transform", ["vmap", "functionalize"])
+def test_an_edited_in_place_op_writes_back_under_torch_func_transforms(transform):
+    """vmap and functionalize keep a tensor's version counter still through an in-place op: the
+    write into the cast copy is found by the op returning it, and reaches the caller's tensor."""
+    x = torch.tensor([[0.5], [1.0], [-0.25]])
+
+    def f(x):
+        h = x * 3
+        h.exp_()
+        return h
+
+    run = torch.vmap(f) if transform == "vmap" else torch.func.functionalize(f)
+    with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["exp_"]):
+        got = run(x)
+    assert torch.equal(got, (x * 3).bfloat16().exp().float())
+
+
+def test_a_refused_write_back_leaves_no_modified_cast_in_the_cache():
+    """An edited in-place op on a weight (a leaf that requires grad) is refused by autograd at the
+    write-back, as torch refuses it; the weight's cached cast, which the op wrote, is not served
+    again."""
+    w, x = torch.nn.Parameter(torch.ones(2, 2)), torch.ones(1, 2)
+    with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["mul_", "linear"]):
+        before = F.linear(x, w)
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            w.mul_(2)
+        assert torch.equal(w.detach(), torch.ones(2, 2))
+        assert torch.equal(F.linear(x, w), before)

@@ -1,6 +1,7 @@
 """peak.amp.GradScaler: torch's contract (errors, state machine, unscale cases, update sequences,
 disabled / lazy behaviour, fused hand-off) and peak's extensions (hysteresis, min/max scale and the
 floor policy, skipped-step visibility, overflow attribution, fp16/bf16 gradients)."""
+import copy
 import warnings
 
 import pytest
@@ -836,3 +837,20 @@ def test_fused_hand_off_gives_fresh_tensors():
         s.step(Rude([p], lr=1.0))
         s.update()
         assert s.get_scale() == 512.0, cls
+
+
+def test_sparse_gradients_that_share_values_are_unscaled_once():
+    """Two embeddings' sparse gradients from one sum may share their values' memory: unscale_
+    unscales each once (a copy), as the unscaled backward's gradients."""
+    torch.manual_seed(0)
+    tok, pos = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Embedding(8, 4, sparse=True)
+    lin = torch.nn.Linear(4, 1)
+    ref = copy.deepcopy([tok, pos, lin])
+    opt = torch.optim.SGD([*tok.parameters(), *pos.parameters()], lr=0.1)
+    s = amp.GradScaler("cpu", init_scale=1024.0)
+    idx, at = torch.tensor([1, 2, 3, 2]), torch.arange(4)
+    s.scale(lin(tok(idx) + pos(at)).sum()).backward()
+    s.unscale_(opt)
+    ref[2](ref[0](idx) + ref[1](at)).sum().backward()
+    for m, r in zip((tok, pos), ref):
+        assert torch.equal(m.weight.grad.to_dense(), r.weight.grad.to_dense())

@@ -27,12 +27,10 @@ _unwrap = _caster.unwrap
 def _code(policy, fn=None) -> int:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
-    name = getattr(fn, "__name__", "")  # (an in-place method, not a dunder, of torch.Tensor)
-    if policy in ("lower", "fp32", "promote") and name[-1:] == "_" != name[-2:-1] and (
-            _unwrap(getattr(torch.Tensor, name, None)) is _unwrap(fn)):
-        raise ValueError(f"torch.Tensor.{name} writes its own tensor, which {policy!r} would cast "
-                         f"and lose: give it 'match_self' or 'inplace_fp32', or list "
-                         f"torch.Tensor.{name[:-1]}")
+    name = getattr(fn, "__name__", "")  # (torch's in-place naming: exp_, Tensor.add_; no dunder)
+    if policy not in ("match_self", "inplace_fp32") and name[-1:] == "_" != name[-2:-1]:
+        raise ValueError(f"{name} writes its own tensor, which {policy!r} would cast and lose "
+                         f"the write: give it 'match_self' or 'inplace_fp32', or list {name[:-1]}")
     return _caster.CODES[policy]
 
 

@@ -301,11 +301,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"{type(self).__name__}.step(): {name} must be a one-element "
                                 f"floating tensor on the parameters' device, got {t!r}; e.g. "
                                 f"{name}=torch.tensor([1.0], device=...)")
-        changed_storage = storage_changes(self)  # (checked before anything changes)
+        follow_storage(self, storage_changes(self))  # (all checked before any state converts)
         take_fp32_sums(self, grad_scale)
         weights_settled()
         self._check_steppable()
-        follow_storage(self, changed_storage)
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
             agree_on_overflow(self, {found_inf.device: found_inf})  # flag too

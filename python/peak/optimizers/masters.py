@@ -256,17 +256,19 @@ class MasterWeights:
                 if earlier is None:
                     m.grad = torch.empty_like(m)
                 rows.append((p.grad, earlier, m.grad))
-        stash = self._grad_stash or [None] * len(self.own_params)
+        stash, sparse = self._grad_stash or [None] * len(self.own_params), False
         for p, g in zip(self.own_params, stash):
             if p.grad is None:
                 p.grad = g
-            elif p.grad.is_sparse:  # (nn.Embedding(sparse=True): unscaled on its values, coalesced
-                if p.grad.dtype in LOW_DTYPES:  # where duplicates may overflow only once summed)
-                    p.grad = p.grad.coalesce()
+            elif p.grad.is_sparse:  # (nn.Embedding(sparse=True): unscaled on its values, in a
+                # copy (two embeddings' gradients may share values), coalesced where duplicates
+                # may overflow only once summed)
+                low = p.grad.dtype in LOW_DTYPES
+                p.grad = (p.grad.coalesce() if low else p.grad).clone()
                 values = [p.grad._values()]
                 scaler.unscale(values, values)
                 p.grad = p.grad if g is None else p.grad + g
-                self.took_grads = True
+                sparse = True
             else:
                 rows.append((p.grad, g, p.grad))
         # (FSDP2: every DTensor to its local shard, one by one: some parameters may not be sharded)
@@ -278,8 +280,8 @@ class MasterWeights:
         if acc:
             scaler.unscale_with_stashed(*([r[i] for r in acc] for i in range(3)))
         self._grad_stash = None
-        self.took_grads |= bool(rows)
-        return bool(rows)
+        self.took_grads |= bool(rows) or sparse
+        return bool(rows) or sparse
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The model params' gradients, after the optimizer's ``zero_grad`` cleared the masters'.
