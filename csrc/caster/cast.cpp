@@ -286,10 +286,11 @@ PyObject* apply_region(Policy p, const Frame& f, bool own, PyObject* func, PyObj
   PyObject* out = kwargs ? PyDict_GetItemString(kwargs, "out") : nullptr;  // borrowed
   if (out && out != Py_None) return call_into_out(func, args, kwargs, out);
   const bool lower = p == Policy::kLower;
+  const bool in_place = named_in_place(func);  // (its copy of self is written: not a cached cast)
   std::vector<Copy> copies;
   const Rule rule{lower ? at::autocast::get_autocast_dtype(f.device) : at::ScalarType::Float,
-                  own && lower && at::autocast::is_autocast_cache_enabled(), false, f.device,
-                  &copies};
+                  own && lower && !in_place && at::autocast::is_autocast_cache_enabled(), false,
+                  f.device, &copies};
   PyObject* new_args = nullptr;
   PyObject* new_kwargs = nullptr;
   if (f.input_only.count(func)) {  // only the input: args[0], or input=
@@ -330,7 +331,7 @@ PyObject* apply_region(Policy p, const Frame& f, bool own, PyObject* func, PyObj
   }
   Py_XDECREF(new_args);
   Py_XDECREF(new_kwargs);
-  return write_back(result, copies);
+  return write_back(result, copies, in_place);
 }
 
 // NOTE: [Nothing-to-cast fast path]

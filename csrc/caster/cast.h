@@ -29,9 +29,12 @@ struct Copy {
 };
 uint32_t version_of(const at::Tensor& t);
 
+// Whether `func` is named as torch names an in-place op (`exp_`, `Tensor.add_`; not a dunder).
+bool named_in_place(PyObject* func);
+
 // What the op wrote into `copies`, copied back into the caller's tensors (write_back.cpp): returns
 // `result`, or the caller's tensors where it returned a written copy (steals `result`).
-PyObject* write_back(PyObject* result, const std::vector<Copy>& copies);
+PyObject* write_back(PyObject* result, const std::vector<Copy>& copies, bool in_place);
 
 // The call of a wrapped torch callable (`orig`), vectorcall convention.
 PyObject* patched_call(PyObject* orig, PyObject* const* a, Py_ssize_t nargs, PyObject* kwnames);

@@ -21,22 +21,32 @@ PyObject* written_orig(PyObject* r, const std::vector<const Copy*>& written) {
 
 }  // namespace
 
+bool named_in_place(PyObject* func) {
+  PyObject* name = PyObject_GetAttrString(func, "__name__");
+  Py_ssize_t n = 0;
+  const char* s = name && PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &n) : nullptr;
+  const bool in_place = s && n >= 2 && s[n - 1] == '_' && s[n - 2] != '_';
+  Py_XDECREF(name);
+  PyErr_Clear();
+  return in_place;
+}
+
 uint32_t version_of(const at::Tensor& t) {
   return t.unsafeGetTensorImpl()->version_counter().current_version();
 }
 
 // NOTE: [Region edits]: copies back what the op wrote into cast copies (its version moved; or,
-// under vmap or functionalize, whose in-place ops keep versions still, the op returned it), as
-// autograd records an in-place op; returns `result`, or the caller's tensors where it returned a
-// written copy (steals `result`).
-PyObject* write_back(PyObject* result, const std::vector<Copy>& copies) {
+// under vmap or functionalize, whose in-place ops keep versions still, an `in_place` op returned
+// it), as autograd records an in-place op; returns `result`, or the caller's tensors where it
+// returned a written copy (steals `result`).
+PyObject* write_back(PyObject* result, const std::vector<Copy>& copies, bool in_place) {
   static const c10::DispatchKeySet kTransforms{c10::DispatchKey::FuncTorchBatched,
                                                c10::DispatchKey::Functionalize};
   const c10::TensorImpl* returned =
       result && THPVariable_Check(result) ? THPVariable_Unpack(result).unsafeGetTensorImpl() : 0;
   std::vector<const Copy*> written;
   for (const Copy& c : copies) {
-    if (version_of(c.cast) != c.version || (c.cast.unsafeGetTensorImpl() == returned &&
+    if (version_of(c.cast) != c.version || (in_place && c.cast.unsafeGetTensorImpl() == returned &&
                                              c.cast.key_set().has_any(kTransforms))) {
       written.push_back(&c);
     }

@@ -706,14 +706,32 @@ def test_an_edited_in_place_op_writes_back_under_torch_func_transforms(transform
     assert torch.equal(got, (x * 3).bfloat16().exp().float())
 
 
-def test_a_refused_write_back_leaves_no_modified_cast_in_the_cache():
+def test_an_edited_in_place_op_on_a_weight_leaves_its_cached_cast_alone():
     """An edited in-place op on a weight (a leaf that requires grad) is refused by autograd at the
-    write-back, as torch refuses it; the weight's cached cast, which the op wrote, is not served
-    again."""
-    w, x = torch.nn.Parameter(torch.ones(2, 2)), torch.ones(1, 2)
+    write-back, as torch refuses it; it wrote a copy of its own, not the weight's cached cast, so
+    the earlier forward's graph and later forwards are as they were."""
+    w, x = torch.nn.Parameter(torch.ones(2, 2)), torch.ones(1, 2, requires_grad=True)
     with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["mul_", "linear"]):
         before = F.linear(x, w)
         with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
             w.mul_(2)
         assert torch.equal(w.detach(), torch.ones(2, 2))
         assert torch.equal(F.linear(x, w), before)
+    before.float().sum().backward()
+    assert torch.equal(w.grad, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("transform", ["vmap", "functionalize"])
+def test_an_edited_op_returning_its_input_does_not_write_back(transform):
+    """Under vmap and functionalize an edited op that returns its (cast) input unchanged
+    (dropout in eval mode) leaves the caller's tensor alone and returns the cast, as eagerly."""
+    x = torch.tensor([[0.1], [1 / 3], [-0.7]])
+    before = x.clone()
+
+    def f(v):
+        return F.dropout(v, p=0.5, training=False)
+
+    run = torch.vmap(f) if transform == "vmap" else torch.func.functionalize(f)
+    with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=[F.dropout]):
+        out = run(x)
+    assert torch.equal(x, before) and out.dtype == torch.bfloat16

@@ -27,8 +27,9 @@ _unwrap = _caster.unwrap
 def _code(policy, fn=None) -> int:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
-    name = getattr(fn, "__name__", "")  # (torch's in-place naming: exp_, Tensor.add_; no dunder)
-    if policy not in ("match_self", "inplace_fp32") and name[-1:] == "_" != name[-2:-1]:
+    name = getattr(fn, "__name__", "")  # (exp_, add_: in place; a table entry may come again)
+    if policy not in ("match_self", "inplace_fp32") and name[-1:] == "_" != name[-2:-1] and (
+            _c.get_policy(_unwrap(fn)) != _caster.CODES[policy]):
         raise ValueError(f"{name} writes its own tensor, which {policy!r} would cast and lose "
                          f"the write: give it 'match_self' or 'inplace_fp32', or list {name[:-1]}")
     return _caster.CODES[policy]
@@ -174,6 +175,7 @@ def _register(module, name, policy: str) -> None:
         raise TypeError(f"{module!r}.{name} is a {type(getattr(module, name)).__name__}, not a "
                         "function: register_*_function takes the name of a function to cast the "
                         "arguments of")
+    _code(policy, getattr(module, name))
     _caster.register(module, name, policy)
 
 
