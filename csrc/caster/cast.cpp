@@ -286,7 +286,7 @@ PyObject* apply_region(Policy p, const Frame& f, bool own, PyObject* func, PyObj
   PyObject* out = kwargs ? PyDict_GetItemString(kwargs, "out") : nullptr;  // borrowed
   if (out && out != Py_None) return call_into_out(func, args, kwargs, out);
   const bool lower = p == Policy::kLower;
-  const bool in_place = named_in_place(func);  // (its copy of self is written: not a cached cast)
+  const bool in_place = in_place_call(func, kwargs);  // (its copy is written: not a cached cast)
   std::vector<Copy> copies;
   const Rule rule{lower ? at::autocast::get_autocast_dtype(f.device) : at::ScalarType::Float,
                   own && lower && !in_place && at::autocast::is_autocast_cache_enabled(), false,

@@ -29,8 +29,9 @@ struct Copy {
 };
 uint32_t version_of(const at::Tensor& t);
 
-// Whether `func` is named as torch names an in-place op (`exp_`, `Tensor.add_`; not a dunder).
-bool named_in_place(PyObject* func);
+// Whether the call writes its input: `func` named as torch names an in-place op (`exp_`,
+// `Tensor.add_`, `__iadd__`), or called with `inplace=True` (`F.relu`).
+bool in_place_call(PyObject* func, PyObject* kwargs);
 
 // What the op wrote into `copies`, copied back into the caller's tensors (write_back.cpp): returns
 // `result`, or the caller's tensors where it returned a written copy (steals `result`).

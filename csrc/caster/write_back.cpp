@@ -6,6 +6,9 @@
 
 #include <c10/core/DispatchKeySet.h>
 
+#include <string>
+#include <unordered_set>
+
 namespace peak::caster {
 namespace {
 
@@ -21,11 +24,17 @@ PyObject* written_orig(PyObject* r, const std::vector<const Copy*>& written) {
 
 }  // namespace
 
-bool named_in_place(PyObject* func) {
+bool in_place_call(PyObject* func, PyObject* kwargs) {
+  static const std::unordered_set<std::string> kInPlaceDunders{
+      "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+      "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__idiv__"};
+  PyObject* flag = kwargs ? PyDict_GetItemString(kwargs, "inplace") : nullptr;  // borrowed
+  if (flag == Py_True) return true;
   PyObject* name = PyObject_GetAttrString(func, "__name__");
   Py_ssize_t n = 0;
   const char* s = name && PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &n) : nullptr;
-  const bool in_place = s && n >= 2 && s[n - 1] == '_' && s[n - 2] != '_';
+  const bool in_place = s && n >= 2 && ((s[n - 1] == '_' && s[n - 2] != '_') ||
+                                        kInPlaceDunders.count(std::string(s, n)));
   Py_XDECREF(name);
   PyErr_Clear();
   return in_place;
@@ -36,7 +45,7 @@ uint32_t version_of(const at::Tensor& t) {
 }
 
 // NOTE: [Region edits]: copies back what the op wrote into cast copies (its version moved; or,
-// under vmap or functionalize, whose in-place ops keep versions still, an `in_place` op returned
+// under vmap or functionalize, whose in-place ops keep versions still, an `in_place` call returned
 // it), as autograd records an in-place op; returns `result`, or the caller's tensors where it
 // returned a written copy (steals `result`).
 PyObject* write_back(PyObject* result, const std::vector<Copy>& copies, bool in_place) {

@@ -369,6 +369,9 @@ def test_an_in_place_method_given_a_casting_policy_is_refused(policy):
             edit()
     with pytest.raises(ValueError, match=r"writes its own tensor"):
         lists.register_float_function(torch, "exp_")
+    import types  # (a user's function named with a trailing underscore is not torch's in-place)
+    mine = types.SimpleNamespace(lambda_=lambda x: x)
+    lists.register_float_function(mine, "lambda_")
     assert lists.policy_of(torch.Tensor.add_) != policy
     lists.add("match_self", torch.Tensor.add_)
     lists.add(policy, torch.Tensor.__mul__)

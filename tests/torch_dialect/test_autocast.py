@@ -689,32 +689,40 @@ def test_torch_func_transforms_run_under_casting(where):
     assert vjp(torch.tensor(1.0))[0].shape == w.shape
 
 
-@pytest.mark.parametrize("transform", ["vmap", "functionalize"])
-def test_an_edited_in_place_op_writes_back_under_torch_func_transforms(transform):
+@pytest.mark.parametrize("op", ["exp_", "__imul__", "relu_inplace"])
+@pytest.mark.parametrize("transform", ["eager", "vmap", "functionalize"])
+def test_an_edited_in_place_op_writes_back_under_torch_func_transforms(transform, op):
     """vmap and functionalize keep a tensor's version counter still through an in-place op: the
-    write into the cast copy is found by the op returning it, and reaches the caller's tensor."""
+    write into the cast copy is found by the in-place call (a name like exp_ or __imul__, or
+    inplace=True) returning it, and reaches the caller's tensor."""
     x = torch.tensor([[0.5], [1.0], [-0.25]])
+    do = {"exp_": lambda h: h.exp_(), "__imul__": lambda h: h.__imul__(2),
+          "relu_inplace": lambda h: F.relu(h, inplace=True)}[op]
+    ref = {"exp_": torch.exp, "__imul__": lambda h: h * 2, "relu_inplace": torch.relu}[op]
 
     def f(x):
         h = x * 3
-        h.exp_()
-        return h
+        alias = h
+        do(h)
+        return alias
 
-    run = torch.vmap(f) if transform == "vmap" else torch.func.functionalize(f)
-    with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["exp_"]):
-        got = run(x)
-    assert torch.equal(got, (x * 3).bfloat16().exp().float())
+    run = {"eager": f, "vmap": torch.vmap(f), "functionalize": torch.func.functionalize(f)}
+    with amp.autocast("cpu", dtype=torch.bfloat16,
+                      lower_ops=[F.relu if op == "relu_inplace" else op]):
+        got = run[transform](x)
+    assert torch.equal(got, ref((x * 3).bfloat16()).float())
 
 
-def test_an_edited_in_place_op_on_a_weight_leaves_its_cached_cast_alone():
+@pytest.mark.parametrize("op", ["mul_", "__imul__"])
+def test_an_edited_in_place_op_on_a_weight_leaves_its_cached_cast_alone(op):
     """An edited in-place op on a weight (a leaf that requires grad) is refused by autograd at the
     write-back, as torch refuses it; it wrote a copy of its own, not the weight's cached cast, so
     the earlier forward's graph and later forwards are as they were."""
     w, x = torch.nn.Parameter(torch.ones(2, 2)), torch.ones(1, 2, requires_grad=True)
-    with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["mul_", "linear"]):
+    with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=[op, "linear"]):
         before = F.linear(x, w)
         with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-            w.mul_(2)
+            getattr(w, op)(2)
         assert torch.equal(w.detach(), torch.ones(2, 2))
         assert torch.equal(F.linear(x, w), before)
     before.float().sum().backward()

@@ -175,7 +175,8 @@ def _register(module, name, policy: str) -> None:
         raise TypeError(f"{module!r}.{name} is a {type(getattr(module, name)).__name__}, not a "
                         "function: register_*_function takes the name of a function to cast the "
                         "arguments of")
-    _code(policy, getattr(module, name))
+    if _caster.is_interceptable(getattr(module, name)):  # (torch's own: its in-place names)
+        _code(policy, getattr(module, name))
     _caster.register(module, name, policy)
 
 
