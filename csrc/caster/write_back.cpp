@@ -34,7 +34,8 @@ bool in_place_call(PyObject* func, PyObject* kwargs) {
   Py_ssize_t n = 0;
   const char* s = name && PyUnicode_Check(name) ? PyUnicode_AsUTF8AndSize(name, &n) : nullptr;
   const bool in_place = s && n >= 2 && ((s[n - 1] == '_' && s[n - 2] != '_') ||
-                                        kInPlaceDunders.count(std::string(s, n)));
+                                        (n > 4 && s[2] == 'i' && s[0] == '_' &&
+                                         kInPlaceDunders.count(std::string(s, n))));
   Py_XDECREF(name);
   PyErr_Clear();
   return in_place;

@@ -7,6 +7,11 @@ from torch import Tensor
 from .._dtypes import MOMENT_STORAGE, parse_dtype
 
 
+# A group's lean-state options (docs/core.md, "Lean optimizer state").
+LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
+             "moment_rounding")
+
+
 def check_moment_dtype(name, value):
     """A moment storage argument as a dtype: torch.float32, torch.bfloat16 or torch.uint8
     (8-bit block-quantized), or one of their strings ("fp32", "bf16", "8bit"...)."""
@@ -50,13 +55,11 @@ def check_storage(name: str, options: dict, defaults: dict, master_weights) -> d
     """A group's storage options (``options``: the group over the defaults), as the constructor
     checks them: when a group is added, and before state converts to options set on a group
     mid-run. Returns them normalized (dtype strings as dtypes)."""
-    lean_keys = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
-                 "moment_rounding")
-    foreign = [k for k in lean_keys if k in options and k not in defaults]
+    foreign = [k for k in LEAN_KEYS if k in options and k not in defaults]
     if foreign:
         raise ValueError(f"{name} does not take {foreign[0]} (its constructor has no such "
                          "option): remove it from the param group")
-    lean = check_lean({k: options[k] for k in lean_keys if k in options}, master_weights)
+    lean = check_lean({k: options[k] for k in LEAN_KEYS if k in options}, master_weights)
     if options.get("amsgrad") and any(lean.get(k, torch.float32) != torch.float32
                                       for k in ("exp_avg_dtype", "exp_avg_sq_dtype")):
         raise ValueError("amsgrad=True keeps fp32 moments: leave exp_avg_dtype and "

@@ -14,9 +14,10 @@ from torch import Tensor
 from .. import ops
 from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
-from ._arguments import check_bool, check_group, check_lean, check_storage, check_unique
-from ._checkpoint_check import (EIGHT_BIT_LAYOUT, FP32_STATE_KEYS, LEAN_KEYS, MOMENT_KEYS,
-                                SCALE_KEYS, STORAGE_KEYS, check_loadable)
+from ._arguments import (LEAN_KEYS, check_bool, check_group, check_lean, check_storage,
+                         check_unique)
+from ._checkpoint_check import (EIGHT_BIT_LAYOUT, FP32_STATE_KEYS, MOMENT_KEYS, SCALE_KEYS,
+                                STORAGE_KEYS, check_loadable)
 from ._layout import (LayoutWatch, dense, follow_layout, follow_storage, note_storage,
                       storage_changes)
 from ._quant import load_moment, new_state, scale_key, whole_block_rows

@@ -12,7 +12,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ._arguments import check_group
+from ._arguments import LEAN_KEYS, check_group
 from ._quant import FORMATS, num_blocks, scale_key, whole_block_rows
 from .masters import MASTER_KEY, REMAINDER_KEY
 
@@ -29,8 +29,6 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 # The per-block scales of 8-bit moments (``exp_avg_scale``...: _quant.py).
 SCALE_KEYS = tuple(scale_key(k) for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"))
 FP32_STATE_KEYS = ("step", "sum", MASTER_KEY, REMAINDER_KEY) + MOMENT_KEYS + SCALE_KEYS
-LEAN_KEYS = ("store_param_remainders", "exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype",
-             "moment_rounding")
 
 
 def check_loadable(optimizer, state_dict) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._arguments import check_group, check_storage
-from ._checkpoint_check import LEAN_KEYS, MOMENT_KEYS
+from ._arguments import LEAN_KEYS, check_group, check_storage
+from ._checkpoint_check import MOMENT_KEYS
 from ._quant import dequantize, load_moment, scale_key
 from ._sharded import is_sharded
 from .masters import MASTER_KEY, REMAINDER_KEY, follow_weight, join_remainder, load_master

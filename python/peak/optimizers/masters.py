@@ -502,9 +502,12 @@ def masters_before_load(optimizer) -> dict:
 def kept_master(p: Tensor, kept: Tensor) -> Tensor:
     """The fp32 master ``kept`` stands for: a remainder joined with p's weight, or an fp32 master
     where it rounds to the weight and the weight where not (a weight written since it was)."""
-    if kept.dtype == torch.int16:
-        return join_remainder(p.detach(), kept)
-    return torch.where(kept.to(p.dtype) == p.detach(), kept, p.detach().to(torch.float32))
+    return join_remainder(p.detach(), kept) if kept.dtype == torch.int16 else weight_wins(kept, p)
+
+
+def weight_wins(master: Tensor, p: Tensor) -> Tensor:
+    """``master`` where it rounds to p's weight, the weight where not (written since)."""
+    return torch.where(master.to(p.dtype) == p.detach(), master, p.detach().to(torch.float32))
 
 
 def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None:
@@ -555,7 +558,7 @@ def follow_weight(p: Tensor, state: dict) -> None:
                 _watched.add(id(p))
             elif MASTER_KEY in state:
                 master = state[MASTER_KEY]
-                master.copy_(torch.where(master.to(p.dtype) == p, master, p.to(torch.float32)))
+                master.copy_(weight_wins(master, p))
     return note_weight(p)
 
 
