@@ -650,6 +650,35 @@ def test_storage_options_set_on_a_group_mid_run_convert_its_state(change):
         assert torch.equal(opt.state[p][key], value), key
 
 
+@pytest.mark.parametrize("refusal", ["sparse_gradient", "scaled_fp32_sums"])
+def test_a_storage_option_set_before_a_refused_step_converts_nothing(refusal):
+    """A step refused for another reason (a sparse gradient, fp32 sums with a loss scale) leaves a group's changed storage unconverted: set back, the state is as it was,
+    with no round trip through bf16."""
+    p = torch.nn.Parameter(torch.randn(300).to(BF16))
+    opt = FusedAdam([p], lr=1e-2)
+    p.grad = torch.randn(300).to(BF16)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    opt.param_groups[0].update(exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16",
+                               store_param_remainders=True)
+    scale = None
+    if refusal == "sparse_gradient":
+        p.grad = torch.randn(300).to(BF16).to_sparse()
+    else:
+        p.grad = torch.randn(300).to(BF16)
+        opt.accumulate_grads()
+        scale = torch.tensor([2.0])
+    with pytest.raises((RuntimeError, ValueError), match="sparse|accumulated in fp32"):
+        opt.step(grad_scale=scale)
+    assert set(opt.state[p]) == set(before)
+    assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
+    opt.param_groups[0].update(exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                               store_param_remainders=False)
+    p.grad = torch.randn(300).to(BF16)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and "master_param" in opt.state[p]
+
+
 def test_storage_options_follow_through_a_copy_and_only_current_groups_are_watched():
     """An option set on a deepcopy's (or an unpickled optimizer's) group before its first step
     converts its state too; the watch holds the optimizer's current groups only (a replaced

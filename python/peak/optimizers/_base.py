@@ -23,7 +23,7 @@ from ._layout import (LayoutWatch, dense, follow_layout, follow_storage, note_st
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
-from ._fp32_sums import accumulate_fp32, take_fp32_sums
+from ._fp32_sums import accumulate_fp32, check_fp32_sums, take_fp32_sums
 from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
                       kept_master, load_master, master_in_state, masters_before_load,
                       masters_loaded, note_stepped, weights_settled)
@@ -302,8 +302,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"{type(self).__name__}.step(): {name} must be a one-element "
                                 f"floating tensor on the parameters' device, got {t!r}; e.g. "
                                 f"{name}=torch.tensor([1.0], device=...)")
-        follow_storage(self, storage_changes(self))  # (all checked before any state converts)
-        take_fp32_sums(self, grad_scale)
+        check_fp32_sums(self, grad_scale)
+        changed = storage_changes(self)  # (all checked before any state converts)
+        if changed:  # (a step refused after the conversion would leave the state converted)
+            self._check_steppable()
+        follow_storage(self, changed)
+        take_fp32_sums(self)
         weights_settled()
         self._check_steppable()
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])

@@ -22,16 +22,20 @@ def accumulate_fp32(optimizer) -> None:
             p.grad = None
 
 
-def take_fp32_sums(optimizer, grad_scale) -> bool:
-    """Before a step: the fp32 sums become the gradients stepped (NOTE: [fp32 gradient
-    accumulation]); a gradient since the last accumulate_grads() is added first."""
-    sums = optimizer.__dict__.get("_fp32_grad_sums")
-    if not sums:
-        return False
-    if grad_scale is not None:  # (refused before anything changes: the sums stay)
+def check_fp32_sums(optimizer, grad_scale) -> None:
+    if grad_scale is not None and optimizer.__dict__.get("_fp32_grad_sums"):
         raise ValueError(f"{type(optimizer).__name__}.step(): gradients were accumulated in fp32 "
                          "(accumulate_grads), which is for bf16 training without loss scaling; "
                          "with a loss scaler let autograd accumulate, or train in bf16 unscaled")
+
+
+def take_fp32_sums(optimizer) -> bool:
+    """Before a step: the fp32 sums become the gradients stepped (NOTE: [fp32 gradient
+    accumulation]); a gradient since the last accumulate_grads() is added first (after
+    check_fp32_sums, before anything changed)."""
+    sums = optimizer.__dict__.get("_fp32_grad_sums")
+    if not sums:
+        return False
     del optimizer.__dict__["_fp32_grad_sums"]
     for p, total in sums.items():
         if p.grad is not None:
