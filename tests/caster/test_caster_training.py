@@ -360,8 +360,10 @@ def test_register_overrides_builtin(low):
     _caster.enable(low)
     a = torch.randn(2, 2)
     assert torch.mm(a, a).dtype == torch.float32
+    assert lists.policy_of(torch.mm) == "fp32"  # (what it does now, not the built-in list)
     _caster.disable()
     assert lists.policy_of(torch.mm) == "lower"
+    assert lists.policy_of(amp.float_function(lambda x: x)) == "fp32"
 
 
 class _Projector:

@@ -88,11 +88,13 @@ def remove(*funcs) -> None:
 
 
 def policy_of(func) -> str | None:
-    """The policy name of ``func`` in this thread (``local`` edits first), or None if unlisted."""
+    """The policy name of ``func`` in this thread (``local`` edits first; a ``register_*_function``
+    patch or an ``amp.half_function``-style decorator: its own), or None if unlisted."""
     _check_callable(func)
+    if getattr(func, "__peak_cast_policy__", None):
+        return func.__peak_cast_policy__
     _caster.ensure_defaults()
-    code = _c.effective_policy(_unwrap(func))
-    return _NAMES.get(code) if code else None
+    return _NAMES.get(_c.effective_policy(_unwrap(func)))  # (0, unlisted: None)
 
 
 @contextlib.contextmanager

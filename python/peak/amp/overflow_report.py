@@ -18,8 +18,7 @@ class OverflowReport:
     ``iteration``: the index of that iteration (the number of ``update()`` calls before it), or
     ``None`` if no skipped step was seen since overflow attribution was turned on.
     ``parameters``: their names, in optimizer order (``register_model`` names; parameters of no
-    registered model are named ``"<optimizer N>.param_groups[g][i]"``).
-    """
+    registered model are named ``"<optimizer N>.param_groups[g][i]"``)."""
 
     iteration: int | None
     parameters: tuple[str, ...]
