@@ -4,6 +4,9 @@ import re
 
 import pytest
 
+from peak.amp import _caster
+from peak.amp._amp_state import _amp_state
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md"]
 
@@ -21,4 +24,8 @@ def test_readme_has_snippets():
 
 @pytest.mark.parametrize("doc,index,code", CASES, ids=[f"{d.name}#{i}" for d, i, _ in CASES])
 def test_snippet_runs(doc, index, code):
-    exec(compile(code, f"{doc.name}[block {index}]", "exec"), {"__name__": "__snippet__"})
+    try:
+        exec(compile(code, f"{doc.name}[block {index}]", "exec"), {"__name__": "__snippet__"})
+    finally:  # (a block's amp.initialize is over with it, as tests/docs/test_docs_code.py's are)
+        _caster.disable()
+        _amp_state.reset()

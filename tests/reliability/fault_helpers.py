@@ -3,7 +3,7 @@ inf/NaN injected (seeded) into random gradient elements or the loss at random st
 without poison that skips the same steps by construction; checkpoints for the SIGKILL test.
 
 Also runnable as a script (the SIGKILL test's child process):
-    python fault_helpers.py CONFIG STEPS CKPT_PATH OUT_PATH
+    python fault_helpers.py CONFIG STEPS CKPT_PATH OUT_PATH [SLOW_AFTER]
 trains CONFIG for STEPS steps (resuming from CKPT_PATH when it exists), writing CKPT_PATH atomically
 after every step and the final state to OUT_PATH."""
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 
 if __name__ == "__main__":  # the SIGKILL test's child: tests/ (peak_testing) is not on its path
     sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -182,7 +183,9 @@ def _atomic_save(obj, path):
     os.replace(tmp, path)
 
 
-def main(config, steps, ckpt_path, out_path):
+def main(config, steps, ckpt_path, out_path, slow_after=None):
+    """``slow_after``: from that step on, each step waits 50 ms more (the SIGKILL test's window:
+    a parent that lost the CPU for a moment still kills a run in progress)."""
     torch.set_num_threads(1)
     plan = poison_plan(steps, seed=7)
     model, opt, scaler = build(config)
@@ -199,8 +202,11 @@ def main(config, steps, ckpt_path, out_path):
         _atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
                       "step": s + 1}, ckpt_path)
         print(f"step {s + 1}", flush=True)
+        if slow_after is not None and s + 1 >= slow_after:
+            time.sleep(0.05)
     torch.save({"state": state_tensors(model, opt), "scale": scaler.get_scale()}, out_path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4],
+         int(sys.argv[5]) if len(sys.argv) > 5 else None)

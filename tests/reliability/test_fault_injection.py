@@ -72,18 +72,19 @@ def test_the_check_can_fail():
 HERE = Path(__file__).parent
 
 
-def _child(config, steps, ckpt, out):
+def _child(config, steps, ckpt, out, *slow_after):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(HERE / "fault_helpers.py"), config, str(steps), str(ckpt), str(out)],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, str(HERE / "fault_helpers.py"), config, str(steps), str(ckpt), str(out),
+                             *map(str, slow_after)], stdout=subprocess.PIPE, text=True, env=env)
 
 
 @pytest.mark.parametrize("config", ["f16model-FusedAdam", "f32-autocast-f16-Adam"])
 def test_sigkill_then_resume_is_bit_for_bit(config, tmp_path):
     steps, kill_after = 150, 60
     F.main(config, steps, str(tmp_path / "a.ckpt"), str(tmp_path / "a.out"))  # uninterrupted
-    # killed with SIGKILL once it has passed step `kill_after`, then resumed
-    p = _child(config, steps, tmp_path / "b.ckpt", tmp_path / "b.out")
+    # killed with SIGKILL once it has passed step `kill_after` (slowed from there: the kill lands
+    # mid-run even when this process loses the CPU for a while), then resumed
+    p = _child(config, steps, tmp_path / "b.ckpt", tmp_path / "b.out", kill_after)
     for line in p.stdout:
         if line.startswith("step ") and int(line.split()[1]) >= kill_after:
             break

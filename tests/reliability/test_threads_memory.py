@@ -134,7 +134,8 @@ def _concurrently(*jobs):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a training thread did not finish in 300 s"
     assert not errors, errors
 
 
@@ -183,7 +184,8 @@ def test_two_threads_train_as_they_do_alone():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a training thread did not finish in 300 s"
     assert not errors, errors
     assert _same(together["o2"], alone["o2"])
     assert _same(together["scaler"], alone["scaler"])
