@@ -122,11 +122,19 @@ def test_non_scalar_and_non_tensor_loss():
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
 
 
-@pytest.mark.parametrize("loss_id", [1, 5, -1, "0"])
+@pytest.mark.parametrize("loss_id", [1, 5, -1])
 def test_loss_id_out_of_range(loss_id):
     model, opt = _pair()
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
     with pytest.raises(IndexError, match=r"num_losses=1\) created loss scalers 0..0; pass num_losses="):
+        _backward_step(model, opt, loss_id=loss_id)
+
+
+@pytest.mark.parametrize("loss_id", ["0", 0.0, True])
+def test_loss_id_not_an_int(loss_id):
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with pytest.raises(IndexError, match=r"created loss scalers 0..0; .*\(loss_id: an int\)"):
         _backward_step(model, opt, loss_id=loss_id)
 
 

@@ -319,6 +319,57 @@ def test_step_after_a_delayed_exit_is_refused_before_anything_changes(level, opt
     H.assert_bitwise_equal(H.snapshot(model, opt), H.snapshot(ref_model, ref_opt))
 
 
+@pytest.mark.parametrize("opt_name", ["SGD", "FusedSGD"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_delayed_exit_then_another_losss_exit_unscales_each_by_its_own_scale(level, opt_name):
+    """Gradient accumulation over two losses with their own scalers (the GAN recipe):
+    delay_unscale under loss 0 (scale 2**16), then loss 1's exit (scale 2**10) unscales the
+    sum: each part by its own scale, bit for bit as when both passes use loss 1's scaler."""
+    from collections import OrderedDict
+
+    from peak.optimizers import FusedSGD
+
+    opt_cls = FusedSGD if opt_name == "FusedSGD" else torch.optim.SGD
+    model, ref_model = H.make_cnn(), H.make_cnn()
+    opt, ref_opt = (opt_cls(m.parameters(), lr=1e-2) for m in (model, ref_model))
+    H.init([model, ref_model], [opt, ref_opt], level, torch.bfloat16, num_losses=2,
+           loss_scale="dynamic")
+    amp.load_state_dict(OrderedDict(loss_scaler0=OrderedDict(loss_scale=2.0**16, unskipped=0),
+                                    loss_scaler1=OrderedDict(loss_scale=2.0**10, unskipped=0)))
+    for m, o, first_id in ((model, opt, 0), (ref_model, ref_opt, 1)):
+        o.zero_grad()
+        with amp.scale_loss(_loss(m, 0), o, loss_id=first_id, delay_unscale=True) as scaled:
+            scaled.backward()
+        with amp.scale_loss(_loss(m, 1), o, loss_id=1) as scaled:
+            scaled.backward()
+        o.step()
+    H.assert_bitwise_equal(H.snapshot(model, opt), H.snapshot(ref_model, ref_opt))
+    assert [s.loss_scale() for s in _amp_state.loss_scalers] == [2.0**16, 2.0**10]
+
+
+def test_scale_loss_blocks_do_not_nest_and_loss_id_is_an_index():
+    """A block inside another would have the outer exit unscale the inner's gradients again:
+    refused, and the outer block's gradients are put back; a numpy integer is a loss_id."""
+    import numpy as np
+
+    model, ref_model = H.make_cnn(), H.make_cnn()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, ref_model))
+    H.init([model, ref_model], [opt, ref_opt], "O2", torch.bfloat16, num_losses=2)
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with amp.scale_loss(_loss(model, 0), opt) as outer:
+            with amp.scale_loss(_loss(model, 1), opt, loss_id=1) as inner:
+                inner.backward()
+            outer.backward()
+    with pytest.raises(IndexError, match=r"created loss scalers 0..1; .*\(loss_id: an int\)"):
+        with amp.scale_loss(_loss(model, 0), opt, loss_id=1.0):
+            pass
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        with amp.scale_loss(_loss(m, 0), o, loss_id=np.int64(1)) as scaled:
+            scaled.backward()
+        o.step()
+    H.assert_bitwise_equal(H.snapshot(model, opt), H.snapshot(ref_model, ref_opt))
+
+
 def test_tuple_of_optimizers_is_not_unscaled_twice():
     grads = []
     for container in (list, tuple):

@@ -31,13 +31,8 @@ class AmpState:
         # recognised as stale by the generation they were processed in.
         self.generation = getattr(self, "generation", 0) + 1
 
-    @property
-    def initialized(self) -> bool:
-        return hasattr(self, "opt_properties")
-
-    @property
-    def enabled(self) -> bool:
-        return self.initialized and bool(self.opt_properties.enabled)
+    initialized = property(lambda self: hasattr(self, "opt_properties"))
+    enabled = property(lambda self: self.initialized and bool(self.opt_properties.enabled))
 
 
 _amp_state = AmpState()

@@ -39,6 +39,7 @@ class AmpOptimizerState:
     """What both kinds share: the step's skip (on the device or the host), its log line."""
 
     consumes_scaled_grads = False
+    grad_holders = property(lambda self: self.params)  # (what a backward gives gradients)
 
     def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int) -> None:
         self.optimizer = optimizer
@@ -47,6 +48,7 @@ class AmpOptimizerState:
         self.generation = generation
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
         self.params_have_scaled_gradients = False
+        self.delayed_scale = None  # (scaler, its scale) of gradients a delayed exit left scaled
         # The step takes found_inf and skips on the device (torch's protocol attribute).
         self.device_skip = (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
                             and not isinstance(optimizer, torch.optim.LBFGS))
@@ -61,10 +63,9 @@ class AmpOptimizerState:
         self.orig_zero_grad = optimizer.zero_grad
         self.orig_add_param_group = optimizer.add_param_group
 
-    @property
-    def already_patched(self) -> bool:  # Apex's "a skip is pending" (a host read when asked)
-        return self.pending_skip is not None or (self.found_inf is not None
-                                                 and bool(self.found_inf.any()))
+    # Apex's "a skip is pending" (a host read when asked).
+    already_patched = property(lambda self: self.pending_skip is not None or (
+        self.found_inf is not None and bool(self.found_inf.any())))
 
     def skips_on_device(self) -> bool:
         """Not torch's fused SGD before its momentum buffers exist: its first step makes them (for
@@ -104,6 +105,16 @@ class AmpOptimizerState:
                     .format(loss_id, new_scale))
         log_skip_step(step_index, loss_id, new_scale, type(self.optimizer).__name__)
 
+    def follow_scaler(self, scaler) -> None:
+        """Gradients a delayed exit left scaled by another loss's scaler take ``scaler``'s scale
+        (docs/advanced.md, "Gradient accumulation"): the next exit unscales their sum."""
+        if self.delayed_scale is not None and self.delayed_scale[0] is not scaler:
+            ratio = (scaler.scale / self.delayed_scale[1].to(scaler.scale.device)).reshape(())
+            for p in (p for p in self.grad_holders if p.grad is not None):
+                ratio = ratio.to(p.grad.device)  # (sparse: two may share values, so a copy)
+                p.grad = p.grad * ratio if p.grad.is_sparse else p.grad.mul_(ratio)
+            self.delayed_scale = (scaler, scaler.scale.clone())
+
     def abort_backward(self) -> None:
         """Undo ``prepare_backward`` (the backward pass raised)."""
 
@@ -115,7 +126,7 @@ class AmpOptimizerState:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """After the optimizer's own ``zero_grad``: what amp keeps for the step is dropped."""
-        self.params_have_scaled_gradients = False
+        self.params_have_scaled_gradients, self.delayed_scale = False, None
 
 
 class ScaledGradsState(AmpOptimizerState):
@@ -270,9 +281,7 @@ class UnscaledGradsState(AmpOptimizerState):
         super().__init__(*args)
         self.store = MasterWeights()
 
-    @property
-    def masters(self) -> list:  # Apex scripts' view
-        return self.store.masters
+    masters = property(lambda self: self.store.masters)  # Apex scripts' view
 
     def register_params(self, params, fp32_originals=None) -> list:
         return self.store.register(params, self.master_weights, fp32_originals)
@@ -283,6 +292,7 @@ class UnscaledGradsState(AmpOptimizerState):
     rollback = property(lambda self: self.store.rollback)
     abort_backward = property(lambda self: self.store.restore_grads)
     post_backward = property(lambda self: self.store.take_grads)
+    grad_holders = property(lambda self: self.store.model_params + self.store.own_params)
 
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
@@ -297,7 +307,7 @@ class UnscaledGradsState(AmpOptimizerState):
                 f"{type(self.optimizer).__name__}.step(): the model's fp16/bf16 parameters have "
                 "gradients but their fp32 master weights (stepped under O2) have none, so this "
                 "step leaves those weights unchanged: run the backward pass as `with "
-                "amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`.",
+                "amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` per step.",
                 UserWarning, stacklevel=user_stacklevel())  # the script's step()
 
     def prepare_backward(self, scaler) -> None:

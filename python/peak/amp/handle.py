@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
+import threading
 import warnings
 from collections import OrderedDict
 from typing import Sequence
@@ -45,15 +47,12 @@ class LossScaler:
                                min_scale=self.min_loss_scale, max_scale=self.max_loss_scale,
                                device=self.device)
         # The core's tensors under Apex's names (the same objects: they change only in place).
-        self.scale = self._core.scale
-        self.growth_tracker = self._core.growth_tracker
-        self.hysteresis_tracker = self._core.hysteresis_tracker
+        self.scale, self.growth_tracker, self.hysteresis_tracker = (
+            self._core.scale, self._core.growth_tracker, self._core.hysteresis_tracker)
         self.found_inf = self._core.found_inf.for_device(self.device)
 
-    growth_factor = core_attribute("growth_factor")
-    backoff_factor = core_attribute("backoff_factor")
-    growth_interval = core_attribute("growth_interval")
-    hysteresis = core_attribute("hysteresis")
+    growth_factor, backoff_factor, growth_interval, hysteresis = map(core_attribute, (
+        "growth_factor", "backoff_factor", "growth_interval", "hysteresis"))
 
     def loss_scale(self) -> float:
         """The current scale as a Python float (a host sync for a dynamic scaler)."""
@@ -69,24 +68,16 @@ class LossScaler:
             return loss.float() * self._static_value
         return loss.float() * self.scale.to(loss.device, non_blocking=True).reshape(())
 
-    # Apex-compatible attributes (its tests set ``loss_scalers[i]._loss_scale = 4.0`` directly).
-    @property
-    def _loss_scale(self) -> float:
-        return self.loss_scale()
-
-    @_loss_scale.setter
-    def _loss_scale(self, value: float) -> None:
+    def _set_loss_scale(self, value: float) -> None:
         self.scale.fill_(float(value))
         if not self.dynamic:
             self._static_value = float(value)
 
-    @property
-    def _unskipped(self) -> int:
-        return int(self.growth_tracker.item())
+    # Apex-compatible attributes (its tests set ``loss_scalers[i]._loss_scale = 4.0`` directly).
+    _loss_scale = property(lambda self: self.loss_scale(), _set_loss_scale)
 
-    @_unskipped.setter
-    def _unskipped(self, value: int) -> None:
-        self.growth_tracker.fill_(int(value))
+    _unskipped = property(lambda self: int(self.growth_tracker.item()),
+                          lambda self, value: self.growth_tracker.fill_(int(value)))
 
     def found_inf_for(self, device: torch.device) -> torch.Tensor:
         """The overflow flag the kernels write for tensors on ``device``."""
@@ -215,10 +206,18 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             call ``step()`` before a later ``scale_loss`` without it.
         delay_overflow_check: unscale, but neither check for overflow nor update the scale.
     """
+    if getattr(_open_block, "open", False):  # (the outer exit would unscale the inner's grads)
+        raise RuntimeError("amp.scale_loss blocks do not nest: exit one (after its backward) "
+                           "before entering the next, one block per loss (loss_id=...)")
+    _open_block.open = True
     try:
         yield from _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
     finally:
+        _open_block.open = False
         _caster.clear_cache()  # the O1 weight-cast cache lives for one iteration (as Apex)
+
+
+_open_block = threading.local()
 
 
 def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
@@ -236,12 +235,15 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
                          f"{tuple(loss.shape)}; reduce it first, e.g. loss.mean() or loss.sum()")
     optimizers = _check_optimizers(optimizers)
     scalers = _amp_state.loss_scalers
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(scalers):
+    if isinstance(loss_id, bool) or not hasattr(type(loss_id), "__index__") or not (
+            0 <= operator.index(loss_id) < len(scalers)):  # (an int, or numpy's)
         raise IndexError(f"amp.scale_loss: loss_id={loss_id!r} but amp.initialize(num_losses="
                          f"{len(scalers)}) created loss scalers 0..{len(scalers) - 1}; pass "
-                         "num_losses=<number of losses> to amp.initialize.")
-    scaler = scalers[loss_id]
+                         "num_losses=<number of losses> to amp.initialize (loss_id: an int).")
+    scaler = scalers[operator.index(loss_id)]
     stashes = [opt._amp_stash for opt in optimizers]
+    for stash in stashes:  # gradients a delayed exit left scaled by another loss's scaler
+        stash.follow_scaler(scaler)
 
     if not _amp_state.opt_properties.master_weights and scaler.is_static_one():
         # Nothing to scale or unscale and no master gradients to fill: the fp32 path. The update
@@ -266,18 +268,20 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
     if delay_unscale:
         for stash in stashes:
             stash.params_have_scaled_gradients = True
+            stash.delayed_scale = (scaler, scaler.scale.clone())
         return
     scaler.clear_overflow_state()
     got_grads = False
     for stash in stashes:
         got_grads |= stash.post_backward(scaler)
-        stash.params_have_scaled_gradients = False
+        stash.params_have_scaled_gradients, stash.delayed_scale = False, None
     if not got_grads and not stashes[0].warned_no_grads:
         stashes[0].warned_no_grads = True
         warnings.warn("amp.scale_loss: the backward pass gave none of the optimizer's parameters "
-                      "a gradient, so step() changes nothing. Parameters replaced after "
-                      "amp.initialize (as FSDP2's fully_shard does) are not the optimizer's: "
-                      "fully_shard first, then opt_level='O1' (docs/distributed.md)",
+                      "a gradient, so step() changes nothing: pass the optimizer(s) owning the "
+                      "loss's parameters. Parameters replaced after amp.initialize (as FSDP2's "
+                      "fully_shard does) are not the optimizer's: fully_shard first, then "
+                      "opt_level='O1' (docs/distributed.md)",
                       stacklevel=user_stacklevel())  # the script's with line
     if delay_overflow_check:
         return
@@ -314,9 +318,7 @@ class AmpHandle:
     _deactivate = staticmethod(_caster.disable)
     _clear_cache = staticmethod(_caster.clear_cache)
 
-    @property
-    def verbose(self) -> bool:
-        return _amp_state.verbosity >= 2
+    verbose = property(lambda self: _amp_state.verbosity >= 2)
 
     def scale_loss(self, loss, optimizer, loss_id: int = 0):
         """``amp.scale_loss``; a legacy handle registers unknown optimizers on first use."""
@@ -349,17 +351,7 @@ class AmpHandle:
 class NoOpHandle:
     has_cache = verbose = False
     _disable_casts = staticmethod(contextlib.nullcontext)
-
-    def is_active(self) -> bool:
-        return False
-
-    def wrap_optimizer(self, optimizer, num_loss: int = 1):
-        return optimizer
-
-    def scale_loss(self, loss, optimizer, loss_id: int = 0):
-        return contextlib.nullcontext(loss)
-
-    def _clear_cache(self) -> None:
-        pass
-
-    _deactivate = _clear_cache
+    is_active = staticmethod(lambda: False)
+    _clear_cache = _deactivate = staticmethod(lambda: None)
+    wrap_optimizer = staticmethod(lambda optimizer, num_loss=1: optimizer)
+    scale_loss = staticmethod(lambda loss, optimizer, loss_id=0: contextlib.nullcontext(loss))
