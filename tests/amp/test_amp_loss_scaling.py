@@ -347,6 +347,70 @@ def test_a_delayed_exit_then_another_losss_exit_unscales_each_by_its_own_scale(l
     assert [s.loss_scale() for s in _amp_state.loss_scalers] == [2.0**16, 2.0**10]
 
 
+def _dyadic_linear(seed: int) -> nn.Linear:
+    """Weights k/8 and inputs -3..3: gradients, scales and an SGD step of lr 2**-4 are exact
+    in bf16 and fp32, so a run compares with float64 autograd bit for bit."""
+    model = nn.Linear(4, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.randint(-4, 5, (3, 4), generator=torch.Generator().manual_seed(
+            seed)).float() / 8)
+    return model
+
+
+def _dyadic_loss(model, k: int, dtype=torch.float32):
+    x = torch.randint(-3, 4, (5, 4), generator=torch.Generator().manual_seed(100 + k)).float()
+    return (model(x.to(dtype)).float() * (k + 1)).sum()
+
+
+def _stepped(opt):
+    from peak.optimizers import FusedOptimizer
+
+    return [(opt.master_of(p) if isinstance(opt, FusedOptimizer) else p).detach().double()
+            for g in opt.param_groups for p in g["params"]]
+
+
+@pytest.mark.parametrize("level, opt_name, case", [  # (a frozen parameter is set aside: O2)
+    (level, opt, case) for level, opt in (("O1", "SGD"), ("O2", "SGD"), ("O2", "FusedSGD"))
+    for case in ("scale_grew_in_between", "normal_delayed_normal", "unfrozen_after_initialize")
+    if level == "O2" or case != "unfrozen_after_initialize"])
+def test_accumulated_passes_are_each_unscaled_by_their_own_scale(level, opt_name, case):
+    """Passes of one step under several scales sum exactly as float64 autograd does: a delayed
+    pass whose scaler another optimizer's exit grew before this one's final exit; a delayed
+    pass (another loss) between two normal ones; a parameter frozen at initialize, unfrozen."""
+    from collections import OrderedDict
+
+    from peak.optimizers import FusedSGD
+
+    make = {"SGD": torch.optim.SGD, "FusedSGD": FusedSGD}[opt_name]
+    model, other = _dyadic_linear(0), _dyadic_linear(1)
+    ref = copy.deepcopy(model).double()
+    opt, other_opt = make(model.parameters(), lr=2**-4), torch.optim.SGD(other.parameters(), lr=1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=2**-4)
+    if case == "unfrozen_after_initialize":
+        model.weight.requires_grad_(False)
+    (model, other), (opt, other_opt) = H.init([model, other], [opt, other_opt], level,
+                                              torch.bfloat16, num_losses=2, loss_scale="dynamic")
+    model.weight.requires_grad_(True)
+    amp.load_state_dict(OrderedDict(loss_scaler0=OrderedDict(loss_scale=2.0**10, unskipped=1999),
+                                    loss_scaler1=OrderedDict(loss_scale=2.0**16, unskipped=0)))
+    passes = {"scale_grew_in_between": [(0, True), (0, False)],
+              "normal_delayed_normal": [(0, False), (1, True), (0, False)],
+              "unfrozen_after_initialize": [(1, True), (0, False)]}[case]
+    low = torch.float32 if level == "O1" else torch.bfloat16
+    for k, (loss_id, delay) in enumerate(passes):
+        with amp.scale_loss(_dyadic_loss(model, k, low), opt, loss_id=loss_id,
+                            delay_unscale=delay) as scaled:
+            scaled.backward()
+        _dyadic_loss(ref, k, torch.float64).backward()
+        if case == "scale_grew_in_between" and k == 0:  # (a clean exit at the growth interval)
+            with amp.scale_loss(_dyadic_loss(other, 9, low), other_opt) as scaled:
+                scaled.backward()
+            assert _amp_state.loss_scalers[0].loss_scale() == 2.0**11
+    opt.step()
+    ref_opt.step()
+    assert torch.equal(_stepped(opt)[0], ref.weight.detach())
+
+
 def test_scale_loss_blocks_do_not_nest_and_loss_id_is_an_index():
     """A block inside another would have the outer exit unscale the inner's gradients again:
     refused, and the outer block's gradients are put back; a numpy integer is a loss_id."""
@@ -368,6 +432,11 @@ def test_scale_loss_blocks_do_not_nest_and_loss_id_is_an_index():
             scaled.backward()
         o.step()
     H.assert_bitwise_equal(H.snapshot(model, opt), H.snapshot(ref_model, ref_opt))
+    model = H.make_cnn()  # disabled amp passes losses through, nested or not (as Apex)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, enabled=False)
+    with amp.scale_loss(_loss(model, 0), opt) as outer, amp.scale_loss(_loss(model, 1), opt) as inner:
+        (outer + inner).backward()
 
 
 def test_tuple_of_optimizers_is_not_unscaled_twice():

@@ -330,7 +330,7 @@ def _ends(pid: int, seconds: float = 10.0) -> bool:
         try:
             if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
                 return True
-        except FileNotFoundError:
+        except OSError:  # (FileNotFoundError, or ProcessLookupError once reaped mid-read)
             return True
         time.sleep(0.1)
     return False

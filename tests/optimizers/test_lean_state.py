@@ -650,12 +650,14 @@ def test_storage_options_set_on_a_group_mid_run_convert_its_state(change):
         assert torch.equal(opt.state[p][key], value), key
 
 
-@pytest.mark.parametrize("refusal", ["sparse_gradient", "scaled_fp32_sums"])
+@pytest.mark.parametrize("refusal", ["sparse_gradient", "scaled_fp32_sums", "refused_fp32_sum"])
 def test_a_storage_option_set_before_a_refused_step_converts_nothing(refusal):
-    """A step refused for another reason (a sparse gradient, fp32 sums with a loss scale) leaves a group's changed storage unconverted: set back, the state is as it was,
+    """A step refused for another reason (a sparse gradient, fp32 sums with a loss scale, a
+    parameter whose only gradient is an fp32 sum and whose group the kernels cannot step) leaves a group's changed storage unconverted: set back, the state is as it was,
     with no round trip through bf16."""
     p = torch.nn.Parameter(torch.randn(300).to(BF16))
-    opt = FusedAdam([p], lr=1e-2)
+    fp16 = torch.nn.Parameter(torch.randn(8).half())
+    opt = FusedAdam([{"params": [p]}, {"params": [fp16]}], lr=1e-2)
     p.grad = torch.randn(300).to(BF16)
     opt.step()
     before = {k: v.clone() for k, v in opt.state[p].items()}
@@ -664,16 +666,23 @@ def test_a_storage_option_set_before_a_refused_step_converts_nothing(refusal):
     scale = None
     if refusal == "sparse_gradient":
         p.grad = torch.randn(300).to(BF16).to_sparse()
+    elif refusal == "refused_fp32_sum":
+        opt.param_groups[1]["stochastic_rounding"] = True  # (refused for an fp16 parameter)
+        p.grad, fp16.grad = torch.randn(300).to(BF16), torch.randn(8).half()
+        opt.accumulate_grads()
     else:
         p.grad = torch.randn(300).to(BF16)
         opt.accumulate_grads()
         scale = torch.tensor([2.0])
-    with pytest.raises((RuntimeError, ValueError), match="sparse|accumulated in fp32"):
+    with pytest.raises((RuntimeError, ValueError, TypeError),
+                       match="sparse|accumulated in fp32|rounds bfloat16 weights"):
         opt.step(grad_scale=scale)
     assert set(opt.state[p]) == set(before)
     assert all(torch.equal(opt.state[p][k], v) for k, v in before.items())
     opt.param_groups[0].update(exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
                                store_param_remainders=False)
+    opt.param_groups[1]["stochastic_rounding"] = False
+    opt.zero_grad()
     p.grad = torch.randn(300).to(BF16)
     opt.step()
     assert opt.state[p]["exp_avg"].dtype == torch.float32 and "master_param" in opt.state[p]

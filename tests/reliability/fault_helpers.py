@@ -177,15 +177,17 @@ def run(config: str, steps: int, plan: dict, *, by_construction: bool = False, c
     return state_tensors(model, opt), scales, skipped, bad_step
 
 
-def _atomic_save(obj, path):
+def _atomic_save(obj, path, pause=0.0):
     tmp = path + ".tmp"
     torch.save(obj, tmp)
+    time.sleep(pause)
     os.replace(tmp, path)
 
 
 def main(config, steps, ckpt_path, out_path, slow_after=None):
-    """``slow_after``: from that step on, each step waits 50 ms more (the SIGKILL test's window:
-    a parent that lost the CPU for a moment still kills a run in progress)."""
+    """``slow_after``: from that step on, each checkpoint waits 50 ms between writing its file and
+    putting it in place (the SIGKILL test's window: a parent that lost the CPU for a moment still
+    kills a run in progress, most likely mid-save, where an unsafe save would show)."""
     torch.set_num_threads(1)
     plan = poison_plan(steps, seed=7)
     model, opt, scaler = build(config)
@@ -199,11 +201,10 @@ def main(config, steps, ckpt_path, out_path, slow_after=None):
         print(f"resumed {start}", flush=True)
     for s in range(start, steps):
         train_step(model, opt, scaler, config, s, plan.get(s))
+        pause = 0.05 if slow_after is not None and s >= slow_after else 0.0
         _atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
-                      "step": s + 1}, ckpt_path)
+                      "step": s + 1}, ckpt_path, pause)
         print(f"step {s + 1}", flush=True)
-        if slow_after is not None and s + 1 >= slow_after:
-            time.sleep(0.05)
     torch.save({"state": state_tensors(model, opt), "scale": scaler.get_scale()}, out_path)
 
 

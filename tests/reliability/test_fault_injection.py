@@ -82,8 +82,8 @@ def _child(config, steps, ckpt, out, *slow_after):
 def test_sigkill_then_resume_is_bit_for_bit(config, tmp_path):
     steps, kill_after = 150, 60
     F.main(config, steps, str(tmp_path / "a.ckpt"), str(tmp_path / "a.out"))  # uninterrupted
-    # killed with SIGKILL once it has passed step `kill_after` (slowed from there: the kill lands
-    # mid-run even when this process loses the CPU for a while), then resumed
+    # killed with SIGKILL once it has passed step `kill_after` (its saves slowed from there: the
+    # kill lands mid-save even when this process loses the CPU for a while), then resumed
     p = _child(config, steps, tmp_path / "b.ckpt", tmp_path / "b.out", kill_after)
     for line in p.stdout:
         if line.startswith("step ") and int(line.split()[1]) >= kill_after:

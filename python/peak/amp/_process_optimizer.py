@@ -48,7 +48,7 @@ class AmpOptimizerState:
         self.generation = generation
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
         self.params_have_scaled_gradients = False
-        self.delayed_scale = None  # (scaler, its scale) of gradients a delayed exit left scaled
+        self.delayed_scale = None  # (scaler, its update count, scale): a delayed exit's gradients
         # The step takes found_inf and skips on the device (torch's protocol attribute).
         self.device_skip = (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
                             and not isinstance(optimizer, torch.optim.LBFGS))
@@ -106,14 +106,14 @@ class AmpOptimizerState:
         log_skip_step(step_index, loss_id, new_scale, type(self.optimizer).__name__)
 
     def follow_scaler(self, scaler) -> None:
-        """Gradients a delayed exit left scaled by another loss's scaler take ``scaler``'s scale
-        (docs/advanced.md, "Gradient accumulation"): the next exit unscales their sum."""
-        if self.delayed_scale is not None and self.delayed_scale[0] is not scaler:
-            ratio = (scaler.scale / self.delayed_scale[1].to(scaler.scale.device)).reshape(())
+        """Gradients a delayed exit left with another scale (another loss's, or this scaler's
+        before an update) take ``scaler``'s (docs/advanced.md, "Gradient accumulation")."""
+        if self.delayed_scale and self.delayed_scale[:2] != (scaler, scaler.update_count):
+            ratio = (scaler.scale / self.delayed_scale[2].to(scaler.scale.device)).reshape(())
             for p in (p for p in self.grad_holders if p.grad is not None):
                 ratio = ratio.to(p.grad.device)  # (sparse: two may share values, so a copy)
                 p.grad = p.grad * ratio if p.grad.is_sparse else p.grad.mul_(ratio)
-            self.delayed_scale = (scaler, scaler.scale.clone())
+            self.delayed_scale = (scaler, scaler.update_count, scaler.scale.clone())
 
     def abort_backward(self) -> None:
         """Undo ``prepare_backward`` (the backward pass raised)."""
@@ -292,7 +292,8 @@ class UnscaledGradsState(AmpOptimizerState):
     rollback = property(lambda self: self.store.rollback)
     abort_backward = property(lambda self: self.store.restore_grads)
     post_backward = property(lambda self: self.store.take_grads)
-    grad_holders = property(lambda self: self.store.model_params + self.store.own_params)
+    grad_holders = property(  # (frozen ones too: unfrozen since, their first gradients)
+        lambda self: self.store.model_params + self.store.own_params + self.store.frozen)
 
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)

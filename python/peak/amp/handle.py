@@ -40,6 +40,7 @@ class LossScaler:
         self.min_loss_scale = float(min_loss_scale) if min_loss_scale else 0.0
         self.max_loss_scale = float(max_loss_scale) if max_loss_scale is not None else math.inf
         self._static_value = None if self.dynamic else float(loss_scale)
+        self.update_count = 0
         initial = min(self.max_loss_scale, float(init_scale)) if self.dynamic else float(loss_scale)
         self._core = LossScale(initial, growth_factor=float(scale_factor),
                                backoff_factor=float(backoff_factor),
@@ -126,6 +127,7 @@ class LossScaler:
 
     def update(self) -> None:
         """Update the scale on the device from the overflow flags (no host sync)."""
+        self.update_count += 1  # (the scale may differ from here: known without a host read)
         if self.dynamic:
             self._core.update()
         else:  # a static scaler never looks at overflows, only counts updates (Apex's _unskipped)
@@ -206,7 +208,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             call ``step()`` before a later ``scale_loss`` without it.
         delay_overflow_check: unscale, but neither check for overflow nor update the scale.
     """
-    if getattr(_open_block, "open", False):  # (the outer exit would unscale the inner's grads)
+    # (Nested, the outer exit would unscale the inner's gradients again.)
+    if getattr(_open_block, "open", False) and _amp_state.enabled:
         raise RuntimeError("amp.scale_loss blocks do not nest: exit one (after its backward) "
                            "before entering the next, one block per loss (loss_id=...)")
     _open_block.open = True
@@ -254,8 +257,7 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         return
 
     prepared = [stash for stash in stashes  # fused ones; others unless gradients stay scaled
-                if stash.consumes_scaled_grads
-                or not (delay_unscale or stash.params_have_scaled_gradients)]
+                if stash.consumes_scaled_grads or not stash.params_have_scaled_gradients]
     for stash in prepared:
         stash.prepare_backward(scaler)
     try:
@@ -268,7 +270,7 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
     if delay_unscale:
         for stash in stashes:
             stash.params_have_scaled_gradients = True
-            stash.delayed_scale = (scaler, scaler.scale.clone())
+            stash.delayed_scale = (scaler, scaler.update_count, scaler.scale.clone())
         return
     scaler.clear_overflow_state()
     got_grads = False

@@ -410,12 +410,12 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _check_steppable(self) -> None:
         """Before any group steps (a step refused half-way would have stepped the groups before,
         and a retry would step them twice): what the kernels cannot step is refused here."""
-        name = type(self).__name__
+        name, sums = type(self).__name__, self.__dict__.get("_fp32_grad_sums") or {}
         for group in self.param_groups:  # (per parameter only what is cheap: this runs per step)
             remainders = group.get("store_param_remainders", False)
             rounding = group.get("stochastic_rounding", False)
             for p in group["params"]:
-                grad = p.grad
+                grad = p if p.grad is None and p in sums else p.grad  # (a sum: in p's dtype)
                 if grad is None:
                     continue
                 if grad.is_sparse:
