@@ -18,8 +18,8 @@ from ._arguments import (LEAN_KEYS, check_bool, check_group, check_lean, check_s
                          check_unique)
 from ._checkpoint_check import (EIGHT_BIT_LAYOUT, FP32_STATE_KEYS, MOMENT_KEYS, SCALE_KEYS,
                                 STORAGE_KEYS, check_loadable)
-from ._layout import (LayoutWatch, dense, follow_layout, follow_storage, note_storage,
-                      storage_changes)
+from ._layout import (LayoutWatch, check_steppable, follow_layout, follow_storage,
+                      note_storage, storage_changes)
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
@@ -155,8 +155,19 @@ class FusedOptimizer(torch.optim.Optimizer):
                     state[key] = torch.zeros_like(p, dtype=dtype,
                                                   memory_format=torch.preserve_format)
                 self._state_started(state, key)
-        if (group.get("store_param_remainders", False) and p.dtype == torch.float32
-                and not getattr(self, "_warned_fp32_remainders", False)
+        master_in_state(self, p, state, group)
+        return state
+
+    def _ready_keys(self, group: dict) -> tuple[frozenset, frozenset]:
+        """The state keys ``_init_state`` makes for an fp32 parameter of ``group`` and for an
+        fp16/bf16 one (its master or remainder too). NOTE: [Host time of a step] On a GPU the
+        kernels wait for the step's Python (~300 tensors: 1-3 ms against the kernels' 3-4 ms), so
+        per parameter a step that finds its state made does lookups only, no calls. Warns once for
+        remainders asked of an all-fp32 group."""
+        keys = frozenset(("step", *self._state_keys_for(group),
+                          *getattr(self, "_also_required_state_keys", ())))
+        remainders = group.get("store_param_remainders", False)
+        if (remainders and not self.__dict__.get("_warned_fp32_remainders")
                 and all(q.dtype == torch.float32 for q in group["params"])):
             self._warned_fp32_remainders = True
             warnings.warn(
@@ -165,8 +176,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "remainders and the state is not leaner. Cast the model to bfloat16 (or use "
                 "amp.initialize(..., opt_level='O2', cast_model_type=torch.bfloat16)) before the "
                 "first step", stacklevel=user_stacklevel())  # the script's step()
-        master_in_state(self, p, state, group)
-        return state
+        if self.master_weights is False:
+            return keys, keys
+        return keys, keys | {REMAINDER_KEY if remainders else MASTER_KEY}
 
     @staticmethod
     def _master_list_entry(state: dict):
@@ -305,11 +317,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         check_fp32_sums(self, grad_scale)
         changed = storage_changes(self)  # (all checked before any state converts)
         if changed:  # (a step refused after the conversion would leave the state converted)
-            self._check_steppable()
+            check_steppable(self)
         follow_storage(self, changed)
         take_fp32_sums(self)
         weights_settled()
-        self._check_steppable()
+        check_steppable(self)
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
             agree_on_overflow(self, {found_inf.device: found_inf})  # flag too
@@ -321,25 +333,29 @@ class FusedOptimizer(torch.optim.Optimizer):
         stepped_master_grads = False
         layouts = self.__dict__.setdefault("_layouts", LayoutWatch())
         for group in self.param_groups:
-            buckets: dict[tuple, list[Tensor]] = defaultdict(list)
+            buckets: dict[tuple, list[tuple]] = defaultdict(list)
+            ready32, ready16 = self._ready_keys(group)
             for p in group["params"]:
                 if p.grad is None:
                     layouts.sat_out(p, self.state)
                     continue
-                state = self._init_state(p, group)
+                state = self.state.get(p)
+                if state is None or not state.keys() >= (ready32 if p.dtype == torch.float32
+                                                          else ready16):
+                    state = self._init_state(p, group)
                 follow_weight(p, state)
                 if not sharded:
                     layouts.visit(p, state)
                 master = self._master_list_entry(state)
                 # (8-bit groups on shards hold bf16 moments where rows are not whole blocks)
-                storage = scale_key("exp_avg") in state or scale_key("momentum_buffer") in state
+                storage = _EXP_AVG_SCALE in state or _MOMENTUM_SCALE in state
                 has_grads = master is not None and master.grad is not None
                 kind = _MASTER_GRADS if has_grads else master is not None
-                buckets[(p.device, p.dtype, kind, storage)].append(p)
-            for (device, _dtype, kind, _storage), params in buckets.items():
+                buckets[(p.device, p.dtype, kind, storage)].append((p, state, master))
+            for (device, _dtype, kind, _storage), entries in buckets.items():
                 lr_t = self._lr_tensor(group, device)
                 gs, fi = self._on(grad_scale, device), self._on(found_inf, device)
-                states = [self.state[p] for p in params]
+                params, states, masters = (list(t) for t in zip(*entries))
                 given = [p.grad for p in params]
                 mgrads = [s[MASTER_KEY].grad for s in states] if kind is _MASTER_GRADS else []
                 stepped_master_grads |= kind is _MASTER_GRADS
@@ -350,6 +366,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     count_empty_steps([s for s, k in zip(states, keep) if not k], fi)
                     self._bucket_shards = params if self._takes_tensor_norms else None
                     states = local_states([s for s, k in zip(states, keep) if k])
+                    masters = [self._master_list_entry(s) for s in states]
                     given, params, mgrads = ([local(t) for t, k in zip(ts, keep) if k]
                                              for ts in (given, params, mgrads))
                     if not params:
@@ -358,9 +375,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     self._step_masters(group, params, states, mgrads, given, lr_t, gs, fi)
                 else:
                     grads = [self._grad_like(p, g) for p, g in zip(params, given)]
-                    self._launch(group, params, grads,
-                                 [self._master_list_entry(s) for s in states] if kind else [],
-                                 states, lr_t, gs, fi)
+                    self._launch(group, params, grads, masters if kind else [], states, lr_t,
+                                 gs, fi)
                     if self._step_store_grads:
                         for g0, g in zip(given, grads):
                             if g is not g0:  # a re-laid-out copy was stepped
@@ -406,37 +422,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         copy_to_model(masters, params)
         if store and found_inf is None:
             copy_to_model(grads, given)
-
-    def _check_steppable(self) -> None:
-        """Before any group steps (a step refused half-way would have stepped the groups before,
-        and a retry would step them twice): what the kernels cannot step is refused here."""
-        name, sums = type(self).__name__, self.__dict__.get("_fp32_grad_sums") or {}
-        for group in self.param_groups:  # (per parameter only what is cheap: this runs per step)
-            remainders = group.get("store_param_remainders", False)
-            rounding = group.get("stochastic_rounding", False)
-            for p in group["params"]:
-                grad = p if p.grad is None and p in sums else p.grad  # (a sum: in p's dtype)
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise RuntimeError(f"{name} does not support sparse gradients")
-                if grad.dtype != p.dtype:
-                    raise TypeError(f"a gradient has dtype {grad.dtype} but its parameter has "
-                                    f"{p.dtype}; {name} reads gradients in the parameter's dtype")
-                if p.dtype not in _STEPPED_DTYPES:
-                    self.wants_master(p)  # (raises, naming the dtypes the kernels step)
-                if remainders:
-                    self.keeps_remainder(p, group)  # (raises for an fp16 parameter)
-                if not (p.is_contiguous() or dense(p)):
-                    raise RuntimeError(
-                        f"{name}: a parameter of shape {tuple(p.shape)} is not dense (strides "
-                        f"{p.stride()}); the kernels walk a parameter's memory as one block: make "
-                        "it contiguous before building the optimizer (p.data = p.data.contiguous())")
-                if rounding and p.dtype == torch.float16:
-                    raise TypeError(
-                        f"{name}(stochastic_rounding=True) rounds bfloat16 weights; this group "
-                        "has a float16 parameter. Keep fp32 master weights for fp16 models "
-                        "(master_weights=None), or use bfloat16")
 
     @staticmethod
     def _rounding_seed(group: dict, params: list[Tensor]) -> int | None:
@@ -590,10 +575,10 @@ class FusedOptimizer(torch.optim.Optimizer):
 _EAGER_FUSED_STEP = torch._disable_dynamo(FusedOptimizer._fused_step)
 
 
-_STEPPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TORCH_GROUP_KEYS = ("foreach", "differentiable", "fused")  # torch.optim's, not peak's
 # What a constructor sets beside torch's attributes, kept through pickling and deepcopy.
 _CONSTRUCTOR_ATTRIBUTES = ("master_weights", "set_grad_none", "store_unscaled_grads",
                            "_group_keys", "reduced_precision_dtype", "_initial_step",
                            "_storage_seen")
+_EXP_AVG_SCALE, _MOMENTUM_SCALE = scale_key("exp_avg"), scale_key("momentum_buffer")
 _MASTER_GRADS = "master_grads"  # a bucket whose masters carry fp32 gradients to step with

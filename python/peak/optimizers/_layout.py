@@ -1,6 +1,6 @@
 """A parameter's memory layout and its optimizer state's: the kernels walk a parameter, its
-gradient and its state as one block of memory, in the same order. And the state's storage, which
-follows its group's options."""
+gradient and its state as one block of memory, in the same order (and what they cannot step is
+refused before a step starts). And the state's storage, which follows its group's options."""
 from __future__ import annotations
 
 import torch
@@ -44,6 +44,43 @@ def follow_layout(p: Tensor, state: dict) -> bool:
         if t.grad is not None:  # (an fp32 master's gradient from give_master_grads)
             state[key].grad = torch.empty_like(p, dtype=t.dtype).copy_(t.grad)
     return not p.is_contiguous()
+
+
+def check_steppable(optimizer) -> None:
+    """Before any group steps (a step refused half-way would have stepped the groups before,
+    and a retry would step them twice): what the kernels cannot step is refused here."""
+    name, sums = type(optimizer).__name__, optimizer.__dict__.get("_fp32_grad_sums") or {}
+    for group in optimizer.param_groups:  # (per parameter only what is cheap: this runs per step)
+        remainders = group.get("store_param_remainders", False)
+        rounding = group.get("stochastic_rounding", False)
+        for p in group["params"]:
+            grad, dtype = p.grad, p.dtype
+            if grad is None:
+                if p not in sums:
+                    continue
+                grad = p  # (a sum: in p's dtype)
+            if grad.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            if grad.dtype != dtype:
+                raise TypeError(f"a gradient has dtype {grad.dtype} but its parameter has "
+                                f"{dtype}; {name} reads gradients in the parameter's dtype")
+            if dtype not in _STEPPED_DTYPES:
+                optimizer.wants_master(p)  # (raises, naming the dtypes the kernels step)
+            if remainders and dtype != torch.bfloat16:
+                optimizer.keeps_remainder(p, group)  # (raises for an fp16 parameter)
+            if not (p.is_contiguous() or dense(p)):
+                raise RuntimeError(
+                    f"{name}: a parameter of shape {tuple(p.shape)} is not dense (strides "
+                    f"{p.stride()}); the kernels walk a parameter's memory as one block: make "
+                    "it contiguous before building the optimizer (p.data = p.data.contiguous())")
+            if rounding and dtype == torch.float16:
+                raise TypeError(
+                    f"{name}(stochastic_rounding=True) rounds bfloat16 weights; this group "
+                    "has a float16 parameter. Keep fp32 master weights for fp16 models "
+                    "(master_weights=None), or use bfloat16")
+
+
+_STEPPED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class LayoutWatch:

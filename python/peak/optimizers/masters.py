@@ -539,7 +539,7 @@ def follow_weight(p: Tensor, state: dict) -> None:
     """Before p is stepped: its master follows a weight written since the last step (NOTE:
     [Masters after a model reload]); no host sync."""
     entry = _weight_version.get(id(p))
-    remainder = _join_on_arrival.pop(p, None) if _join_on_arrival else None
+    remainder = _join_on_arrival.pop(p, None) if _join_on_arrival.data else None  # (no len())
     if entry is None or entry[0]() is not p:  # first seen: the weight is where the master is
         return note_weight(p)
     if entry[1] == p._version:
