@@ -88,16 +88,20 @@ def measure(dev, setup, fn, rounds):
 def profile(dev, setup, fn, steps):
     from torch.profiler import ProfilerActivity, profile as tprofile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
-    with tprofile(activities=acts) as prof:
-        for _ in range(steps):
-            if setup:
-                setup()
-            fn()
+    events = []
+    for _ in range(steps):  # (the setup's copies outside the profile)
+        if setup:
+            setup()
         sync(dev)
+        with tprofile(activities=acts) as prof:
+            fn()
+            sync(dev)
+        events += prof.events()
     kernels, waits, names = 0.0, {}, {}
     count = 0
-    for e in prof.events():
-        if dev == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA:
+    for e in events:  # (a range named after the step, "Optimizer.step#...", is not a kernel)
+        if (dev == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA
+                and "#" not in e.name):
             t = e.device_time if hasattr(e, "device_time") else e.cuda_time
             kernels += t
             count += 1

@@ -153,16 +153,31 @@ def run_logged(cmd, log: Path, timeout: float, env=None, cwd=REPO) -> Result:
     return Result(rc, time.monotonic() - t0, timed_out)
 
 
-def capture(cmd, timeout=30, env=None) -> str:
+def capture(cmd, timeout=30, env=None, cwd=REPO) -> str:
     """A short command's output, or why there is none."""
     try:
         p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
-                           timeout=timeout, env=env, cwd=REPO)
+                           timeout=timeout, env=env, cwd=cwd)
         return (p.stdout + p.stderr).strip() or f"(no output, exit {p.returncode})"
     except FileNotFoundError:
         return f"({cmd[0]} not found)"
     except subprocess.TimeoutExpired:
         return f"({cmd[0]} timed out)"
+
+
+def commit_line(repo=REPO) -> str:
+    """The commit the tree is, and the tracked files that differ from it: a copied tree may come
+    with another commit's .git (a lent machine's copy), and the report must not name a commit
+    the code is not."""
+    commit = capture(["git", "rev-parse", "--short", "HEAD"], cwd=repo)
+    if not re.fullmatch(r"[0-9a-f]+", commit):
+        return "(no git here)"
+    changed = capture(["git", "diff", "--name-only", "HEAD"], cwd=repo)
+    changed = [] if changed.startswith("(") else changed.splitlines()  # ((no output, exit 0))
+    if not changed:
+        return commit
+    more = ", ..." if len(changed) > 6 else ""
+    return f"{commit} with {len(changed)} tracked files changed ({', '.join(changed[:6])}{more})"
 
 
 def tool(name: str) -> str | None:
@@ -234,8 +249,7 @@ def describe_machine(args, report: Report) -> dict:
     cmake = tool("cmake")
     lines.append(f"- cmake: {capture([cmake, '--version']).splitlines()[0] if cmake else 'NOT FOUND'}; "
                  f"ninja: {tool('ninja') or 'not found (Unix Makefiles)'}")
-    commit = capture(["git", "rev-parse", "--short", "HEAD"])
-    lines.append(f"- peak commit: {commit if re.fullmatch(r'[0-9a-f]+', commit) else '(no git here)'}")
+    lines.append(f"- peak commit: {commit_line()}")
     rng = supported_torch()
     inside = torch_in_range(facts.get("torch"), rng)
     if rng:

@@ -259,6 +259,21 @@ def test_gpu_benchmark_code_runs_at_toy_sizes_on_the_cpu(tmp_path):
         assert "| compiled (no target) | torch.compile | skipped |" in text
 
 
+
+def test_step_profile_runs_at_toy_sizes_on_the_cpu(tmp_path):
+    """benchmarks/profile_gpu_step.py (host and kernel time of one optimizer step) runs where
+    there is no GPU: every contender gets its row and the host's Python its cProfile table."""
+    md = tmp_path / "profile.md"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "profile_gpu_step.py"), "--device", "cpu",
+         "--tiny", "--rounds", "1", "--out", str(md)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = md.read_text()
+    for row in ("amp O2 step, FusedAdam", "lean: remainder + bf16 moments",
+                "lean: remainder + 8-bit moments", "torch AdamW(fused=True)"):
+        assert f"| {row} | " in text
+    assert text.count("host Python (cProfile, 10 steps)") == 3 and "_fused_step" in text
+
 def _collection_error_run(module, reason):
     junit = JUNIT.replace('<testcase classname="tests.ops.test_multi_tensor_ops" name="test_x[cuda]"',
                           f'<testcase classname="" name="{module}" time="0"><error message='
@@ -370,3 +385,23 @@ def test_a_crashing_test_is_reported_and_the_run_resumes_after_it(monkeypatch, t
     assert "2 passed, 2 failed, 0 errors, 0 skipped" in report
     assert "| `tests/a.py::test_crash` | failed | crashed the interpreter: Segmentation fault" \
         in report
+
+
+def test_the_commit_line_names_files_changed_since_the_commit(tmp_path):
+    """A report names the commit and, when the tree differs from it (a copied tree with another
+    commit's .git), the files that differ."""
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path,
+                          capture_output=True, text=True).stdout.strip()
+    assert gc.commit_line(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "untracked.py").write_text("")
+    assert gc.commit_line(tmp_path) == f"{head} with 1 tracked files changed (a.py)"
+    assert gc.commit_line(tmp_path / "nonexistent") == "(no git here)"
