@@ -441,9 +441,16 @@ def test_bad_lean_arguments():
     assert opt.param_groups[0]["exp_avg_dtype"] is torch.bfloat16
     assert opt.param_groups[0]["exp_avg_sq_dtype"] is torch.float32
     # remainders asked for fp32 parameters: nothing to store, said once at the first step
+    # ... of a group that steps: not of an empty group (no-decay lists) nor a frozen one
     q = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(3, dtype=BF16))
+    b.grad = torch.ones(3, dtype=BF16)
+    lean32 = FusedAdam([{"params": [b]}, {"params": []}, {"params": [q]}],
+                       store_param_remainders=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lean32.step()
     q.grad = torch.ones(3)
-    lean32 = FusedAdam([q], store_param_remainders=True)
     with pytest.warns(UserWarning, match="parameters are all float32") as w:
         lean32.step()
     assert w[0].filename == __file__  # the script's step(), not torch's optimizer hooks

@@ -168,7 +168,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                           *getattr(self, "_also_required_state_keys", ())))
         remainders = group.get("store_param_remainders", False)
         if (remainders and not self.__dict__.get("_warned_fp32_remainders")
-                and all(q.dtype == torch.float32 for q in group["params"])):
+                and all(q.dtype == torch.float32 for q in group["params"])
+                and any(q.grad is not None for q in group["params"])):  # (a group stepped)
             self._warned_fp32_remainders = True
             warnings.warn(
                 f"{type(self).__name__}(store_param_remainders=True) steps a group whose "
