@@ -736,7 +736,7 @@ def test_masters_kept_through_a_torch_checkpoint_load(case):
     it keeps go with the weights at once (a weight written since wins where the master does not
     round to it), a remainder is kept as it is (joined, not copied), and what the state holds
     beyond the groups or no longer fits its parameter loads as torch loads it."""
-    from peak.optimizers import masters as M
+    from peak.optimizers import _master_loads as M
 
     torch.manual_seed(3)
     remainders = case in ("remainders", "model_made_fp32")

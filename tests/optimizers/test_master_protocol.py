@@ -352,14 +352,85 @@ def test_a_remainder_checkpoint_resumes_into_fp32_masters_in_either_order(under_
         for load in loads if optimizer_first else loads[::-1]:
             load()
         for p, q in zip(resumed.parameters(), model.parameters()):
-            if not under_amp and optimizer_first:
-                continue  # (joined again at the next step, below)
             assert_bitwise_equal(resumed_opt.master_of(p), opt.master_of(q))
         for s in range(3, 5):
             _grad_step(resumed, resumed_opt, s)
         runs[optimizer_first] = ([v.clone() for v in resumed.state_dict().values()],
                                  [resumed_opt.master_of(p).clone() for p in resumed.parameters()])
     assert_bitwise_equal(runs[True], runs[False])
+
+
+@pytest.mark.parametrize("under_amp", [False, True], ids=["plain", "amp O2"])
+def test_fp32_masters_load_into_remainders_in_either_order(under_amp):
+    """A checkpoint with fp32 masters, loaded into an optimizer that keeps remainders: the
+    masters are exact in either order. Some masters lie on a rounding tie, where the model's
+    weight (rounded to nearest even) and the remainder's weight (ties away from zero) differ by an
+    ulp: loaded after the optimizer, such a weight used to clear the tensor's remainders under
+    amp, and to join the remainder with the wrong weight without it. Both orders give the same
+    weights and masters, and train on alike."""
+    from peak import amp
+
+    model = _reload_model(torch.float32)
+    with torch.no_grad():  # ties: exactly between two bf16 values
+        model[0].weight[0, :3] = torch.tensor([1 + 2**-8, -(1 + 3 * 2**-8), 2 + 2**-7])
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+    saved_masters = [opt.master_of(q).clone() for q in model.parameters()]
+    assert any((m.to(torch.bfloat16) != _ties_away(m)).any() for m in saved_masters)
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+    runs = {}
+    for optimizer_first in (False, True):
+        resumed = _reload_model(torch.float32, seed=5)
+        resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2, store_param_remainders=True)
+        if under_amp:
+            amp.initialize(resumed, resumed_opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                           verbosity=0)
+        else:
+            resumed.to(torch.bfloat16)
+        loads = [lambda: resumed_opt.load_state_dict(saved_opt),
+                 lambda: resumed.load_state_dict(saved_model)]
+        for load in loads if optimizer_first else loads[::-1]:
+            load()
+        assert_bitwise_equal([resumed_opt.master_of(p) for p in resumed.parameters()],
+                             saved_masters)
+        for s in range(2):
+            _grad_step(resumed, resumed_opt, s)
+        runs[optimizer_first] = ([v.clone() for v in resumed.state_dict().values()],
+                                 [resumed_opt.master_of(p).clone() for p in resumed.parameters()])
+    assert_bitwise_equal(runs[True], runs[False])
+
+
+def _ties_away(m):
+    bits = m.view(torch.int32)
+    return ((bits + 0x8000) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def test_a_remainder_load_is_joined_before_the_state_is_read_again():
+    """Optimizer first, then the model, then ``state_dict()`` or an export before any step: the
+    masters joined with the weights that arrived (they were the fresh model's weights joined with
+    the loaded remainders until the next step, and a checkpoint saved then overwrote the weights
+    with them when loaded)."""
+    from peak.optimizers import export_fp32_state_dict
+
+    model = _reload_model(torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-2, store_param_remainders=True)
+    for s in range(3):
+        _grad_step(model, opt, s)
+    saved = export_fp32_state_dict(model, opt)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    resumed = _reload_model(torch.bfloat16, seed=5)
+    resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2)
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    resumed.load_state_dict(checkpoint["model"])
+    assert_bitwise_equal(export_fp32_state_dict(resumed, resumed_opt), saved)
+    again = copy.deepcopy({"model": resumed.state_dict(), "optimizer": resumed_opt.state_dict()})
+    third = _reload_model(torch.bfloat16, seed=6)
+    third_opt = FusedAdam(third.parameters(), lr=1e-2)
+    third.load_state_dict(again["model"])
+    third_opt.load_state_dict(again["optimizer"])
+    assert_bitwise_equal(dict(third.state_dict()), dict(model.state_dict()))
+    assert_bitwise_equal(export_fp32_state_dict(third, third_opt), saved)
 
 
 def test_a_later_optimizer_load_drops_an_earlier_remainder_join():

@@ -24,9 +24,9 @@ from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
 from ._fp32_sums import accumulate_fp32, check_fp32_sums, take_fp32_sums
+from ._master_loads import kept_master, load_master, masters_before_load, masters_loaded
 from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
-                      kept_master, load_master, master_in_state, masters_before_load,
-                      masters_loaded, note_stepped, weights_settled)
+                      master_in_state, note_stepped, settle_loads, weights_settled)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -200,6 +200,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def master_of(self, p: Tensor) -> Tensor | None:
         """p's exact fp32 master (a remainder joined with its weight), or None."""
+        settle_loads(self, [p])
         state = self.state.get(p) or {}
         if REMAINDER_KEY in state:
             return join_remainder(p.detach(), state[REMAINDER_KEY])
@@ -475,6 +476,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """As torch's, with storage dtypes in param_groups by name ("bfloat16"), which every
         checkpointer takes (torch.distributed.checkpoint's gather does not take torch.dtype)."""
+        settle_loads(self)
         sd = super().state_dict()
         sd["param_groups"] = [{k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype)
                                else v for k, v in g.items()} for g in sd["param_groups"]]

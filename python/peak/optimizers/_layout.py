@@ -10,7 +10,8 @@ from ._arguments import LEAN_KEYS, check_group, check_storage
 from ._checkpoint_check import MOMENT_KEYS
 from ._quant import dequantize, load_moment, scale_key
 from ._sharded import is_sharded
-from .masters import MASTER_KEY, REMAINDER_KEY, follow_weight, join_remainder, load_master
+from ._master_loads import load_master
+from .masters import MASTER_KEY, REMAINDER_KEY, follow_weight, join_remainder
 
 _STORAGE_OPTIONS = LEAN_KEYS + ("amsgrad",)  # (amsgrad keeps a moment more, in fp32)
 

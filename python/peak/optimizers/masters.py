@@ -12,10 +12,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
-from ._sharded import is_sharded
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
-           "copy_to_model", "join_remainder", "split_master", "keep_as_remainder", "load_master",
+           "copy_to_model", "join_remainder", "split_master", "keep_as_remainder",
            "master_in_state", "store_of", "master_of_param", "masters_by_param"]
 
 MASTER_KEY = "master_param"
@@ -89,32 +88,6 @@ def master_in_state(optimizer, p: Tensor, state: dict, group: dict | None = None
     elif optimizer.wants_master(p) and (MASTER_KEY not in state or original is not None):
         state[MASTER_KEY] = new_master(p, original)
     return state.get(MASTER_KEY)
-
-
-def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:
-    """A saved master (``entries``: p's checkpoint state) into ``optimizer``'s form: a remainder
-    as is, or joined with p's current bf16 value, which must be the weight saved with it (load the
-    model's state_dict too); an fp32 master as is, or split into p's rounding and a remainder.
-    Returns the remainder an fp32 master was joined from, if so (for ``weight_loaded``)."""
-    state.pop(MASTER_KEY, None)
-    state.pop(REMAINDER_KEY, None)
-    master, remainder = entries.get(MASTER_KEY), entries.get(REMAINDER_KEY)
-    if remainder is not None:
-        remainder = remainder.to(device=p.device, dtype=torch.int16)
-        if optimizer.keeps_remainder(p, group):
-            state[REMAINDER_KEY] = remainder.clone()
-            _awaiting_weight[p] = True  # (its weight comes with the model's state_dict)
-            return None
-        master = join_remainder(p.detach(), remainder)
-    if master is None:
-        return None  # the optimizer starts it from the weights
-    if optimizer.keeps_remainder(p, group):
-        keep_as_remainder(p, state, master)
-    elif optimizer.wants_master(p):
-        # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
-        state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
-        return remainder  # (joined with the weight now; again with one loaded after it)
-    return None
 
 
 class MasterWeights:
@@ -419,6 +392,10 @@ _awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loade
 # parameter -> the remainder an fp32 master was joined from at an optimizer load, to join again
 # with a weight loaded after it (until the next step)
 _join_on_arrival = WeakIdKeyDictionary()
+# parameter -> the fp32 master an optimizer load split into a remainder (the weight its rounding,
+# ties away), to split again from a weight loaded after it, rounded to nearest even: the master
+# where it rounds to that weight (until the next step)
+_split_on_arrival = WeakIdKeyDictionary()
 # parameter -> True: weights a model load gave a store's parameter, until its next step
 _arrived = WeakIdKeyDictionary()
 _frozen_in_store = WeakIdKeyDictionary()  # parameter -> True: a store's, frozen at registration
@@ -450,7 +427,12 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
             _arrived[p] = True  # (a store's weight: checked at its optimizer's next load)
         owner = _owner_of_param[p]() if p in _owner_of_param else None
         state = owner.state.get(p, {}) if owner is not None else {}
-        if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
+        awaiting, split = _awaiting_weight.pop(p, False), _split_on_arrival.pop(p, None)
+        if REMAINDER_KEY in state and split is not None and value is not None:
+            value = value.to(device=p.device, dtype=torch.float32)  # (the master where the value
+            keep_as_remainder(p, state, torch.where(  # is p's rounding; exact fp32 values else)
+                (value == p.float()) & (split.to(p.dtype) == p), split, value))
+        elif REMAINDER_KEY in state and not awaiting and changed:
             keep_as_remainder(p, state, value.to(torch.float32))
         if state:  # (this hook has made the master match: the step need not follow again)
             note_weight(p)
@@ -468,67 +450,9 @@ def note_weight(p: Tensor, checksum: Tensor | None = None, version: int | None =
     _weight_version[key] = (entry[0], p._version if version is None else version, checksum)
 
 
-def weight_loaded(p: Tensor, joined_remainder: Tensor | None, fp32_master: bool) -> None:
-    """After an optimizer load: with ``fp32_master`` p's master is checked against its weight at
-    the next step (``masters_loaded``: the weight wins where the master does not round to it); a
-    master joined from a remainder is joined again with a weight written after the load; else p's
-    weight is taken to go with its loaded master (its version is forgotten). An earlier load's
-    pending join is dropped."""
-    _join_on_arrival.pop(p, None)
-    if joined_remainder is not None:
-        _join_on_arrival[p] = joined_remainder
-    if fp32_master or joined_remainder is not None:  # (-1: a version no weight has)
-        note_weight(p, version=-1 if fp32_master else None)
-    elif (entry := _weight_version.get(id(p))) is not None and entry[0]() is p:
-        _forget_id(id(p))
-
-
-def masters_before_load(optimizer) -> dict:
-    """p -> its master before a fused optimizer's load, kept where the checkpoint has none for p
-    (torch's or Apex's): an fp32 master, or a remainder while its weight is the one it goes with
-    (``kept_master`` makes the master)."""
-    kept = {}
-    for p in (p for group in optimizer.param_groups for p in group["params"]):
-        st, entry = optimizer.state.get(p, {}), _weight_version.get(id(p))
-        t = st.get(MASTER_KEY, st.get(REMAINDER_KEY))
-        if t is None or t.shape != p.shape or t.device != p.device or is_sharded(p):
-            continue
-        if t.dtype == torch.float32 or (p.dtype == torch.bfloat16 and (
-                entry is None or entry[0]() is not p or entry[1] == p._version)):
-            kept[p] = t
-    return kept
-
-
-def kept_master(p: Tensor, kept: Tensor) -> Tensor:
-    """The fp32 master ``kept`` stands for: a remainder joined with p's weight, or an fp32 master
-    where it rounds to the weight and the weight where not (a weight written since it was)."""
-    return join_remainder(p.detach(), kept) if kept.dtype == torch.int16 else weight_wins(kept, p)
-
-
 def weight_wins(master: Tensor, p: Tensor) -> Tensor:
     """``master`` where it rounds to p's weight, the weight where not (written since)."""
     return torch.where(master.to(p.dtype) == p.detach(), master, p.detach().to(torch.float32))
-
-
-def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None:
-    """After a fused optimizer's load (``joined``: parameter -> the remainder its fp32 master was
-    joined from): the loaded fp32 masters refresh the model, as a store's do. A checkpoint a torch
-    optimizer wrote (``via_torch``: its options in the groups) may hold stale masters (torch keeps
-    an unknown 'master_param' as it was while it trains the weights): those are checked against
-    the weights at the next step instead, and follow them where they do not round to them. Masters
-    ``kept`` from before the load go with the weights already."""
-    refresh = ([], [])
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            master = optimizer.state.get(p, {}).get(MASTER_KEY)
-            check = master is not None and via_torch and p not in kept
-            weight_loaded(p, joined.get(p), check)
-            if p in kept:  # (it goes with this weight: a weight written after the load wins)
-                note_weight(p)
-            if master is not None and not via_torch and joined.get(p) is None and p not in kept:
-                refresh[0].append(local_shard(master))
-                refresh[1].append(local_shard(p))
-    copy_to_model(*refresh)
 
 
 def _checksum(p: Tensor) -> Tensor:
@@ -540,6 +464,7 @@ def follow_weight(p: Tensor, state: dict) -> None:
     [Masters after a model reload]); no host sync."""
     entry = _weight_version.get(id(p))
     remainder = _join_on_arrival.pop(p, None) if _join_on_arrival.data else None  # (no len())
+    split = _split_on_arrival.pop(p, None) if _split_on_arrival.data else None
     if entry is None or entry[0]() is not p:  # first seen: the weight is where the master is
         return note_weight(p)
     if entry[1] == p._version:
@@ -549,6 +474,8 @@ def follow_weight(p: Tensor, state: dict) -> None:
             if remainder is not None and MASTER_KEY in state:  # the weight saved with it arrived
                 local_shard(state[MASTER_KEY]).copy_(
                     join_remainder(local_shard(p), local_shard(remainder)))
+            elif split is not None and REMAINDER_KEY in state:  # so did the master's weight
+                keep_as_remainder(p, state, weight_wins(split, p))
             elif REMAINDER_KEY in state:
                 remainder = local_shard(state[REMAINDER_KEY])  # (each rank: its shard's bits)
                 if entry[2] is None:
@@ -560,6 +487,19 @@ def follow_weight(p: Tensor, state: dict) -> None:
                 master = state[MASTER_KEY]
                 master.copy_(weight_wins(master, p))
     return note_weight(p)
+
+
+def settle_loads(optimizer, params=None) -> None:
+    """Before a fused optimizer's masters are read (``state_dict``, ``master_of``, the exports):
+    a join or split an optimizer load left for a weight written since is made now, as the next
+    step would make it."""
+    if not (_join_on_arrival.data or _split_on_arrival.data):
+        return
+    for p in params or [p for group in optimizer.param_groups for p in group["params"]]:
+        entry = _weight_version.get(id(p))
+        if ((p in _join_on_arrival or p in _split_on_arrival) and entry is not None
+                and entry[0]() is p and entry[1] != p._version):
+            follow_weight(p, optimizer.state[p])
 
 
 def note_stepped(params: list[Tensor]) -> None:
@@ -588,6 +528,8 @@ def masters_by_param(optimizer) -> dict[int, Tensor]:
     a remainder joined with its bf16 weight)."""
     store = store_of(optimizer)
     masters = {id(p): m for p, m in zip(store.model_params, store.masters)} if store else {}
+    if store is None and hasattr(optimizer, "state"):
+        settle_loads(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
             st = optimizer.state.get(p, {})

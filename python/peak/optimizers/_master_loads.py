@@ -1,0 +1,100 @@
+"""A fused optimizer's load of master weights: a saved master (fp32 or a remainder) into the
+loading optimizer's form, the masters it had kept where the checkpoint has none, and what the
+weights arriving with or after the load are checked against (NOTE: [Masters after a model
+reload] in masters.py)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..scaling import local_shard
+from ._sharded import is_sharded
+from .masters import (MASTER_KEY, REMAINDER_KEY, _awaiting_weight, _forget_id, _join_on_arrival,
+                      _split_on_arrival, _weight_version, copy_to_model, join_remainder,
+                      keep_as_remainder, note_weight, weight_wins)
+
+
+def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:
+    """A saved master (``entries``: p's checkpoint state) into ``optimizer``'s form: a remainder
+    as is, or joined with p's current bf16 value, which must be the weight saved with it (load the
+    model's state_dict too); an fp32 master as is, or split into p's rounding and a remainder.
+    Returns the remainder an fp32 master was joined from, if so (for ``weight_loaded``)."""
+    state.pop(MASTER_KEY, None)
+    state.pop(REMAINDER_KEY, None)
+    master, remainder = entries.get(MASTER_KEY), entries.get(REMAINDER_KEY)
+    if remainder is not None:
+        remainder = remainder.to(device=p.device, dtype=torch.int16)
+        if optimizer.keeps_remainder(p, group):
+            state[REMAINDER_KEY] = remainder.clone()
+            _awaiting_weight[p] = True  # (its weight comes with the model's state_dict)
+            return None
+        master = join_remainder(p.detach(), remainder)
+    if master is None:
+        return None  # the optimizer starts it from the weights
+    if optimizer.keeps_remainder(p, group):
+        keep_as_remainder(p, state, master)
+        _split_on_arrival[p] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
+    elif optimizer.wants_master(p):
+        # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
+        state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        return remainder  # (joined with the weight now; again with one loaded after it)
+    return None
+
+
+def weight_loaded(p: Tensor, joined_remainder: Tensor | None, fp32_master: bool) -> None:
+    """After an optimizer load: with ``fp32_master`` p's master is checked against its weight at
+    the next step (``masters_loaded``: the weight wins where the master does not round to it); a
+    master joined from a remainder is joined again with a weight written after the load; else p's
+    weight is taken to go with its loaded master (its version is forgotten). An earlier load's
+    pending join is dropped."""
+    _join_on_arrival.pop(p, None)
+    if joined_remainder is not None:
+        _join_on_arrival[p] = joined_remainder
+    if fp32_master or joined_remainder is not None or p in _split_on_arrival:
+        note_weight(p, version=-1 if fp32_master else None)  # (-1: a version no weight has)
+    elif (entry := _weight_version.get(id(p))) is not None and entry[0]() is p:
+        _forget_id(id(p))
+
+
+def masters_before_load(optimizer) -> dict:
+    """p -> its master before a fused optimizer's load, kept where the checkpoint has none for p
+    (torch's or Apex's): an fp32 master, or a remainder while its weight is the one it goes with
+    (``kept_master`` makes the master)."""
+    kept = {}
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        _split_on_arrival.pop(p, None)  # (an earlier load's)
+        st, entry = optimizer.state.get(p, {}), _weight_version.get(id(p))
+        t = st.get(MASTER_KEY, st.get(REMAINDER_KEY))
+        if t is None or t.shape != p.shape or t.device != p.device or is_sharded(p):
+            continue
+        if t.dtype == torch.float32 or (p.dtype == torch.bfloat16 and (
+                entry is None or entry[0]() is not p or entry[1] == p._version)):
+            kept[p] = t
+    return kept
+
+
+def kept_master(p: Tensor, kept: Tensor) -> Tensor:
+    """The fp32 master ``kept`` stands for: a remainder joined with p's weight, or an fp32 master
+    where it rounds to the weight and the weight where not (a weight written since it was)."""
+    return join_remainder(p.detach(), kept) if kept.dtype == torch.int16 else weight_wins(kept, p)
+
+
+def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None:
+    """After a fused optimizer's load (``joined``: parameter -> the remainder its fp32 master was
+    joined from): the loaded fp32 masters refresh the model, as a store's do. A checkpoint a torch
+    optimizer wrote (``via_torch``: its options in the groups) may hold stale masters (torch keeps
+    an unknown 'master_param' as it was while it trains the weights): those are checked against
+    the weights at the next step instead, and follow them where they do not round to them. Masters
+    ``kept`` from before the load go with the weights already."""
+    refresh = ([], [])
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            master = optimizer.state.get(p, {}).get(MASTER_KEY)
+            check = master is not None and via_torch and p not in kept
+            weight_loaded(p, joined.get(p), check)
+            if p in kept:  # (it goes with this weight: a weight written after the load wins)
+                note_weight(p)
+            if master is not None and not via_torch and joined.get(p) is None and p not in kept:
+                refresh[0].append(local_shard(master))
+                refresh[1].append(local_shard(p))
+    copy_to_model(*refresh)
