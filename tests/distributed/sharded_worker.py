@@ -445,3 +445,39 @@ def one_process_state_dict(name):
     names = dict(zip(map(id, module.parameters()), (n for n, _ in module.named_parameters())))
     return {"model": {n: p.detach() for n, p in module.named_parameters()},
             "optim": {names[id(p)]: st for p, st in opt.state.items()}}
+
+
+def lean_loads_in_either_order(rank, world_size):
+    """A checkpoint of fp32 masters loaded into remainders, and one of remainders into fp32
+    masters, on row shards, the model's weights before or after the optimizer's: (the saved
+    weights and masters, and those after each load, as full tensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(8, 3, generator=g)
+    out = {}
+    for source, target in ((False, True), (True, False)):  # store_param_remainders
+        p = torch.nn.Parameter(distribute_tensor(full.to(torch.bfloat16), mesh, [Shard(0)]))
+        opt = FusedAdam([p], lr=1e-2, store_param_remainders=source)
+        for i in range(2):
+            p.grad = distribute_tensor(torch.randn(8, 3, generator=g).to(torch.bfloat16), mesh,
+                                       [Shard(0)])
+            opt.step()
+        saved_opt, saved_weight = copy.deepcopy(opt.state_dict()), p.detach().clone()
+        saved = (saved_weight.full_tensor(), opt.master_of(p).full_tensor())
+        for optimizer_first in (False, True):
+            q = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 3, dtype=torch.bfloat16),
+                                                     mesh, [Shard(0)]))
+            resumed = FusedAdam([q], lr=1e-2, store_param_remainders=target)
+
+            def model_load():
+                with torch.no_grad():
+                    q.copy_(saved_weight)
+            loads = [lambda: resumed.load_state_dict(copy.deepcopy(saved_opt)), model_load]
+            for load in loads if optimizer_first else loads[::-1]:
+                load()
+            out[(source, optimizer_first)] = (saved, q.detach().full_tensor(),
+                                              resumed.master_of(q).full_tensor())
+    return out

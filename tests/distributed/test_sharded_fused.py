@@ -177,3 +177,21 @@ def test_full_state_dict_for_export(tmp_path, name):
     W._steps(reference, ref_opt, 0, W.STEPS + 2)
     assert_bitwise_equal(W._full_state(list(module.parameters()), opt),
                          W._full_state(list(reference.parameters()), ref_opt))
+
+
+def test_lean_checkpoints_load_on_shards_in_either_order(tmp_path):
+    """fp32 masters into remainders and back, on 2 ranks, model before or after the optimizer: the
+    weights are the saved ones and the masters exact (a remainder made from an fp32 master, or
+    joined with its weight, went through DTensor bit operations that left the shards as they were:
+    weights of 4e29)."""
+    from peak.optimizers.masters import split_master
+
+    results = run_ranks(W.lean_loads_in_either_order, tmp_path, world_size=2)
+    for r in results:
+        for (remainders_saved, optimizer_first), (saved, weight, master) in r.items():
+            where = f"remainders saved: {remainders_saved}, optimizer first: {optimizer_first}"
+            assert_bitwise_equal(master, saved[1], where)
+            if remainders_saved:  # (into fp32 masters the weight stays the one loaded)
+                assert_bitwise_equal(weight, saved[0], where)
+            else:  # (into remainders: the master's rounding ties away, NOTE: [Remainder masters])
+                assert_bitwise_equal(weight, split_master(saved[1])[0], where)

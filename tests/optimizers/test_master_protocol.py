@@ -433,6 +433,72 @@ def test_a_remainder_load_is_joined_before_the_state_is_read_again():
     assert_bitwise_equal(export_fp32_state_dict(third, third_opt), saved)
 
 
+class _Tied(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight  # (GPT-2's wte and lm_head)
+        with torch.no_grad():  # ties: exactly between two bf16 values
+            self.embed.weight[0, :2] = torch.tensor([1 + 2**-8, -(2 + 3 * 2**-7)])
+
+    def forward(self, idx):
+        return self.head(self.embed(idx))
+
+
+@pytest.mark.parametrize("remainders_saved", [False, True], ids=["fp32 saved", "remainders saved"])
+def test_tied_weights_load_in_either_order_under_amp(remainders_saved):
+    """A weight two modules share is given twice by the model's load (once per module): under
+    amp, optimizer first, the second arrival used to take the first one's tie-away rounding for a
+    change and replace every master of the tensor with the loaded bf16 weights."""
+    from peak import amp
+
+    model = _Tied(0)
+    opt = FusedAdam(model.parameters(), lr=1e-2, store_param_remainders=remainders_saved)
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+    saved = opt.master_of(model.embed.weight).clone()  # (with its ties: no step since)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    for optimizer_first in (False, True):
+        resumed = _Tied(5)
+        resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2,
+                                store_param_remainders=not remainders_saved)
+        amp.initialize(resumed, resumed_opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                       verbosity=0)
+        loads = [lambda: resumed_opt.load_state_dict(checkpoint["optimizer"]),
+                 lambda: resumed.load_state_dict(checkpoint["model"])]
+        for load in loads if optimizer_first else loads[::-1]:
+            load()
+        assert_bitwise_equal(resumed_opt.master_of(resumed.embed.weight), saved,
+                             f"optimizer first: {optimizer_first}")
+
+
+def test_reading_or_loading_again_keeps_a_pending_split():
+    """A split waiting for its weight belongs to the optimizer that loaded it: another optimizer's
+    ``master_of`` does not take it (it made the other's state hold a foreign parameter), and a
+    second load of the same optimizer completes it first (it was dropped: the masters became the
+    bf16 weights)."""
+    model = _reload_model(torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    weight = model[0].weight
+    master = weight.detach().float()
+    master[0, :2] = torch.tensor([1 + 2**-8, -(1 + 3 * 2**-8)])  # ties
+    opt.set_master(weight, master)
+    with torch.no_grad():
+        weight.copy_(master.to(torch.bfloat16))
+    weight.grad, opt.param_groups[0]["lr"] = torch.zeros_like(weight), 0.0
+    opt.step()  # (its moments: a whole state, the master as it was)
+    assert_bitwise_equal(opt.master_of(weight), master)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    resumed = _reload_model(torch.bfloat16, seed=5)
+    resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2, store_param_remainders=True)
+    other = FusedAdam([torch.nn.Parameter(torch.zeros(3))], lr=1e-2)
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    resumed.load_state_dict(checkpoint["model"])
+    assert other.master_of(resumed[0].weight) is None and len(other.state) == 0
+    resumed_opt.load_state_dict(copy.deepcopy(resumed_opt.state_dict()))
+    assert_bitwise_equal(resumed_opt.master_of(resumed[0].weight), master)
+
+
 def test_a_later_optimizer_load_drops_an_earlier_remainder_join():
     """A remainder checkpoint, then an fp32-master checkpoint, then the second one's model: the
     masters are the second checkpoint's (the first load's pending join is dropped), bit for bit

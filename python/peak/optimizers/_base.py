@@ -493,6 +493,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """As torch's, except that fp32 state (moments, step counts, master weights) stays fp32
         and is copied bit for bit, and a torch.optim state dict of the same family loads too."""
         check_loadable(self, state_dict)  # a damaged checkpoint is refused before any change
+        settle_loads(self)  # (an earlier load's joins for weights that arrived since)
         saved_state = state_dict["state"]
         fp32 = {pid: {k: v for k, v in st.items() if k in FP32_STATE_KEYS and v is not None}
                 for pid, st in saved_state.items()}

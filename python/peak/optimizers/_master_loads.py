@@ -33,7 +33,8 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
         return None  # the optimizer starts it from the weights
     if optimizer.keeps_remainder(p, group):
         keep_as_remainder(p, state, master)
-        _split_on_arrival[p] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        # (a weight arriving later is split again: ``follow_weight``)
+        _split_on_arrival[p] = master.detach().to(p.device, torch.float32, copy=True)
     elif optimizer.wants_master(p):
         # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
         state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)

@@ -12,6 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
+from ._sharded import is_sharded
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
            "copy_to_model", "join_remainder", "split_master", "keep_as_remainder",
@@ -45,6 +46,10 @@ def copy_to_model(masters: list[Tensor], params: list[Tensor]) -> None:
 def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
     """The fp32 master held as a bf16 ``weight`` and its int16 ``remainder`` (the low 16 bits; a
     negative remainder means the weight was rounded up): NOTE: [Remainder masters]."""
+    if is_sharded(weight):  # (DTensor's shifts leave a tensor as it is: shard by shard)
+        out = torch.empty_like(weight, dtype=torch.float32)
+        local_shard(out).copy_(join_remainder(local_shard(weight), local_shard(remainder)))
+        return out
     high = weight.view(torch.int16).to(torch.int32) & 0xFFFF
     low = remainder.to(torch.int32) & 0xFFFF
     high = (high - (low >> 15)) & 0xFFFF
@@ -56,6 +61,13 @@ def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
 def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     """The inverse of :func:`join_remainder`: (bf16 weight, int16 remainder) with the weight the
     master rounded half away from zero in magnitude (round to nearest, ties up in magnitude)."""
+    if is_sharded(master):  # (as join_remainder: shard by shard)
+        parts = split_master(local_shard(master))
+        out = (torch.empty_like(master, dtype=torch.bfloat16),
+               torch.empty_like(master, dtype=torch.int16))
+        for whole, part in zip(out, parts):
+            local_shard(whole).copy_(part)
+        return out
     bits = master.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
     bits = bits & 0xFFFFFFFF
     low = bits & 0xFFFF
@@ -406,7 +418,10 @@ def note_load_hook(module, state_dict, prefix, *args) -> None:
     for name, p in module._parameters.items():
         value = state_dict.get(prefix + name)
         if p is not None and isinstance(value, Tensor) and value.shape == p.shape:
-            _loading[p] = (value, not torch.equal(value.to(p.dtype), p.detach()))
+            owner = _owner_of_param[p]() if p in _owner_of_param else None
+            rem = owner.state.get(p, {}).get(REMAINDER_KEY) if owner is not None else None
+            _loading[p] = (value, not torch.equal(value.to(p.dtype), p.detach()),
+                           None if rem is None else join_remainder(p.detach(), rem))
 
 
 @torch.no_grad()
@@ -415,25 +430,22 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
     for p in module._parameters.values():
         if p is None:
             continue
-        value, changed = _loading.pop(p, (None, False))
+        value, changed, before = _loading.pop(p, (None, False, None))
         master = master_of_param(p)
         remainder = _join_on_arrival.pop(p, None)
         if master is not None and remainder is not None:  # (its rounding is p by construction)
             master.copy_(join_remainder(p, remainder))
         elif (master is not None and value is not None  # (not a weight this load left out)
-              and not torch.equal(master.to(p.dtype), p)):
+              and not rounds_to(master, p)):
             master.copy_(value)  # (exact where fp32 weights arrive)
         if value is not None and (p in _master_of_param or p in _frozen_in_store):
             _arrived[p] = True  # (a store's weight: checked at its optimizer's next load)
         owner = _owner_of_param[p]() if p in _owner_of_param else None
         state = owner.state.get(p, {}) if owner is not None else {}
-        awaiting, split = _awaiting_weight.pop(p, False), _split_on_arrival.pop(p, None)
-        if REMAINDER_KEY in state and split is not None and value is not None:
-            value = value.to(device=p.device, dtype=torch.float32)  # (the master where the value
-            keep_as_remainder(p, state, torch.where(  # is p's rounding; exact fp32 values else)
-                (value == p.float()) & (split.to(p.dtype) == p), split, value))
-        elif REMAINDER_KEY in state and not awaiting and changed:
-            keep_as_remainder(p, state, value.to(torch.float32))
+        if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
+            _split_on_arrival.pop(p, None)  # (the master it waited for is ``before``)
+            keep_as_remainder(p, state, before if before is not None and rounds_to(before, p)
+                              else value.to(torch.float32))  # (a tie's weight: ties away again)
         if state:  # (this hook has made the master match: the step need not follow again)
             note_weight(p)
 
@@ -448,6 +460,15 @@ def note_weight(p: Tensor, checksum: Tensor | None = None, version: int | None =
     if entry is None or entry[0]() is not p:  # (a plain dict by id: a step reads it per param)
         entry = (weakref.ref(p, lambda _, key=key: _forget_id(key)),)
     _weight_version[key] = (entry[0], p._version if version is None else version, checksum)
+
+
+def rounds_to(master: Tensor, p: Tensor) -> bool:
+    """``master`` rounds to p's weight everywhere: to nearest even (torch's cast) or, for bf16,
+    ties away from zero (a remainder's weight: a tie's two roundings are both the master's)."""
+    near = master.to(p.dtype) == p.detach()
+    if p.dtype == torch.bfloat16:
+        near |= split_master(master)[0].view(p.shape) == p.detach()
+    return bool(near.all())
 
 
 def weight_wins(master: Tensor, p: Tensor) -> Tensor:
@@ -496,10 +517,10 @@ def settle_loads(optimizer, params=None) -> None:
     if not (_join_on_arrival.data or _split_on_arrival.data):
         return
     for p in params or [p for group in optimizer.param_groups for p in group["params"]]:
-        entry = _weight_version.get(id(p))
-        if ((p in _join_on_arrival or p in _split_on_arrival) and entry is not None
+        entry, state = _weight_version.get(id(p)), optimizer.state.get(p)
+        if ((p in _join_on_arrival or p in _split_on_arrival) and entry is not None and state
                 and entry[0]() is p and entry[1] != p._version):
-            follow_weight(p, optimizer.state[p])
+            follow_weight(p, state)
 
 
 def note_stepped(params: list[Tensor]) -> None:
