@@ -330,3 +330,22 @@ def test_8bit_moments_cast_by_a_loader_are_refused(tmp_path):
     assert_bitwise_equal(dict(loader.state[p]), before)  # nothing loaded
     loader.load_state_dict(saver.state_dict())  # in memory: decoded
     assert loader.state[p]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_remainder_checkpoint_is_refused_for_a_model_not_in_bf16(dtype):
+    """A remainder is the 16 bits a bf16 weight drops: loaded for an fp16 (or fp32) parameter it
+    was joined with that parameter's bits, silently wrong masters (up to 0.43 off). It is refused
+    before anything loads, with the way to convert."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16).to(torch.bfloat16))
+    lean = FusedAdam([p], lr=1e-2, store_param_remainders=True)
+    p.grad = torch.randn(16).to(torch.bfloat16)
+    lean.step()
+    q = torch.nn.Parameter(torch.randn(16).to(dtype))
+    opt = FusedAdam([q], lr=1e-2)
+    before = q.detach().clone()
+    with pytest.raises(ValueError, match=f"a remainder master .* for a {dtype} parameter.*"
+                                         "export_fp32_state_dict"):
+        opt.load_state_dict(lean.state_dict())
+    assert len(opt.state) == 0 and torch.equal(q.detach(), before)

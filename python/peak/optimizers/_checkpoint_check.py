@@ -118,6 +118,12 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
             continue
         if not isinstance(value, Tensor):
             refuse(f"'{key}' must be a tensor, got {type(value).__name__}")
+        if key == REMAINDER_KEY and p.dtype != torch.bfloat16:  # (the bf16 weight's low bits)
+            raise ValueError(
+                f"{name}.load_state_dict: {label}: a remainder master (the 16 bits a bf16 weight "
+                f"drops) for a {p.dtype} parameter, which cannot complete it (nothing was "
+                "loaded); load it into the bf16 model it was saved with, then convert with "
+                "export_fp32_state_dict / export_fp32_optimizer_state_dict")
         if value.is_meta:
             refuse(f"'{key}' is on the meta device (no values: a checkpoint saved from a model "
                    "not yet materialized)")
