@@ -383,9 +383,11 @@ def master_of_param(p: Tensor) -> Tensor | None:
 
 # NOTE: [Masters after a model reload] (docs/amp_api.md, "Checkpoints") Under amp, the model's
 # load_state_dict hooks (below) re-derive a master that no longer rounds to its reloaded weight
-# and keep one that does, so model and optimizer checkpoints restore exactly in either order. A
-# remainder joins any weight, so it is re-split from a loaded value that changes the weight, unless
-# the optimizer's own load_state_dict just restored it for the weight arriving now.
+# and keep one that does ("rounds": to nearest even, or ties away as a remainder's weight), so
+# model and optimizer checkpoints restore exactly in either order. A remainder joins any weight:
+# its master, read before the load, is re-split from a loaded value that changes the weight (kept
+# where it rounds to it), unless the optimizer's own load_state_dict just restored the remainder
+# for the weight arriving now.
 # Outside amp no hook sees the model (a fused optimizer alone, with GradScaler, under FSDP2): the
 # optimizer notes each weight's version counter when its master last matched it, and a weight
 # written since (in-place loads; peak's kernels do not bump the counter) makes the master follow it
