@@ -662,3 +662,32 @@ def test_a_fused_load_refreshes_the_model_from_its_masters():
     loaded = FusedAdam([fresh], lr=0.1)
     loaded.load_state_dict(sd)
     assert_bitwise_equal(fresh.detach(), p.detach())
+
+
+@pytest.mark.parametrize("case", ["optimizer_only", "zeroed_after_loads"])
+def test_a_remainder_joined_with_another_weight_stays_finite(case):
+    """A remainder checkpoint into fp32 masters, joined with a weight it was not saved with (zeros:
+    a model whose optimizer alone is loaded, its biases zero; or a layer the user re-initialises
+    after the loads): a rounded-up remainder joined with a zero weight gave NaN bits, and the step
+    NaN weights. The master is the weight there now, and the step finite."""
+    model = _reload_model(torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-2, store_param_remainders=True)
+    for s in range(3):
+        _grad_step(model, opt, s)
+    checkpoint = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    assert any((opt.state[p][REMAINDER_KEY] < 0).any() for p in model.parameters())
+    resumed = _reload_model(torch.bfloat16, seed=5)
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.zero_()
+    resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2)
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    if case == "zeroed_after_loads":
+        resumed.load_state_dict(checkpoint["model"])
+        with torch.no_grad():
+            for p in resumed.parameters():
+                p.zero_()
+    for p in resumed.parameters():
+        assert torch.isfinite(resumed_opt.master_of(p)).all()
+    _grad_step(resumed, resumed_opt, 3)
+    assert all(torch.isfinite(p).all() for p in resumed.parameters())

@@ -10,8 +10,8 @@ from torch import Tensor
 from ..scaling import local_shard
 from ._sharded import is_sharded
 from .masters import (MASTER_KEY, REMAINDER_KEY, _awaiting_weight, _forget_id, _join_on_arrival,
-                      _split_on_arrival, _weight_version, copy_to_model, join_remainder,
-                      keep_as_remainder, note_weight, weight_wins)
+                      _split_on_arrival, _weight_version, copy_to_model, join_or_weight,
+                      join_remainder, keep_as_remainder, note_weight, weight_wins)
 
 
 def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:
@@ -28,7 +28,7 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
             state[REMAINDER_KEY] = remainder.clone()
             _awaiting_weight[p] = True  # (its weight comes with the model's state_dict)
             return None
-        master = join_remainder(p.detach(), remainder)
+        master = join_or_weight(p.detach(), remainder)
     if master is None:
         return None  # the optimizer starts it from the weights
     if optimizer.keeps_remainder(p, group):

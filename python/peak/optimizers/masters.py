@@ -58,6 +58,14 @@ def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
     return bits.view(torch.float32)
 
 
+def join_or_weight(weight: Tensor, remainder: Tensor) -> Tensor:
+    """:func:`join_remainder`, but the weight where the join is not finite and the weight is: a
+    remainder joined with a weight other than its own (a user's write after a load) can cross
+    the exponent's edge (a zero weight and a rounded-up remainder join to NaN bits)."""
+    joined = join_remainder(weight, remainder)
+    return torch.where(joined.isfinite() | ~weight.isfinite(), joined, weight.float())
+
+
 def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     """The inverse of :func:`join_remainder`: (bf16 weight, int16 remainder) with the weight the
     master rounded half away from zero in magnitude (round to nearest, ties up in magnitude)."""
@@ -496,7 +504,7 @@ def follow_weight(p: Tensor, state: dict) -> None:
         with torch.no_grad():
             if remainder is not None and MASTER_KEY in state:  # the weight saved with it arrived
                 local_shard(state[MASTER_KEY]).copy_(
-                    join_remainder(local_shard(p), local_shard(remainder)))
+                    join_or_weight(local_shard(p), local_shard(remainder)))
             elif split is not None and REMAINDER_KEY in state:  # so did the master's weight
                 keep_as_remainder(p, state, weight_wins(split, p))
             elif REMAINDER_KEY in state:
