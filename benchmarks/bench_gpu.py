@@ -233,6 +233,17 @@ def gpt2_medium_shapes(d=1024, layers=24, vocab=50257, positions=1024, ff=4096):
     return out + [(d,), (d,)]
 
 
+def lean_optimizer(name, fp32, grads32, low):
+    """A FusedAdam with LEAN[name]'s storage over ``low`` copies of ``fp32`` holding ``grads32``
+    (left scaled by the step): (it, the bytes a parameter's step moves)."""
+    kw, nbytes = LEAN[name]
+    model = [p.to(low).requires_grad_() for p in fp32]
+    for p, gr in zip(model, grads32):
+        p.grad = gr.to(low)
+    return FusedAdam(model, lr=1e-4, weight_decay=0.01, adam_w_mode=True,
+                     store_unscaled_grads=False, **kw), nbytes
+
+
 def bench_optimizer(args, clock, report):
     dev = args.device
     shapes = gpt2_medium_shapes() if not args.tiny else gpt2_medium_shapes(64, 2, 1000, 64, 256)
@@ -256,12 +267,7 @@ def bench_optimizer(args, clock, report):
     lean_targets = {"remainder + bf16 moments": 1.45, "remainder + 8-bit moments": 1.8}
     lean_opts = []
     for name, goal in lean_targets.items():
-        kw, b = LEAN[name]
-        model = [p.to(low).requires_grad_() for p in fp32]
-        for p, gr in zip(model, grads32):
-            p.grad = gr.to(low)
-        o = FusedAdam(model, lr=1e-4, weight_decay=0.01, adam_w_mode=True,
-                      store_unscaled_grads=False, **kw)
+        o, b = lean_optimizer(name, fp32, grads32, low)
         lean_opts.append(o)
         row = f"lean: {name}"
         contenders[row] = (None, (lambda o: lambda: o.step(grad_scale=scale, found_inf=found))(o), 1)

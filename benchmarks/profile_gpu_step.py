@@ -23,9 +23,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peak.optimizers import FusedAdam  # noqa: E402
-from bench_gpu import gpt2_medium_shapes  # noqa: E402
-from bench_optimizers import LEAN, amp_o2_step  # noqa: E402
+from bench_gpu import gpt2_medium_shapes, lean_optimizer  # noqa: E402
+from bench_optimizers import amp_o2_step  # noqa: E402
 
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
          "cudaMemcpy", "cudaMemcpyAsync", "aten::_local_scalar_dense", "aten::item")
@@ -40,12 +39,7 @@ def contenders(dev, tiny):
     scale, found = torch.ones(1, device=dev), torch.zeros(1, device=dev)
     rows = {"amp O2 step, FusedAdam": amp_o2_step(fp32, grads32, low, dev)}
     for name in ("remainder + bf16 moments", "remainder + 8-bit moments"):
-        kw, _ = LEAN[name]
-        model = [p.to(low).requires_grad_() for p in fp32]
-        for p, gr in zip(model, grads32):
-            p.grad = gr.to(low)
-        o = FusedAdam(model, lr=1e-4, weight_decay=0.01, adam_w_mode=True,
-                      store_unscaled_grads=False, **kw)
+        o, _ = lean_optimizer(name, fp32, grads32, low)
         rows[f"lean: {name}"] = (None, (lambda o: lambda: o.step(grad_scale=scale,
                                                                  found_inf=found))(o))
     model32 = [p.clone().requires_grad_() for p in fp32]

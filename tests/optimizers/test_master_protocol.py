@@ -323,6 +323,25 @@ def test_a_watched_weight_that_is_reloaded_still_has_its_remainder_cleared():
     assert_bitwise_equal(opt.master_of(model.weight), ref_opt.master_of(reference.weight))
 
 
+def _resumed(checkpoint_model, checkpoint_opt, optimizer_first, under_amp, **options):
+    """A fresh fp32 model made bf16 (by amp O2 or a cast) and a FusedAdam(**options), given the
+    checkpoint's optimizer state before or after the model's."""
+    from peak import amp
+
+    resumed = _reload_model(torch.float32, seed=5)
+    resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2, **options)
+    if under_amp:
+        amp.initialize(resumed, resumed_opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                       verbosity=0)
+    else:
+        resumed.to(torch.bfloat16)
+    loads = [lambda: resumed_opt.load_state_dict(checkpoint_opt),
+             lambda: resumed.load_state_dict(checkpoint_model)]
+    for load in loads if optimizer_first else loads[::-1]:
+        load()
+    return resumed, resumed_opt
+
+
 @pytest.mark.parametrize("under_amp", [False, True], ids=["plain", "amp O2"])
 def test_a_remainder_checkpoint_resumes_into_fp32_masters_in_either_order(under_amp):
     """A checkpoint saved with remainders, loaded into an optimizer that keeps fp32 masters: each
@@ -330,8 +349,6 @@ def test_a_remainder_checkpoint_resumes_into_fp32_masters_in_either_order(under_
     state_dict is loaded before the optimizer's or after (then the master is joined again with
     the weight that arrives). Optimizer first used to leave masters joined with the fresh model's
     weights, and the step overwrote the loaded weights with them."""
-    from peak import amp
-
     model = _reload_model(torch.bfloat16)
     opt = FusedAdam(model.parameters(), lr=1e-2, store_param_remainders=True)
     for s in range(3):
@@ -340,17 +357,7 @@ def test_a_remainder_checkpoint_resumes_into_fp32_masters_in_either_order(under_
     saved_opt = copy.deepcopy(opt.state_dict())
     runs = {}
     for optimizer_first in (False, True):
-        resumed = _reload_model(torch.float32, seed=5)
-        resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2)
-        if under_amp:
-            amp.initialize(resumed, resumed_opt, opt_level="O2", cast_model_type=torch.bfloat16,
-                           verbosity=0)
-        else:
-            resumed.to(torch.bfloat16)
-        loads = [lambda: resumed_opt.load_state_dict(saved_opt),
-                 lambda: resumed.load_state_dict(saved_model)]
-        for load in loads if optimizer_first else loads[::-1]:
-            load()
+        resumed, resumed_opt = _resumed(saved_model, saved_opt, optimizer_first, under_amp)
         for p, q in zip(resumed.parameters(), model.parameters()):
             assert_bitwise_equal(resumed_opt.master_of(p), opt.master_of(q))
         for s in range(3, 5):
@@ -381,17 +388,8 @@ def test_fp32_masters_load_into_remainders_in_either_order(under_amp):
     saved_opt = copy.deepcopy(opt.state_dict())
     runs = {}
     for optimizer_first in (False, True):
-        resumed = _reload_model(torch.float32, seed=5)
-        resumed_opt = FusedAdam(resumed.parameters(), lr=1e-2, store_param_remainders=True)
-        if under_amp:
-            amp.initialize(resumed, resumed_opt, opt_level="O2", cast_model_type=torch.bfloat16,
-                           verbosity=0)
-        else:
-            resumed.to(torch.bfloat16)
-        loads = [lambda: resumed_opt.load_state_dict(saved_opt),
-                 lambda: resumed.load_state_dict(saved_model)]
-        for load in loads if optimizer_first else loads[::-1]:
-            load()
+        resumed, resumed_opt = _resumed(saved_model, saved_opt, optimizer_first, under_amp,
+                                        store_param_remainders=True)
         assert_bitwise_equal([resumed_opt.master_of(p) for p in resumed.parameters()],
                              saved_masters)
         for s in range(2):

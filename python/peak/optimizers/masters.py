@@ -559,7 +559,7 @@ def masters_by_param(optimizer) -> dict[int, Tensor]:
     a remainder joined with its bf16 weight)."""
     store = store_of(optimizer)
     masters = {id(p): m for p, m in zip(store.model_params, store.masters)} if store else {}
-    if store is None and hasattr(optimizer, "state"):
+    if store is None:  # (a fused optimizer's own masters)
         settle_loads(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
