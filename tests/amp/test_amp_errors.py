@@ -8,6 +8,7 @@ from torch import nn
 from peak import amp
 from peak.amp import _caster
 from peak.amp._amp_state import _amp_state
+from peak.optimizers import FusedSGD
 
 import amp_helpers as H
 
@@ -105,6 +106,73 @@ def test_optimizer_params_not_the_models():
     _untouched(model, opt)
     _untouched(other)
     amp.initialize([model, other], opt, opt_level="O2", verbosity=0)  # passing both models works
+
+
+def _shared_weight_step(opt_level, make_opts):
+    """The weight's move after one step of optimizers that share it (fp32 without opt_level)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    w0 = model.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of a group holding one twice
+        opts = make_opts(model.weight)
+    if opt_level is not None:
+        model, opts = amp.initialize(model, opts, opt_level=opt_level,
+                                     low_precision_dtype=torch.bfloat16, verbosity=0)
+        with amp.scale_loss(model(torch.ones(2, 4)).float().sum(), opts) as scaled:
+            scaled.backward()
+    else:
+        model(torch.ones(2, 4)).sum().backward()
+    for opt in opts:
+        opt.step()
+    return (w0 - model.weight.detach().float())[0, 0].item()
+
+
+@pytest.mark.parametrize("make_opts", [
+    lambda w: [torch.optim.SGD([w, w], lr=0.1)],
+    lambda w: [torch.optim.SGD([w], lr=0.1), torch.optim.SGD([w], lr=0.1)],
+    lambda w: [FusedSGD([w], lr=0.1), torch.optim.SGD([w], lr=0.1)],
+], ids=["twice in a group", "two torch optimizers", "fused and torch"])
+def test_a_parameter_held_twice_under_master_weights_is_refused(make_opts):
+    """Under O2 each torch optimizer steps an fp32 master of each entry, and only one master
+    reached the model: half the update of fp32 training, silently. O1 steps it as torch does."""
+    reference = _shared_weight_step(None, make_opts)  # fp32 torch: every entry steps it
+    assert reference == pytest.approx(0.4)
+    assert _shared_weight_step("O1", make_opts) == pytest.approx(reference, rel=1e-2)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opts = make_opts(model.weight)
+    with pytest.raises(ValueError, match=r"held more than once \(by optimizers\[0\] and "
+                                         r"optimizers\[[01]\]\).*one optimizer, once"):
+        amp.initialize(model, opts, opt_level="O2", verbosity=0)
+    _untouched(model)
+    for opt in opts:
+        assert not hasattr(opt, "_amp_stash") and "step" not in opt.__dict__
+
+
+def test_fused_optimizers_sharing_a_parameter_share_its_master():
+    """peak's fused optimizers keep one master per parameter: both updates reach the weight."""
+    make = lambda w: [FusedSGD([w], lr=0.1), FusedSGD([w], lr=0.1)]  # noqa: E731
+    reference = _shared_weight_step(None, make)
+    assert reference == pytest.approx(0.4)
+    assert _shared_weight_step("O2", make) == pytest.approx(reference, rel=1e-2)
+
+
+def test_a_verbosity_or_amp_state_of_the_wrong_type_is_named():
+    """Both failed on a comparison or a method deep inside (a bare TypeError/AttributeError)."""
+    model, opt = _pair()
+    with pytest.raises(TypeError, match=r"verbosity must be a number.*verbosity='1'"):
+        amp.initialize(model, opt, opt_level="O2", verbosity="1")
+    _untouched(model, opt)
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    saved = amp.state_dict()
+    for bad in ([saved], None):
+        with pytest.raises(TypeError, match=r"amp.load_state_dict takes the dict amp.state_dict\(\) "
+                                            r"returned, got (list|NoneType)"):
+            amp.load_state_dict(bad)
+    assert amp.state_dict() == saved
 
 
 def test_non_scalar_and_non_tensor_loss():

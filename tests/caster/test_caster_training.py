@@ -1,4 +1,5 @@
 """The O1 caster in training: weight-cast cache, autograd, user functions, list edits, amp."""
+import contextlib
 import copy
 
 import pytest
@@ -164,6 +165,42 @@ def test_custom_autograd_function(o1):
     out = MyMM.apply(a, b)
     assert out.dtype == o1
     out.float().sum().backward()
+    assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+
+
+class DecoratedMM(torch.autograd.Function):
+    """custom_fwd without cast_inputs: the dtypes its forward's and backward's mm give."""
+
+    @staticmethod
+    @amp.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        out = torch.mm(a, b)
+        DecoratedMM.seen = [out.dtype]
+        return out
+
+    @staticmethod
+    @amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        grad_a = torch.mm(g, b.t())
+        DecoratedMM.seen.append(grad_a.dtype)
+        return grad_a.to(a.dtype), torch.mm(a.t(), g).to(b.dtype)
+
+
+@pytest.mark.parametrize("forward_cast", [True, False], ids=["fwd cast", "fwd in disable_casts"])
+def test_custom_bwd_runs_under_the_o1_state_forward_saw(o1, forward_cast):
+    """As custom_bwd re-enters torch.autocast's state of the forward: a backward run in or out of
+    disable_casts casts as the forward did (it cast where the forward did not, or failed on mixed
+    dtypes where the forward cast)."""
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, 2, requires_grad=True)
+    with contextlib.nullcontext() if forward_cast else amp.disable_casts():
+        out = DecoratedMM.apply(a, b)
+    with amp.disable_casts() if forward_cast else contextlib.nullcontext():
+        out.float().sum().backward()
+    want = o1 if forward_cast else torch.float32
+    assert DecoratedMM.seen == [want, want]
     assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
 
 

@@ -179,6 +179,11 @@ def test_add_param_group_takes_what_torchs_takes():
     (lambda w: FusedAdam(w, lr=0.1), {"exp_avg_dtype": "fp8"}, r"exp_avg_dtype"),
     (lambda w: FusedAdagrad(w, lr=0.1), {"lr_decay": -1.0}, r"Invalid lr_decay"),
     (lambda w: FusedLAMB(w, lr=0.1), {"max_grad_norm": -1.0}, r"Invalid max_grad_norm"),
+    (lambda w: FusedSGD(w, lr=0.1), {"nesterov": True}, r"Nesterov momentum requires"),
+    (lambda w: FusedSGD(w, lr=0.1, momentum=0.9), {"nesterov": True, "dampening": 0.1},
+     r"Nesterov momentum requires"),
+    (lambda w: FusedNovoGrad(w, lr=0.1), {"norm_type": 1}, r"norm_type must be 2"),
+    (lambda w: FusedNovoGrad(w, lr=0.1), {"norm_type": "inf"}, r"norm_type must be 2"),
 ])
 def test_a_param_groups_own_options_are_checked_as_the_constructors(make, group, match):
     """add_param_group (and a dict in params) checks what the group sets as the constructor checks

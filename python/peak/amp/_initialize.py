@@ -14,7 +14,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from peak.optimizers.masters import note_load_hook, refresh_after_load_hook
+from peak.optimizers import FusedOptimizer
+from peak.optimizers.masters import (check_one_master_each, note_load_hook,
+                                    refresh_after_load_hook)
 
 from . import _caster
 from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
@@ -34,7 +36,6 @@ def check_inputs(models, optimizers):
         models_list = list(models)
     else:
         raise TypeError("models must be either a single model or a list of models.")
-
     if optimizers is None:
         optimizers_list = []
     elif _is_optimizer(optimizers):
@@ -47,7 +48,6 @@ def check_inputs(models, optimizers):
                 ".optim and share its param_groups)")
         raise TypeError("optimizers must be either a single optimizer or a list of optimizers."
                         + hint)
-
     for i, model in enumerate(models_list):
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             raise RuntimeError(
@@ -69,7 +69,6 @@ def check_inputs(models, optimizers):
                 "amp.initialize, which casts its parameters and patches its forward. A given model "
                 "should only be passed through amp.initialize once: build a fresh model (e.g. "
                 "re-run the cell that creates it) and pass that.")
-
     for i, opt in enumerate(optimizers_list):
         inner = inner_optimizer(opt)
         for j in range(i):
@@ -88,11 +87,9 @@ def check_inputs(models, optimizers):
                 "A given optimizer should only be passed through amp.initialize once. "
                 f"optimizers[{i}] ({type(opt).__name__}) already was: build a fresh optimizer "
                 "over the new model's parameters and pass that.")
-
     if not _amp_state.allow_incoming_model_not_fp32:
         for model in models_list:
             _check_fp32(model)
-
     model_params = {id(p) for model in models_list for p in model.parameters()}
     for i, opt in enumerate(optimizers_list):
         for g, group in enumerate(opt.param_groups):
@@ -108,9 +105,9 @@ def check_inputs(models, optimizers):
 
 
 def check_sharded_optimizers(optimizers_list, properties, models_list=()) -> None:
-    """Reject what would silently stand still: masters in the ``param_groups`` of a
-    ``ZeroRedundancyOptimizer`` (its inner optimizer steps its own groups), or a model already
-    under FSDP2's ``fully_shard`` cast or given masters (only O1 works over it)."""
+    """Reject what would silently stand still or half-step: masters in the ``param_groups`` of a
+    ``ZeroRedundancyOptimizer`` (its inner optimizer steps its own groups), a model already under
+    FSDP2's ``fully_shard`` cast or given masters (only O1 works over it), a parameter held twice."""
     if properties.master_weights or properties.cast_model_type in LOW_DTYPES:
         for i, model in enumerate(models_list):
             if any(getattr(p, "device_mesh", None) is not None for p in model.parameters()):
@@ -122,6 +119,10 @@ def check_sharded_optimizers(optimizers_list, properties, models_list=()) -> Non
                     "optimizer built after fully_shard (docs/distributed.md).")
     if not properties.master_weights:
         return
+    check_one_master_each([(f"optimizers[{i}]", [p for g in inner_optimizer(o).param_groups
+                                                 for p in g["params"]],
+                            isinstance(o, FusedOptimizer)) for i, o in enumerate(optimizers_list)],
+                          properties.opt_level)
     # Not imported (that scripts torch's functional optimizers: slow, and fails under O1): no
     # ZeroRedundancyOptimizer exists unless its module was imported.
     zero_module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
@@ -179,7 +180,6 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
                     module.register_load_state_dict_pre_hook(note_load_hook)
                     module.register_load_state_dict_post_hook(refresh_after_load_hook)
         _initialized_models.add(model)
-
     for optimizer in optimizers:
         inner = inner_optimizer(optimizer)
         process_optimizer(inner, properties, fp32_originals, wrapped=inner is not optimizer)
@@ -216,7 +216,6 @@ def _warn_on_training_without_masters(models, opt_level) -> None:
             "round away). Pass the optimizer to amp.initialize: model, optimizer = "
             "amp.initialize(model, optimizer, opt_level=...).", UserWarning,
             stacklevel=user_stacklevel())  # the script's backward()
-
     handles.extend(p.register_post_accumulate_grad_hook(warn) for p in params)
 
 

@@ -338,7 +338,6 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
     """``wrapped``: ``optimizer`` is a wrapper's inner optimizer (``inner_optimizer``); the wrapper
     may read the gradients before the inner step (as LARC does): they are unscaled by then."""
     from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (it imports nothing of amp)
-
     master_weights = bool(properties.master_weights)
     kind = (ScaledGradsState if master_weights and isinstance(optimizer, FusedOptimizer)
             and not wrapped else UnscaledGradsState)
@@ -354,7 +353,6 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
     if had_state:
         # Cast existing per-parameter state to the (new) parameter dtypes, as Apex does.
         optimizer.load_state_dict(optimizer.state_dict())
-
     optimizer._amp_stash = stash
     optimizer.step = BoundMethod(_step, optimizer)
     optimizer.zero_grad = BoundMethod(_zero_grad, optimizer)

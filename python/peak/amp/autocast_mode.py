@@ -231,6 +231,8 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
         if cast_inputs is None:
             ctx._fwd_used_autocast = enabled
             ctx._peak_edits = _caster.open_edits(device_type) if enabled else []
+            # O1's state too (on, or off in disable_casts), where O1 is on in some thread
+            ctx._peak_o1_state = _caster._under_current_state(_call) if _caster.patched() else None
             return fwd(*args, **kwargs)
         ctx._fwd_used_autocast = False
         ctx._peak_edits = []
@@ -247,6 +249,10 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
         return fwd(*args, **kwargs)
 
     return decorate_fwd
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
 def custom_bwd(bwd: Callable | None = None, *, device_type: str):
@@ -280,6 +286,7 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
             region = torch.amp.autocast_mode.autocast(**forward_state)
         with region, (_caster.disabled() if getattr(ctx, "_peak_o1_off", False)
                       else contextlib.nullcontext()):
-            return bwd(*args, **kwargs)
+            run_o1 = getattr(ctx, "_peak_o1_state", None)
+            return bwd(*args, **kwargs) if run_o1 is None else run_o1(bwd, *args, **kwargs)
 
     return decorate_bwd

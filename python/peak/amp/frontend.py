@@ -5,8 +5,10 @@ output are Apex's; peak's additions are in docs/amp_api.md, "Low-precision dtype
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import torch
 
@@ -162,15 +164,16 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     peak additions (docs/amp_api.md, "Low-precision dtype"): ``low_precision_dtype`` (keyword
     only, ``torch.bfloat16`` or ``"bf16"``, default fp16), the run's lower precision at any
     opt_level (bf16: loss scale 1.0 unless ``loss_scale`` is passed); dtype strings; CPU models."""
+    if not isinstance(verbosity, numbers.Real):  # (Apex compares it with 0)
+        raise TypeError(f"verbosity must be a number (0: silent, 1: amp's messages); got "
+                        f"verbosity={verbosity!r}")
     _amp_state.verbosity = verbosity
     if isinstance(enabled, str):  # "False" is truthy: parsed, as every boolean option is
         enabled = _parse_bool("enabled", enabled)
-
     if not enabled:
         _reset_global_state()
         _amp_state.opt_properties = Properties()
         return models if optimizers is None else (models, optimizers)
-
     if opt_level not in opt_levels:
         raise RuntimeError(f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', "
                            "'O2', 'O3'.  Note that in `O0`, `O1`, etc., the prefix O is the letter "
@@ -194,12 +197,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if min_scale and max_scale is not None and min_scale > max_scale:
         raise ValueError(f"min_loss_scale ({min_loss_scale}) must not exceed max_loss_scale "
                          f"({max_loss_scale})")
-
     properties = opt_levels[opt_level](Properties())
     maybe_print("Selected optimization level {}".format(opt_levels[opt_level].brief), True)
     maybe_print("Defaults for this optimization level are:", True)
     _print_options(properties)
-
     maybe_print("Processing user overrides (additional kwargs that are not None)...", True)
     properties.enabled = enabled
     properties.opt_level = opt_level
@@ -215,11 +216,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if low_precision_dtype is not None:
         maybe_print("{:22} : {}".format("low_precision_dtype", properties.low_precision_dtype),
                     True)
-
     # Validate the models and optimizers completely before changing anything.
     models_list, optimizers_list = _initialize.check_inputs(models, optimizers)
     _initialize.check_sharded_optimizers(optimizers_list, properties, models_list)
-
     _reset_global_state()
     _amp_state.opt_properties = properties
     _amp_state.min_loss_scale = min_loss_scale
@@ -294,6 +293,9 @@ def load_state_dict(state_dict):
     _require_initialized("amp.load_state_dict()")
     if not _amp_state.enabled:
         return
+    if not isinstance(state_dict, Mapping):
+        raise TypeError("amp.load_state_dict takes the dict amp.state_dict() returned, got "
+                        f"{type(state_dict).__name__}; nothing was loaded")
     scalers, items = _amp_state.loss_scalers, list(state_dict.items())
     if unexpected := [k for k, _ in items if "loss_scaler" not in k]:
         raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: {}. "

@@ -110,7 +110,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  "
                           "Disabling.", stacklevel=2)
             self._enabled = False
-
         options = dict(init_scale=init_scale, growth_factor=growth_factor,
                        backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale,
                        growth_interval=growth_interval, hysteresis=hysteresis)
@@ -258,7 +257,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             kwargs_ = kwargs
             has_grad_scaler_kwarg, takes_scale_kwargs, takes_norm = self._step_signature(optimizer)
@@ -298,7 +296,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             if optimizer_state["found_inf_per_device"]:
                 self._record_skip(self._combined_found_inf(optimizer_state))
             return retval
-
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if len(optimizer_state["found_inf_per_device"]) == 0:

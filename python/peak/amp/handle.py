@@ -247,7 +247,6 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
     stashes = [opt._amp_stash for opt in optimizers]
     for stash in stashes:  # gradients a delayed exit left scaled by another loss's scaler
         stash.follow_scaler(scaler)
-
     if not _amp_state.opt_properties.master_weights and scaler.is_static_one():
         # Nothing to scale or unscale and no master gradients to fill: the fp32 path. The update
         # is still counted (``unskipped`` in amp.state_dict()), as at every other opt_level.
@@ -255,7 +254,6 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         if not delay_unscale and not delay_overflow_check:
             scaler.update()
         return
-
     prepared = [stash for stash in stashes  # fused ones; others unless gradients stay scaled
                 if stash.consumes_scaled_grads or not stash.params_have_scaled_gradients]
     for stash in prepared:
@@ -266,7 +264,6 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         for stash in prepared:  # e.g. a failed backward: put the earlier gradients back
             stash.abort_backward()
         raise
-
     if delay_unscale:
         for stash in stashes:
             stash.params_have_scaled_gradients = True

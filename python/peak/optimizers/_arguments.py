@@ -132,5 +132,20 @@ def check_group(group: dict, defaults: dict) -> None:
             check_moment_rounding(value)
         elif key in ("exp_avg_dtype", "exp_avg_sq_dtype", "momentum_dtype"):
             group[key] = check_moment_dtype(key, value)
+        elif key == "norm_type":
+            check_norm_type(value)
         elif isinstance(defaults.get(key), bool):
             check_bool(key, value)
+    if "nesterov" in defaults:
+        options = {**defaults, **group}
+        check_nesterov(options["nesterov"], options["momentum"], options["dampening"])
+
+
+def check_norm_type(norm_type) -> None:
+    if norm_type not in (0, 2) or isinstance(norm_type, bool):
+        raise ValueError(f"norm_type must be 2 (L2 norm) or 0 (infinity norm), got {norm_type!r}")
+
+
+def check_nesterov(nesterov, momentum, dampening) -> None:
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")

@@ -8,7 +8,8 @@ import torch
 
 from .. import ops
 from ..scaling import merge_flags
-from ._arguments import check_adam_hypers, check_bool, check_hyper, check_moment_dtype
+from ._arguments import (check_adam_hypers, check_bool, check_hyper, check_moment_dtype,
+                         check_nesterov, check_norm_type)
 from ._base import FusedOptimizer
 from ._sharded import whole_tensor_norms
 
@@ -50,8 +51,7 @@ class FusedSGD(FusedOptimizer):
         for name, value in (("learning rate", lr), ("momentum value", momentum),
                             ("weight_decay value", weight_decay), ("max_grad_norm", max_grad_norm)):
             check_hyper(name, value, lo=0.0)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        check_nesterov(nesterov, momentum, dampening)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, max_grad_norm=float(max_grad_norm))
         lean = dict(store_param_remainders=store_param_remainders, momentum_dtype=momentum_dtype,
@@ -316,9 +316,7 @@ class FusedNovoGrad(FusedOptimizer):
                  capturable=False, materialize_master_grads=True, store_unscaled_grads=True):
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
-        if norm_type not in (0, 2) or isinstance(norm_type, bool):
-            raise ValueError(f"norm_type must be 2 (L2 norm) or 0 (infinity norm), got "
-                             f"{norm_type!r}")
+        check_norm_type(norm_type)
         check_adam_hypers(lr, eps, betas, weight_decay)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,

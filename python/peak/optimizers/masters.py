@@ -378,6 +378,24 @@ def store_of(optimizer) -> MasterWeights | None:
     return _stores.get(optimizer)
 
 
+def check_one_master_each(holders, opt_level: str) -> None:
+    """Refuse a parameter held twice where a torch optimizer holds it: its store makes a master
+    per entry, and only one would reach the model (half the update, silently). ``holders``: (name,
+    params, is a peak fused optimizer) per optimizer; those share one master per parameter."""
+    seen: dict = {}
+    for name, params, fused in holders:
+        for p in params:
+            where = seen.setdefault(id(p), [])
+            where.append((name, fused))
+            if len(where) > 1 and not all(f for _, f in where):
+                raise ValueError(
+                    f"A parameter of shape {tuple(p.shape)} is held more than once (by "
+                    f"{' and '.join(n for n, _ in where)}): under opt_level={opt_level!r} a torch "
+                    "optimizer steps an fp32 master of each entry and only one would reach the "
+                    "model. Give each parameter to one optimizer, once (param groups for "
+                    "different settings).")
+
+
 def master_of_param(p: Tensor) -> Tensor | None:
     """The fp32 master of model parameter ``p``: a :class:`MasterWeights` store's, or that of the
     fused optimizer registered as holding ``p`` (``register_owner``); None otherwise (no master,
