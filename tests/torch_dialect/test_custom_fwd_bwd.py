@@ -1,10 +1,13 @@
 """peak.amp.custom_fwd / custom_bwd: torch's test_autocast_custom_enabled and
 test_autocast_custom_cast_inputs on CPU (bf16), with nested container inputs, mixing with
 torch.amp's decorators, and peak's list edits carried from forward to backward."""
+import warnings
+
 import pytest
 import torch
 
 from peak import amp
+from peak.amp import _caster
 
 
 class MyMM(torch.autograd.Function):
@@ -193,3 +196,36 @@ def test_cast_inputs_takes_python_types_as_torch_does():
 
         with mod.autocast("cpu"):
             assert Double.apply(torch.ones(2, requires_grad=True)).dtype == torch.float64
+
+
+def test_compiled_function_under_o1_does_not_trace_the_casters_state():
+    """custom_fwd records O1's state for backward only outside Dynamo: Dynamo cannot trace the
+    caster's snapshot, and warned of it in every compiled forward with O1 on."""
+    class Decorated(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(device_type="cpu")
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return torch.mm(x, w)
+
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return torch.mm(g, w.t()), torch.mm(x.t(), g)
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    compiled = torch.compile(lambda a, b: Decorated.apply(a, b).sum())
+    _caster.enable(torch.bfloat16)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = compiled(x, w)
+        out.backward()
+    finally:
+        _caster.disable()
+    assert not [w for w in caught if "snapshot" in str(w.message)]  # (O1's own wrappers break)
+    expected = torch.ones(4, 8) @ w.detach().t()
+    torch.testing.assert_close(x.grad, expected, rtol=2e-2, atol=2e-2)  # (bf16 products)

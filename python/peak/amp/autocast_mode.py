@@ -231,8 +231,9 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
         if cast_inputs is None:
             ctx._fwd_used_autocast = enabled
             ctx._peak_edits = _caster.open_edits(device_type) if enabled else []
-            # O1's state too (on, or off in disable_casts), where O1 is on in some thread
-            ctx._peak_o1_state = _caster._under_current_state(_call) if _caster.patched() else None
+            # O1's state too (on, or off in disable_casts) where O1 is on (Dynamo: it stands down)
+            o1_state = _caster.patched() and not torch.compiler.is_compiling()
+            ctx._peak_o1_state = _caster._under_current_state(_call) if o1_state else None
             return fwd(*args, **kwargs)
         ctx._fwd_used_autocast = False
         ctx._peak_edits = []

@@ -156,7 +156,6 @@ def _decorator(policy: str, doc: str):
     def decorate(fn):
         _check_callable(fn, "fn")
         return cast(fn)
-
     decorate.__doc__ = "Decorator: under O1, " + doc
     return decorate
 
