@@ -26,7 +26,7 @@ from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local
 from ._fp32_sums import accumulate_fp32, check_fp32_sums, take_fp32_sums
 from ._master_loads import kept_master, load_master, masters_before_load, masters_loaded
 from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
-                      master_in_state, note_stepped, settle_loads, weights_settled)
+                      master_in_state, note_stepped, settle_loads, store_of, weights_settled)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -495,10 +495,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         check_loadable(self, state_dict)  # a damaged checkpoint is refused before any change
         settle_loads(self)  # (an earlier load's joins for weights that arrived since)
         saved_state = state_dict["state"]
-        fp32 = {pid: {k: v for k, v in st.items() if k in FP32_STATE_KEYS and v is not None}
+        # amp O2 over this optimizer in a wrapper: its store's masters stand in the groups, and
+        # the store's load hook takes their saved values
+        keys = FP32_STATE_KEYS if store_of(self) is None else tuple(
+            k for k in FP32_STATE_KEYS if k not in (MASTER_KEY, REMAINDER_KEY))
+        fp32 = {pid: {k: v for k, v in st.items() if k in keys and v is not None}
                 for pid, st in saved_state.items()}
         stripped = dict(state_dict)
-        stripped["state"] = {pid: {k: v for k, v in st.items() if k not in FP32_STATE_KEYS}
+        stripped["state"] = {pid: {k: v for k, v in st.items() if k not in keys}
                              for pid, st in saved_state.items()}
         # Apex's fused optimizers count steps per group (group["step"]): each parameter of the
         # group continues from that count (bias correction), instead of restarting at 1.
