@@ -163,8 +163,35 @@ def wrong_order(rank):
     return out
 
 
+def accumulated_grads(rank, opt_level, opt_name, bucket_view):
+    """Two micro-batches per step through scale_loss (no delay_unscale: the first one's unscaled
+    gradients are set aside during the second backward) under DDP, one step: the gradients the
+    step would read."""
+    from peak import amp
+
+    reset_amp()
+    model = make_model()
+    model, opt = amp.initialize(model, _optimizer(opt_name, model.parameters()),
+                                opt_level=opt_level, low_precision_dtype=torch.float16, verbosity=0)
+    ddp = DDP(model, gradient_as_bucket_view=bucket_view)
+    for micro in range(2):
+        x, y = batch(micro, rank)
+        loss = torch.nn.functional.mse_loss(ddp(x).float(), y) / 2
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    return [p.grad.float().clone() for p in amp.master_params(opt)]
+
+
+def bucket_view_accumulation(rank):
+    """gradient_as_bucket_view=True (p.grad a view into DDP's bucket, which the next backward
+    writes) against the default, for each kind of gradient set aside."""
+    return {(level, opt): [accumulated_grads(rank, level, opt, view) for view in (False, True)]
+            for level in ("O1", "O2") for opt in ("sgd", "fused_adam")}
+
+
 def worker(rank, world_size):
-    results = {"wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank)}
+    results = {"wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank),
+               "bucket_view": bucket_view_accumulation(rank)}
     for name, (kind, a, low, opt_name, dynamic) in CONFIGS.items():
         fn = run_amp if kind == "amp" else run_scaler
         results[name] = fn(rank, a, low, opt_name, dynamic)

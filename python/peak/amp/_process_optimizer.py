@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import LOW_DTYPES, MasterWeights, register_owner
+from peak.optimizers.masters import LOW_DTYPES, MasterWeights, own_grad, register_owner
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -179,7 +179,7 @@ class ScaledGradsState(AmpOptimizerState):
         params = [p for p in self.params if p.grad is not None]
         if self.grad_scale is None or not params:
             return
-        self.set_aside = (params, [p.grad for p in params], self.grad_scale)
+        self.set_aside = (params, [own_grad(p.grad) for p in params], self.grad_scale)
         for p in params:
             p.grad = None
         self.grad_scale = self.grad_norm = None

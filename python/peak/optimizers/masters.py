@@ -35,6 +35,12 @@ def new_master(p: Tensor, original: Tensor | None = None) -> Tensor:
 
 
 @torch.no_grad()
+def own_grad(grad: Tensor | None) -> Tensor | None:
+    """A gradient set aside while a backward pass runs: a copy where it is a view into a larger
+    buffer (DistributedDataParallel(gradient_as_bucket_view=True): the pass writes the bucket)."""
+    return grad.clone() if grad is not None and grad._base is not None else grad
+
+
 def copy_to_model(masters: list[Tensor], params: list[Tensor]) -> None:
     """The one master -> model copy: every master rounded to nearest even into its parameter's
     dtype, one multi-tensor pass per (device, dtype) (NaN keeps the rule of NOTE: [Device
@@ -221,7 +227,7 @@ class MasterWeights:
     def set_grads_aside(self) -> None:
         """Before a backward pass: the model's gradients go (the masters hold them unscaled), the
         own params' are set aside, so that the pass's new ones can be told apart."""
-        self._grad_stash = [p.grad for p in self.own_params]
+        self._grad_stash = [own_grad(p.grad) for p in self.own_params]
         for p in self.model_params + self.own_params:
             p.grad = None
 
