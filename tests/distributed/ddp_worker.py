@@ -5,6 +5,7 @@ whether the step changed anything, and at the end every parameter and optimizer-
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -189,9 +190,35 @@ def bucket_view_accumulation(rank):
             for level in ("O1", "O2") for opt in ("sgd", "fused_adam")}
 
 
+def no_sync_accumulation(rank, delay_unscale):
+    """Two micro-batches, the first under DDP's no_sync(): with delay_unscale on the first, its
+    gradients stay in p.grad (scaled) for the second backward's all-reduce; without, they are set
+    aside and never reduced, which scale_loss warns of. Returns (warned, gradients)."""
+    import warnings
+
+    from peak import amp
+
+    reset_amp()
+    model = make_model()
+    model, opt = amp.initialize(model, _optimizer("sgd", model.parameters()), opt_level="O2",
+                                low_precision_dtype=torch.float16, verbosity=0)
+    ddp = DDP(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for micro in range(2):
+            x, y = batch(micro, rank)
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                loss = torch.nn.functional.mse_loss(ddp(x).float(), y) / 2
+                with amp.scale_loss(loss, opt, delay_unscale=delay_unscale and micro == 0) as s:
+                    s.backward()
+    warned = any("no_sync() never reduces them" in str(w.message) for w in caught)
+    return warned, [p.grad.clone() for p in amp.master_params(opt)]
+
+
 def worker(rank, world_size):
     results = {"wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank),
-               "bucket_view": bucket_view_accumulation(rank)}
+               "bucket_view": bucket_view_accumulation(rank),
+               "no_sync": [no_sync_accumulation(rank, delay) for delay in (False, True)]}
     for name, (kind, a, low, opt_name, dynamic) in CONFIGS.items():
         fn = run_amp if kind == "amp" else run_scaler
         results[name] = fn(rank, a, low, opt_name, dynamic)

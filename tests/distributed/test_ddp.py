@@ -106,3 +106,15 @@ def test_accumulation_with_gradients_as_bucket_views(ranks, config):
         for a, b in zip(default, views):
             assert torch.equal(a, b)
         assert all(torch.equal(a, b) for a, b in zip(views, ranks[0]["bucket_view"][config][1]))
+
+
+def test_accumulation_under_no_sync_warns_unless_delayed(ranks):
+    """Without delay_unscale the first micro-batch's gradients are set aside during the second
+    backward, so DDP's all-reduce never sees them and the ranks step with different gradients:
+    scale_loss warns (Apex's accumulation, kept); delay_unscale=True (Apex's recipe) keeps them in
+    p.grad for the all-reduce: no warning, the ranks agree bit for bit."""
+    (warned, set_aside), (warned_delayed, delayed) = ranks[0]["no_sync"]
+    assert warned and not warned_delayed
+    other_set_aside, other_delayed = ranks[1]["no_sync"][0][1], ranks[1]["no_sync"][1][1]
+    assert all(torch.equal(a, b) for a, b in zip(delayed, other_delayed))
+    assert not all(torch.equal(a, b) for a, b in zip(set_aside, other_set_aside))  # (the warning's case)

@@ -35,7 +35,6 @@ def ensure_defaults() -> None:
     if _defaults_loaded["loaded"]:
         return
     import torch.nn.functional as F  # noqa: PLC0415 (torch.nn is imported by then anyway)
-
     _defaults_loaded["loaded"] = True
     where = {"torch": torch, "functional": F, "Tensor": torch.Tensor}
     for owner, name, code in _c.default_entries():
@@ -127,10 +126,8 @@ def decorator(policy: str):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             return _c.call(code, fn, args, kwargs or None)
-
         wrapper.__peak_cast_policy__ = policy
         return wrapper
-
     return decorate
 
 
@@ -239,7 +236,6 @@ def _under_current_state(fn):
             with _lock:
                 _release()
             _c.pop_state()
-
     return run
 
 
@@ -278,7 +274,6 @@ def index() -> dict:
     if _sites:
         return _sites
     import torch.nn.functional as F  # noqa: PLC0415
-
     # torch._C._nn last, and only for what lives nowhere else (F.interpolate calls its
     # upsample_nearest2d): pickle finds a builtin such as F.gelu by its __module__ (torch._C._nn),
     # so patching it there would make a model holding F.gelu unpicklable while O1 is on.

@@ -105,9 +105,9 @@ def check_inputs(models, optimizers):
 
 
 def check_sharded_optimizers(optimizers_list, properties, models_list=()) -> None:
-    """Reject what would silently stand still or half-step: masters in the ``param_groups`` of a
-    ``ZeroRedundancyOptimizer`` (its inner optimizer steps its own groups), a model already under
-    FSDP2's ``fully_shard`` cast or given masters (only O1 works over it), a parameter held twice."""
+    """Reject what would silently stand still or half-step: masters in a ZeroRedundancyOptimizer's
+    groups (its inner optimizer steps its own), a model under FSDP2's ``fully_shard`` cast or given
+    masters (only O1 works over it), a parameter held twice (``check_one_master_each``)."""
     if properties.master_weights or properties.cast_model_type in LOW_DTYPES:
         for i, model in enumerate(models_list):
             if any(getattr(p, "device_mesh", None) is not None for p in model.parameters()):

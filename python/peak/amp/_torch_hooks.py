@@ -68,7 +68,6 @@ def install_checkpoint(wrap_recompute) -> None:
     if _checkpoint:
         return
     import torch.utils.checkpoint as ckpt  # noqa: PLC0415 (only when O1 is turned on)
-
     # torch 2.14 calls _checkpoint_without_reentrant_generator_impl (the old name forwards to
     # it); 2.13 has only the old one. Both take the function to recompute first.
     name = ("_checkpoint_without_reentrant_generator_impl"

@@ -248,7 +248,6 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
                 return fwd(*_cast(args, device_type, cast_inputs),
                            **_cast(kwargs, device_type, cast_inputs))
         return fwd(*args, **kwargs)
-
     return decorate_fwd
 
 

@@ -256,6 +256,13 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         return
     prepared = [stash for stash in stashes  # fused ones; others unless gradients stay scaled
                 if stash.consumes_scaled_grads or not stash.params_have_scaled_gradients]
+    dist = torch.distributed  # (warned once per line of the script: the default filter)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and any(
+            p.grad is not None for s in prepared for p in s.grad_holders):
+        warnings.warn("amp.scale_loss: the step's earlier gradients are set aside during this "
+                      "backward, so DDP's no_sync() never reduces them: use delay_unscale=True on "
+                      "all micro-batches but the last (docs/distributed.md)",
+                      stacklevel=user_stacklevel())  # the script's with line
     for stash in prepared:
         stash.prepare_backward(scaler)
     try:
