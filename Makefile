@@ -104,8 +104,8 @@ test-cuda-build: cuda-build
 soak: build
 	$(VENV)/bin/python -m pytest -m slow tests/reliability $(PYTEST_ARGS)
 
-# The C++ core built with AddressSanitizer + UBSan (PEAK_SANITIZE=ON, build/asan, its own venv),
-# running the kernel and optimizer tests. torch is not instrumented, so the ASan runtime (and
+# The C++ core built with AddressSanitizer + UBSan (PEAK_SANITIZE=ON, build/asan, its own venv;
+# the CPU kernels at -O3 as they ship, the rest at -O1), running the kernel and optimizer tests. torch is not instrumented, so the ASan runtime (and
 # libstdc++, whose exceptions it intercepts) are preloaded; leak checks are off (CPython's own).
 SAN_VENV   ?= .venv-asan
 SAN_TESTS  := tests/ops/test_multi_tensor_ops.py tests/ops/test_launch_plan.py tests/ops/test_ops_errors.py \
