@@ -132,10 +132,12 @@ def _shared_weight_step(opt_level, make_opts):
     lambda w: [torch.optim.SGD([w, w], lr=0.1)],
     lambda w: [torch.optim.SGD([w], lr=0.1), torch.optim.SGD([w], lr=0.1)],
     lambda w: [FusedSGD([w], lr=0.1), torch.optim.SGD([w], lr=0.1)],
-], ids=["twice in a group", "two torch optimizers", "fused and torch"])
+    lambda w: [FusedSGD([w], lr=0.1), FusedSGD([w], lr=0.1)],
+], ids=["twice in a group", "two torch optimizers", "fused and torch", "two fused"])
 def test_a_parameter_held_twice_under_master_weights_is_refused(make_opts):
-    """Under O2 each torch optimizer steps an fp32 master of each entry, and only one master
-    reached the model: half the update of fp32 training, silently. O1 steps it as torch does."""
+    """Under O2 each optimizer (a torch one: each entry) steps its own fp32 master of a parameter
+    and only one reached the model: half the update of fp32 training, silently (two fused
+    optimizers from their second step on). O1 steps it as torch does."""
     reference = _shared_weight_step(None, make_opts)  # fp32 torch: every entry steps it
     assert reference == pytest.approx(0.4)
     assert _shared_weight_step("O1", make_opts) == pytest.approx(reference, rel=1e-2)
@@ -152,12 +154,33 @@ def test_a_parameter_held_twice_under_master_weights_is_refused(make_opts):
         assert not hasattr(opt, "_amp_stash") and "step" not in opt.__dict__
 
 
-def test_fused_optimizers_sharing_a_parameter_share_its_master():
-    """peak's fused optimizers keep one master per parameter: both updates reach the weight."""
-    make = lambda w: [FusedSGD([w], lr=0.1), FusedSGD([w], lr=0.1)]  # noqa: E731
-    reference = _shared_weight_step(None, make)
-    assert reference == pytest.approx(0.4)
-    assert _shared_weight_step("O2", make) == pytest.approx(reference, rel=1e-2)
+def test_shared_parameters_without_masters_are_not_refused():
+    """A frozen parameter (no master) and an O2 batch norm's fp32 ones (no master) shared by two
+    optimizers step as fp32 training steps them."""
+    def run(opt_level):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        model[0].weight.requires_grad_(False)
+        shared = [model[0].weight, *model[1].parameters()]
+        opts = [torch.optim.SGD(shared + list(model[2].parameters()), lr=0.1),
+                torch.optim.SGD(shared + [model[0].bias], lr=0.1)]
+        if opt_level:
+            model, opts = amp.initialize(model, opts, opt_level=opt_level, verbosity=0,
+                                         low_precision_dtype=torch.bfloat16)
+        for _ in range(3):
+            loss = model(torch.randn(8, 4, generator=torch.Generator().manual_seed(1))).sum()
+            if opt_level:
+                with amp.scale_loss(loss.float(), opts) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().float() for p in shared]
+
+    for got, want in zip(run("O2"), run(None)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # (bf16 activations)
 
 
 def test_a_verbosity_or_amp_state_of_the_wrong_type_is_named():

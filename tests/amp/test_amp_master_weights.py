@@ -779,3 +779,34 @@ def test_a_plain_fp32_torch_checkpoint_gives_a_fused_optimizer_exact_masters(opt
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         if p.dtype == low:
             H.assert_bitwise_equal(opt.master_of(p), q.detach(), n)
+
+
+@pytest.mark.parametrize("where", ["another optimizer", "twice in the new group"])
+def test_add_param_group_refuses_a_parameter_a_second_master_would_step(where):
+    """Under O2 a parameter added to a second optimizer (or twice to the new group) got a second
+    master, and only one of the two updates reached the model."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    model, (first, second) = amp.initialize(model, [first, second], opt_level="O2", verbosity=0)
+    added = [model[0].weight] if where == "another optimizer" else [model[1].bias] * 2
+    target = second if where == "another optimizer" else first
+    groups = len(target.param_groups)
+    with pytest.raises(ValueError, match="more than one parameter group, of this or another"):
+        target.add_param_group({"params": added})
+    assert len(target.param_groups) == groups
+
+
+def test_zero_grad_keeping_tensors_zeroes_gradients_that_are_views():
+    """DistributedDataParallel(gradient_as_bucket_view=True) makes each gradient a view into its
+    bucket: zero_grad(set_to_none=False) detached it in place, which torch refuses for a view."""
+    model, opt = _o2(torch.bfloat16, momentum=0.9)
+    _step(model, opt, 0)
+    views = [p for p in model.parameters() if p.dtype == torch.bfloat16]  # (and fp32 ones)
+    bucket = torch.ones(sum(p.numel() for p in views), dtype=torch.bfloat16)
+    offset = 0
+    for p in views:  # (as DDP lays the gradients out: views of one flat buffer)
+        p.grad = bucket[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad._base is bucket for p in views) and not bucket.any()

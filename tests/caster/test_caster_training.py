@@ -204,6 +204,36 @@ def test_custom_bwd_runs_under_the_o1_state_forward_saw(o1, forward_cast):
     assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
 
 
+class Fp32MM(torch.autograd.Function):
+    """custom_fwd(cast_inputs=fp32): forward and backward in fp32, as under torch.autocast."""
+
+    @staticmethod
+    @amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        out = torch.mm(a, b)
+        Fp32MM.seen = [out.dtype]
+        return out
+
+    @staticmethod
+    @amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        grad_a = torch.mm(g, b.t())
+        Fp32MM.seen.append(grad_a.dtype)
+        return grad_a, torch.mm(a.t(), g)
+
+
+def test_cast_inputs_backward_stays_fp32_whatever_the_forward_threads_state(o1):
+    """A cast_inputs forward run where O1 was off (disable_casts) kept O1 on for its backward."""
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(4, 2, requires_grad=True)
+    with amp.disable_casts():
+        out = Fp32MM.apply(a, b)
+    out.sum().backward()  # (O1 on)
+    assert Fp32MM.seen == [torch.float32, torch.float32]
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
 def test_rnn(o1, cls):
     rnn = cls(4, 6, num_layers=2)

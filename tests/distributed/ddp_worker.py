@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -190,6 +191,60 @@ def bucket_view_accumulation(rank):
             for level in ("O1", "O2") for opt in ("sgd", "fused_adam")}
 
 
+class _BatchNormBetweenBf16(torch.nn.Module):
+    """bf16 linears around an fp32 batch norm, whose fp32 gradients are set aside."""
+
+    def __init__(self, seq):
+        super().__init__()
+        self.seq = seq
+
+    def forward(self, x):
+        return self.seq[2](self.seq[1](self.seq[0](x).float()).bfloat16())
+
+
+def batch_norm_bucket_views(rank):
+    """FP16_Optimizer and amp O2 over a model with an fp32 batch norm: a warm-up step (DDP
+    rebuilds its buckets once), then two micro-batches; the batch norm's gradients with
+    gradient_as_bucket_view=False and True."""
+    from peak import amp
+    from peak.fp16_utils import FP16_Optimizer
+
+    def run(kind, view):
+        reset_amp()
+        torch.manual_seed(0)
+        seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
+                                  torch.nn.Linear(8, 1))
+        if kind == "FP16_Optimizer":
+            seq[0].bfloat16()
+            seq[2].bfloat16()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (its deprecation)
+                opt = FP16_Optimizer(torch.optim.SGD(seq.parameters(), lr=0.1),
+                                     static_loss_scale=128.0, verbose=False)
+            backward, zero = opt.backward, lambda: opt.zero_grad(set_grads_to_None=True)
+        else:
+            seq, opt = amp.initialize(seq, torch.optim.SGD(seq.parameters(), lr=0.1),
+                                      opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                      loss_scale=128.0, verbosity=0)
+
+            def backward(loss):
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            zero = opt.zero_grad
+        ddp = DDP(_BatchNormBetweenBf16(seq), gradient_as_bucket_view=view)
+        for it in range(2):
+            zero()
+            for micro in range(2):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * it + micro))
+                backward(ddp(x.bfloat16()).float().pow(2).sum() / 2)
+            if it == 0:
+                opt.step()
+        return [p.grad.clone() for p in seq[1].parameters()]
+
+    return {kind: [run(kind, view) for view in (False, True)]
+            for kind in ("FP16_Optimizer", "amp O2")}
+
+
 def no_sync_accumulation(rank, delay_unscale):
     """Two micro-batches, the first under DDP's no_sync(): with delay_unscale on the first, its
     gradients stay in p.grad (scaled) for the second backward's all-reduce; without, they are set
@@ -211,14 +266,15 @@ def no_sync_accumulation(rank, delay_unscale):
                 loss = torch.nn.functional.mse_loss(ddp(x).float(), y) / 2
                 with amp.scale_loss(loss, opt, delay_unscale=delay_unscale and micro == 0) as s:
                     s.backward()
-    warned = any("no_sync() never reduces them" in str(w.message) for w in caught)
+    warned = any("no_sync(), they never reach the all-reduce" in str(w.message) for w in caught)
     return warned, [p.grad.clone() for p in amp.master_params(opt)]
 
 
 def worker(rank, world_size):
     results = {"wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank),
                "bucket_view": bucket_view_accumulation(rank),
-               "no_sync": [no_sync_accumulation(rank, delay) for delay in (False, True)]}
+               "no_sync": [no_sync_accumulation(rank, delay) for delay in (False, True)],
+               "batch_norm_views": batch_norm_bucket_views(rank)}
     for name, (kind, a, low, opt_name, dynamic) in CONFIGS.items():
         fn = run_amp if kind == "amp" else run_scaler
         results[name] = fn(rank, a, low, opt_name, dynamic)

@@ -118,3 +118,12 @@ def test_accumulation_under_no_sync_warns_unless_delayed(ranks):
     other_set_aside, other_delayed = ranks[1]["no_sync"][0][1], ranks[1]["no_sync"][1][1]
     assert all(torch.equal(a, b) for a, b in zip(delayed, other_delayed))
     assert not all(torch.equal(a, b) for a, b in zip(set_aside, other_set_aside))  # (the warning's case)
+
+
+@pytest.mark.parametrize("kind", ["FP16_Optimizer", "amp O2"])
+def test_fp32_gradients_set_aside_as_bucket_views(ranks, kind):
+    """An fp32 batch norm's gradients are set aside during the next micro-batch's backward (by
+    FP16_Optimizer, and by amp O2's store): as views into DDP's bucket they were overwritten."""
+    for r in range(WORLD_SIZE):
+        default, views = ranks[r]["batch_norm_views"][kind]
+        assert all(torch.equal(a, b) for a, b in zip(default, views))

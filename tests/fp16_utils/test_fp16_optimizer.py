@@ -90,6 +90,10 @@ def test_bad_input():
     model, _, _ = model_and_data(torch.float16)
     with pytest.raises(ValueError, match="unknown keys"):
         make(model, dynamic_loss_scale=True, dynamic_loss_args={"scale": 2.0})
+    # an fp16 parameter twice: a master per entry, one update lost (as Apex, silently)
+    weight = next(model.parameters())
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="held more than once"):
+        FP16_Optimizer(torch.optim.SGD([weight, weight], lr=0.1))
 
 
 def mixed_model(seed=0):

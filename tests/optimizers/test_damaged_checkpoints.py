@@ -179,9 +179,6 @@ def test_add_param_group_takes_what_torchs_takes():
     (lambda w: FusedAdam(w, lr=0.1), {"exp_avg_dtype": "fp8"}, r"exp_avg_dtype"),
     (lambda w: FusedAdagrad(w, lr=0.1), {"lr_decay": -1.0}, r"Invalid lr_decay"),
     (lambda w: FusedLAMB(w, lr=0.1), {"max_grad_norm": -1.0}, r"Invalid max_grad_norm"),
-    (lambda w: FusedSGD(w, lr=0.1), {"nesterov": True}, r"Nesterov momentum requires"),
-    (lambda w: FusedSGD(w, lr=0.1, momentum=0.9), {"nesterov": True, "dampening": 0.1},
-     r"Nesterov momentum requires"),
     (lambda w: FusedNovoGrad(w, lr=0.1), {"norm_type": 1}, r"norm_type must be 2"),
     (lambda w: FusedNovoGrad(w, lr=0.1), {"norm_type": "inf"}, r"norm_type must be 2"),
 ])
@@ -354,3 +351,24 @@ def test_a_remainder_checkpoint_is_refused_for_a_model_not_in_bf16(dtype):
                                          "export_fp32_state_dict"):
         opt.load_state_dict(lean.state_dict())
     assert len(opt.state) == 0 and torch.equal(q.detach(), before)
+
+
+def test_a_nesterov_group_without_momentum_steps_as_torchs():
+    """torch.optim.SGD checks nesterov's momentum in its constructor only: a group added (or set)
+    later with nesterov=True and momentum 0 steps as plain SGD, as a momentum warm-up from 0 does;
+    FusedSGD's step raised there after stepping the earlier groups."""
+    def run(make):
+        torch.manual_seed(0)
+        w = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
+        opt = make([w[0]])
+        opt.add_param_group({"params": [w[1]], "nesterov": True, "momentum": 0.0})
+        for step in range(3):
+            for p in w:
+                p.grad = torch.randn(8, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        return w
+
+    fused = run(lambda p: FusedSGD(p, lr=0.1, momentum=0.9, nesterov=True))
+    reference = run(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True))
+    for a, b in zip(fused, reference):
+        assert torch.equal(a, b)

@@ -110,8 +110,7 @@ def open_edits(device_type: str) -> list:
 
 
 def functions_named(name: str) -> list:
-    """The callables of torch's indexed namespaces whose attribute name or ``__name__`` is
-    ``name`` (``"exp"``: ``torch.exp`` and ``torch.Tensor.exp``)."""
+    """torch's indexed callables named ``name`` (``"exp"``: ``torch.exp``, ``Tensor.exp``)."""
     index()
     return _named.get(name, [])
 
@@ -191,7 +190,7 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
         # the table, and the list-edit frames entered before O1
         _hold([fn for codes, _device in _stack() for fn in codes], table=True)
         _torch_hooks.install_rnn_check()
-        _torch_hooks.install_checkpoint(_under_current_state)
+        _torch_hooks.install_checkpoint(under_current_state)
         _on.add(threading.get_ident())
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
@@ -218,7 +217,7 @@ def disable() -> None:
             _undo_registrations()
 
 
-def _under_current_state(fn):
+def under_current_state(fn):
     """``fn``, to be run later under the caster state in effect now, as torch's checkpoint
     re-enters the forward's autocast state (NOTE: [Checkpoint recomputation] in
     csrc/caster/state.cpp); it holds the wrappers it needs, even after O1 was left everywhere."""

@@ -10,7 +10,8 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import LOW_DTYPES, MasterWeights, own_grad, register_owner
+from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, master_of_param, own_grad,
+                                    register_owner)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -115,9 +116,6 @@ class AmpOptimizerState:
                 p.grad = p.grad * ratio if p.grad.is_sparse else p.grad.mul_(ratio)
             self.delayed_scale = (scaler, scaler.update_count, scaler.scale.clone())
 
-    def abort_backward(self) -> None:
-        """Undo ``prepare_backward`` (the backward pass raised)."""
-
     def master_params(self):
         yield from (p for group in self.optimizer.param_groups for p in group["params"])
 
@@ -133,6 +131,7 @@ class ScaledGradsState(AmpOptimizerState):
     """A peak fused optimizer that owns its masters and reads the scaled gradients."""
 
     consumes_scaled_grads = True
+    accumulating = property(lambda self: self.set_aside is not None)  # (this step's, set aside)
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -144,8 +143,7 @@ class ScaledGradsState(AmpOptimizerState):
         self.scale_is_one = self.master_grads_given = False
 
     def register_params(self, params, fp32_originals=None) -> list:
-        """The params stay in the group; the exact fp32 weights from before the cast become the
-        optimizer's masters."""
+        """The params stay in the group; their fp32 weights from before the cast are the masters."""
         for p in params:
             original = fp32_originals.pop(id(p), None) if fp32_originals else None
             if original is not None and p.dtype in LOW_DTYPES and p.requires_grad:
@@ -292,6 +290,7 @@ class UnscaledGradsState(AmpOptimizerState):
     rollback = property(lambda self: self.store.rollback)
     abort_backward = property(lambda self: self.store.restore_grads)
     post_backward = property(lambda self: self.store.take_grads)
+    accumulating = property(lambda self: self.store.took_grads)  # (an exit of this step's before)
     grad_holders = property(  # (frozen ones too: unfrozen since, their first gradients)
         lambda self: self.store.model_params + self.store.own_params + self.store.frozen)
 
@@ -425,9 +424,10 @@ def _add_param_group(self, param_group):
                         "the ordering of tensors in sets will change between runs. Please use a "
                         "list instead.")
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    if any(stash.holds(p) for p in params):
-        raise ValueError("some parameters appear in more than one parameter group (this "
-                         "optimizer already steps them through their fp32 master weights)")
+    twice = stash.master_weights and len({id(p) for p in params}) < len(params)
+    if twice or any(stash.holds(p) or master_of_param(p) is not None for p in params):
+        raise ValueError("some parameters appear in more than one parameter group, of this or "
+                         "another optimizer (they have fp32 master weights): add each one once")
     mark = stash.mark()
     group = dict(param_group, params=stash.register_params(params))
     try:

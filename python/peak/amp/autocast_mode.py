@@ -233,12 +233,12 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
             ctx._peak_edits = _caster.open_edits(device_type) if enabled else []
             # O1's state too (on, or off in disable_casts) where O1 is on (Dynamo: it stands down)
             o1_state = _caster.patched() and not torch.compiler.is_compiling()
-            ctx._peak_o1_state = _caster._under_current_state(_call) if o1_state else None
+            ctx._peak_o1_state = _caster.under_current_state(_call) if o1_state else None
             return fwd(*args, **kwargs)
         ctx._fwd_used_autocast = False
         ctx._peak_edits = []
         o1 = _caster.is_enabled()  # peak's O1 caster stands down here too (docs/caster.md)
-        ctx._peak_o1_off = o1
+        ctx._peak_o1_off = o1 or _caster.patched()  # (and in backward, wherever that runs)
         if enabled or o1:
             with contextlib.ExitStack() as stack:
                 if enabled:
@@ -284,9 +284,10 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
             region._edits = edits
         else:
             region = torch.amp.autocast_mode.autocast(**forward_state)
-        with region, (_caster.disabled() if getattr(ctx, "_peak_o1_off", False)
+        eager = not torch.compiler.is_compiling()  # (compiled autograd: O1 stands down there)
+        with region, (_caster.disabled() if eager and getattr(ctx, "_peak_o1_off", False)
                       else contextlib.nullcontext()):
-            run_o1 = getattr(ctx, "_peak_o1_state", None)
+            run_o1 = getattr(ctx, "_peak_o1_state", None) if eager else None
             return bwd(*args, **kwargs) if run_o1 is None else run_o1(bwd, *args, **kwargs)
 
     return decorate_bwd

@@ -33,8 +33,7 @@ def _parse_bool(name: str, value):
 
 
 class Properties:
-    """The options that govern an amp run.  Assigning an option validates it against the current
-    ``opt_level`` (Apex's checks and messages)."""
+    """An amp run's options; assigning one validates it against ``opt_level`` (Apex's checks)."""
 
     def __init__(self) -> None:
         self.__dict__["options"] = OrderedDict(
@@ -164,12 +163,12 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     peak additions (docs/amp_api.md, "Low-precision dtype"): ``low_precision_dtype`` (keyword
     only, ``torch.bfloat16`` or ``"bf16"``, default fp16), the run's lower precision at any
     opt_level (bf16: loss scale 1.0 unless ``loss_scale`` is passed); dtype strings; CPU models."""
-    if not isinstance(verbosity, numbers.Real):  # (Apex compares it with 0)
-        raise TypeError(f"verbosity must be a number (0: silent, 1: amp's messages); got "
-                        f"verbosity={verbosity!r}")
-    _amp_state.verbosity = verbosity
     if isinstance(enabled, str):  # "False" is truthy: parsed, as every boolean option is
         enabled = _parse_bool("enabled", enabled)
+    if enabled and not isinstance(verbosity, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"verbosity must be a number (0: silent, 1: amp's messages); got "
+                        f"verbosity={verbosity!r}")  # (compared with 0, as Apex does)
+    _amp_state.verbosity = verbosity
     if not enabled:
         _reset_global_state()
         _amp_state.opt_properties = Properties()

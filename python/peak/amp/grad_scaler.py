@@ -477,8 +477,7 @@ for _attr in ("scale", "growth_tracker", "hysteresis_tracker", "init_scale", "in
 
 
 def _refuse_overlapping(grads) -> None:
-    """torch's error for a gradient whose elements share memory (``expand``), which torch's fused
-    steps unscale in place: their kernels write out of bounds."""
+    """torch's error for a gradient with shared elements (``expand``): written out of bounds."""
     if any(any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)) for g in grads):
         raise RuntimeError("unsupported operation: more than one element of the written-to tensor "
                            "refers to a single memory location (a gradient made by expand()). "

@@ -108,8 +108,7 @@ class LossScaler:
 
     def unscale(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
                 scale_override=None) -> None:
-        """``master_grads[i] = model_grads[i] / S``, flagging inf/NaN.  Pass the same list twice
-        to unscale in place."""
+        """``master_grads[i] = model_grads[i] / S``, flagging inf/NaN (a list twice: in place)."""
         outputs = None if model_grads is master_grads else list(master_grads)
         unscale_grads_(list(model_grads), self._inv_scale(scale_override), self._core.found_inf,
                        outputs=outputs)
@@ -256,15 +255,15 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
         return
     prepared = [stash for stash in stashes  # fused ones; others unless gradients stay scaled
                 if stash.consumes_scaled_grads or not stash.params_have_scaled_gradients]
-    dist = torch.distributed  # (warned once per line of the script: the default filter)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and any(
-            p.grad is not None for s in prepared for p in s.grad_holders):
-        warnings.warn("amp.scale_loss: the step's earlier gradients are set aside during this "
-                      "backward, so DDP's no_sync() never reduces them: use delay_unscale=True on "
-                      "all micro-batches but the last (docs/distributed.md)",
-                      stacklevel=user_stacklevel())  # the script's with line
     for stash in prepared:
         stash.prepare_backward(scaler)
+    dist = torch.distributed  # (warned once per line of the script: the default filter)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and any(
+            s.accumulating for s in prepared):
+        warnings.warn("amp.scale_loss: the step's earlier gradients are set aside during this "
+                      "backward; if they came under DDP's no_sync(), they never reach the "
+                      "all-reduce: use delay_unscale=True on all micro-batches but the last "
+                      "(docs/distributed.md)", stacklevel=user_stacklevel())
     try:
         yield scaler.scaled(loss)
     except BaseException:

@@ -122,8 +122,7 @@ class OverflowAttribution:
         self._report_records.append((optimizer, owners, flags))
 
     def _finish_report_records(self) -> None:
-        """If the recorded iteration overflowed, turn its flags into the last report (host reads;
-        only with overflow attribution on)."""
+        """An overflowed recorded iteration's flags into the last report (host reads)."""
         records = self._report_records
         if not records:
             return

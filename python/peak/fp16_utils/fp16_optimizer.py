@@ -7,7 +7,8 @@ import warnings
 
 import torch
 
-from ..optimizers.masters import LOW_DTYPES, MasterWeights
+from ..optimizers.masters import (LOW_DTYPES, MasterWeights, check_one_master_each, own_grad,
+                                  zero_in_place)
 from ..scaling import LossScale, core_attribute
 
 
@@ -41,6 +42,9 @@ class FP16_Optimizer:
         self.fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
+        check_one_master_each([("the optimizer", [  # (an entry each: one master each)
+            p for g in self.optimizer.param_groups for p in g["params"]
+            if p.requires_grad and p.dtype in LOW_DTYPES])], "in FP16_Optimizer")
         # The masters' one owner (peak.optimizers.masters); the groups above are Apex's views.
         self._store = MasterWeights()
         self._store.attach(self, hooks=False)
@@ -133,7 +137,7 @@ class FP16_Optimizer:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
         fp32 = [p for g in self.fp32_from_fp32_groups for p in g if p.grad is not None]
         if self._fp32_unscaled and fp32 and self._fp32_set_aside is None:
-            self._fp32_set_aside = [(p, p.grad) for p in fp32]
+            self._fp32_set_aside = [(p, own_grad(p.grad)) for p in fp32]
             for p in fp32:
                 p.grad = None
         # (a pass that raises leaves its partial gradients, as torch's; the set-aside ones are
@@ -234,7 +238,7 @@ class FP16_Optimizer:
             if set_grads_to_None:
                 p.grad = None
             elif p.grad is not None:
-                p.grad.detach_().zero_()
+                zero_in_place(p.grad)
 
     def state_dict(self):
         return {

@@ -136,9 +136,6 @@ def check_group(group: dict, defaults: dict) -> None:
             check_norm_type(value)
         elif isinstance(defaults.get(key), bool):
             check_bool(key, value)
-    if "nesterov" in defaults:
-        options = {**defaults, **group}
-        check_nesterov(options["nesterov"], options["momentum"], options["dampening"])
 
 
 def check_norm_type(norm_type) -> None:
@@ -149,3 +146,21 @@ def check_norm_type(norm_type) -> None:
 def check_nesterov(nesterov, momentum, dampening) -> None:
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+def check_one_master_each(holders, where: str) -> None:
+    """Refuse a parameter held twice that will have masters: each optimizer (each entry, for a
+    torch optimizer) makes its own, and only one update would reach the model, silently.
+    ``holders``: (name, the trainable parameters it will step through masters) per optimizer."""
+    seen: dict = {}
+    for name, params in holders:
+        for p in params:
+            names = seen.setdefault(id(p), [])
+            names.append(name)
+            if len(names) > 1:
+                raise ValueError(
+                    f"A parameter of shape {tuple(p.shape)} is held more than once (by "
+                    f"{' and '.join(names)}): {where}, each optimizer steps "
+                    "its own fp32 master of it (a torch optimizer: of each entry) and only one "
+                    "would reach the model. Give each parameter to one optimizer, once (param "
+                    "groups for different settings).")

@@ -12,6 +12,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
+from ._arguments import check_one_master_each  # noqa: F401 (the owner's rule; amp checks it)
 from ._sharded import is_sharded
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
@@ -34,13 +35,22 @@ def new_master(p: Tensor, original: Tensor | None = None) -> Tensor:
     return original if original is not None else p.detach().to(torch.float32, copy=True)
 
 
-@torch.no_grad()
 def own_grad(grad: Tensor | None) -> Tensor | None:
     """A gradient set aside while a backward pass runs: a copy where it is a view into a larger
     buffer (DistributedDataParallel(gradient_as_bucket_view=True): the pass writes the bucket)."""
-    return grad.clone() if grad is not None and grad._base is not None else grad
+    return grad.detach().clone() if grad is not None and grad._base is not None else grad
 
 
+def zero_in_place(grad: Tensor) -> None:
+    """As torch's ``zero_grad(set_to_none=False)``: a view (DDP's bucket) is not detached."""
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()
+
+
+@torch.no_grad()
 def copy_to_model(masters: list[Tensor], params: list[Tensor]) -> None:
     """The one master -> model copy: every master rounded to nearest even into its parameter's
     dtype, one multi-tensor pass per (device, dtype) (NaN keeps the rule of NOTE: [Device
@@ -290,7 +300,7 @@ class MasterWeights:
             if p.grad is not None and set_to_none:
                 p.grad = None
             elif p.grad is not None:
-                p.grad.detach_().zero_()
+                zero_in_place(p.grad)
         if not set_to_none:
             for m, had in zip(self.masters, self.had_grads):
                 if had and m.grad is None:
@@ -382,24 +392,6 @@ def store_of(optimizer) -> MasterWeights | None:
     """The :class:`MasterWeights` store of ``optimizer`` (amp O2 with a torch optimizer,
     ``FP16_Optimizer``), or None."""
     return _stores.get(optimizer)
-
-
-def check_one_master_each(holders, opt_level: str) -> None:
-    """Refuse a parameter held twice where a torch optimizer holds it: its store makes a master
-    per entry, and only one would reach the model (half the update, silently). ``holders``: (name,
-    params, is a peak fused optimizer) per optimizer; those share one master per parameter."""
-    seen: dict = {}
-    for name, params, fused in holders:
-        for p in params:
-            where = seen.setdefault(id(p), [])
-            where.append((name, fused))
-            if len(where) > 1 and not all(f for _, f in where):
-                raise ValueError(
-                    f"A parameter of shape {tuple(p.shape)} is held more than once (by "
-                    f"{' and '.join(n for n, _ in where)}): under opt_level={opt_level!r} a torch "
-                    "optimizer steps an fp32 master of each entry and only one would reach the "
-                    "model. Give each parameter to one optimizer, once (param groups for "
-                    "different settings).")
 
 
 def master_of_param(p: Tensor) -> Tensor | None:
