@@ -88,8 +88,11 @@ void fused_sgd(Exec& exec, const OptimizerArgs& a, at::TensorList momentum_buffe
   const StochasticRounding rounding = stochastic_rounding_from(a, stochastic_rounding_seed);
   const MomentRounding moment_rounding = moment_rounding_from(a, moment_rounding_seed);
   TORCH_CHECK(momentum >= 0.0, a.name, ": momentum must be >= 0, got ", momentum);
-  TORCH_CHECK(!nesterov || (momentum > 0.0 && dampening == 0.0), a.name,
-              ": nesterov momentum requires a momentum and zero dampening");
+  // (torch's SGD refuses dampening with nesterov in its constructor only, and steps a group that
+  // sets it later with the same formula: so does this kernel)
+  TORCH_CHECK(!nesterov || momentum > 0.0, a.name,
+              ": nesterov momentum requires a momentum (torch's SGD steps a group without one as "
+              "plain SGD: pass nesterov=False there)");
   TORCH_CHECK((momentum == 0.0) == momentum_buffers.empty(), a.name,
               ": momentum_buffers must have one fp32 buffer per param when momentum > 0, "
               "and be empty when momentum == 0");

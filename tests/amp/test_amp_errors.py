@@ -1,4 +1,5 @@
 """Bad input: every error says what to do, and nothing is left half-patched."""
+import copy
 import warnings
 
 import pytest
@@ -154,33 +155,42 @@ def test_a_parameter_held_twice_under_master_weights_is_refused(make_opts):
         assert not hasattr(opt, "_amp_stash") and "step" not in opt.__dict__
 
 
-def test_shared_parameters_without_masters_are_not_refused():
-    """A frozen parameter (no master) and an O2 batch norm's fp32 ones (no master) shared by two
-    optimizers step as fp32 training steps them."""
-    def run(opt_level):
+@pytest.mark.parametrize("opt_level, low", [("O2", torch.bfloat16), ("O2", torch.float16),
+                                            ("O1", torch.float16)])
+def test_a_parameter_held_twice_is_refused_wherever_amp_unscales_per_holder(opt_level, low):
+    """Frozen parameters (masters made when unfrozen) and O2's fp32 batch norm (its gradient
+    unscaled in place by each holder: 1/scale of the update, or 0 with a dynamic scale) held by
+    two optimizers; under O1 with fp16's dynamic scale any shared parameter (the weight did not
+    move). O1 with bf16 (a static scale of 1) steps them as torch does."""
+    def make():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
         model[0].weight.requires_grad_(False)
         shared = [model[0].weight, *model[1].parameters()]
-        opts = [torch.optim.SGD(shared + list(model[2].parameters()), lr=0.1),
-                torch.optim.SGD(shared + [model[0].bias], lr=0.1)]
-        if opt_level:
-            model, opts = amp.initialize(model, opts, opt_level=opt_level, verbosity=0,
-                                         low_precision_dtype=torch.bfloat16)
-        for _ in range(3):
-            loss = model(torch.randn(8, 4, generator=torch.Generator().manual_seed(1))).sum()
-            if opt_level:
-                with amp.scale_loss(loss.float(), opts) as scaled:
-                    scaled.backward()
-            else:
-                loss.backward()
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-        return [p.detach().float() for p in shared]
+        return model, shared, [torch.optim.SGD(shared + list(model[2].parameters()), lr=0.1),
+                               torch.optim.SGD(shared + [model[0].bias], lr=0.1)]
 
-    for got, want in zip(run("O2"), run(None)):
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # (bf16 activations)
+    model, shared, opts = make()
+    with pytest.raises(ValueError, match=r"held more than once \(by optimizers\[0\] and "
+                                         r"optimizers\[1\]\)"):
+        amp.initialize(model, opts, opt_level=opt_level, low_precision_dtype=low, verbosity=0)
+    _untouched(model)
+    if opt_level == "O1":  # the same with bf16: no unscaling, torch's two updates
+        model, shared, opts = make()
+        reference = copy.deepcopy(model)
+        ref_shared = [reference[0].weight, *reference[1].parameters()]
+        ref_opts = [torch.optim.SGD(ref_shared + list(reference[2].parameters()), lr=0.1),
+                    torch.optim.SGD(ref_shared + [reference[0].bias], lr=0.1)]
+        model, opts = amp.initialize(model, opts, opt_level="O1",
+                                     low_precision_dtype=torch.bfloat16, verbosity=0)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        with amp.scale_loss(model(x).float().sum(), opts) as scaled:
+            scaled.backward()
+        reference(x).sum().backward()
+        for opt in opts + ref_opts:
+            opt.step()
+        for got, want in zip(shared, ref_shared):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # (bf16 products)
 
 
 def test_a_verbosity_or_amp_state_of_the_wrong_type_is_named():

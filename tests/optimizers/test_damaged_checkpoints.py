@@ -353,15 +353,19 @@ def test_a_remainder_checkpoint_is_refused_for_a_model_not_in_bf16(dtype):
     assert len(opt.state) == 0 and torch.equal(q.detach(), before)
 
 
-def test_a_nesterov_group_without_momentum_steps_as_torchs():
-    """torch.optim.SGD checks nesterov's momentum in its constructor only: a group added (or set)
-    later with nesterov=True and momentum 0 steps as plain SGD, as a momentum warm-up from 0 does;
-    FusedSGD's step raised there after stepping the earlier groups."""
+@pytest.mark.parametrize("group", [{"nesterov": True, "momentum": 0.0},
+                                   {"nesterov": True, "dampening": 0.1}], ids=["no momentum",
+                                                                                "dampening"])
+def test_a_nesterov_group_steps_as_torchs(group):
+    """torch.optim.SGD checks nesterov's momentum and dampening in its constructor only: a group
+    added (or set) later with nesterov=True and momentum 0 steps as plain SGD (a momentum warm-up
+    from 0), one with dampening by the same formula; FusedSGD's step raised there after stepping
+    the earlier groups."""
     def run(make):
         torch.manual_seed(0)
         w = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
         opt = make([w[0]])
-        opt.add_param_group({"params": [w[1]], "nesterov": True, "momentum": 0.0})
+        opt.add_param_group({"params": [w[1]], **group})
         for step in range(3):
             for p in w:
                 p.grad = torch.randn(8, generator=torch.Generator().manual_seed(step))

@@ -116,15 +116,13 @@ def check_sharded_optimizers(optimizers_list, properties, models_list=()) -> Non
                     "optimizer's groups; FSDP2 replaced the parameters, so neither can happen. "
                     "Use opt_level='O1', or peak.amp.GradScaler with a peak.optimizers fused "
                     "optimizer built after fully_shard (docs/distributed.md).")
+    if properties.master_weights or properties.loss_scale != 1.0:  # (each holder unscales)
+        check_one_master_each([(f"optimizers[{i}]", [p for g in inner_optimizer(o).param_groups
+                                                     for p in g["params"]])
+                               for i, o in enumerate(optimizers_list)],
+                              f"under opt_level={properties.opt_level!r}")
     if not properties.master_weights:
         return
-    kept = {id(p) for m in models_list for mod in m.modules() if isinstance(mod, _BatchNorm)
-            and properties.keep_batchnorm_fp32 for p in mod.parameters(recurse=False)}
-    if properties.cast_model_type in LOW_DTYPES:  # (the parameters that will get masters)
-        check_one_master_each([(f"optimizers[{i}]", [
-            p for g in inner_optimizer(o).param_groups for p in g["params"]
-            if p.requires_grad and id(p) not in kept]) for i, o in enumerate(optimizers_list)],
-            f"under opt_level={properties.opt_level!r}")
     # Not imported (that scripts torch's functional optimizers: slow, and fails under O1): no
     # ZeroRedundancyOptimizer exists unless its module was imported.
     zero_module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, master_of_param, own_grad,
+from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, own_grad, stepped_elsewhere,
                                     register_owner)
 
 from . import _caster
@@ -424,10 +424,12 @@ def _add_param_group(self, param_group):
                         "the ordering of tensors in sets will change between runs. Please use a "
                         "list instead.")
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    twice = stash.master_weights and len({id(p) for p in params}) < len(params)
-    if twice or any(stash.holds(p) or master_of_param(p) is not None for p in params):
+    unscales = stash.master_weights or _amp_state.opt_properties.loss_scale != 1.0
+    if any(stash.holds(p) for p in params) or unscales and (len(set(map(id, params))) < len(
+            params) or any(stepped_elsewhere(p) for p in params)):
         raise ValueError("some parameters appear in more than one parameter group, of this or "
-                         "another optimizer (they have fp32 master weights): add each one once")
+                         "another optimizer (amp keeps a master or unscales per holder): add each "
+                         "once")
     mark = stash.mark()
     group = dict(param_group, params=stash.register_params(params))
     try:

@@ -284,10 +284,9 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
             region._edits = edits
         else:
             region = torch.amp.autocast_mode.autocast(**forward_state)
-        eager = not torch.compiler.is_compiling()  # (compiled autograd: O1 stands down there)
-        with region, (_caster.disabled() if eager and getattr(ctx, "_peak_o1_off", False)
-                      else contextlib.nullcontext()):
-            run_o1 = getattr(ctx, "_peak_o1_state", None) if eager else None
+        with region, (_caster.disabled() if getattr(ctx, "_peak_o1_off", False)
+                      else contextlib.nullcontext()):  # (compiled autograd: no snapshot below)
+            run_o1 = None if torch.compiler.is_compiling() else getattr(ctx, "_peak_o1_state", None)
             return bwd(*args, **kwargs) if run_o1 is None else run_o1(bwd, *args, **kwargs)
 
     return decorate_bwd

@@ -44,7 +44,7 @@ class FP16_Optimizer:
         self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
         check_one_master_each([("the optimizer", [  # (an entry each: one master each)
             p for g in self.optimizer.param_groups for p in g["params"]
-            if p.requires_grad and p.dtype in LOW_DTYPES])], "in FP16_Optimizer")
+            if p.requires_grad])], "in FP16_Optimizer")
         # The masters' one owner (peak.optimizers.masters); the groups above are Apex's views.
         self._store = MasterWeights()
         self._store.attach(self, hooks=False)

@@ -149,9 +149,9 @@ def check_nesterov(nesterov, momentum, dampening) -> None:
 
 
 def check_one_master_each(holders, where: str) -> None:
-    """Refuse a parameter held twice that will have masters: each optimizer (each entry, for a
-    torch optimizer) makes its own, and only one update would reach the model, silently.
-    ``holders``: (name, the trainable parameters it will step through masters) per optimizer."""
+    """Refuse a parameter held twice where amp or FP16_Optimizer keep a master of it per holder
+    (per entry, for a torch optimizer) or unscale its gradient per holder: only one update would
+    reach the model, or the gradient be unscaled twice (silently). ``holders``: (name, params)."""
     seen: dict = {}
     for name, params in holders:
         for p in params:
@@ -160,7 +160,7 @@ def check_one_master_each(holders, where: str) -> None:
             if len(names) > 1:
                 raise ValueError(
                     f"A parameter of shape {tuple(p.shape)} is held more than once (by "
-                    f"{' and '.join(names)}): {where}, each optimizer steps "
-                    "its own fp32 master of it (a torch optimizer: of each entry) and only one "
-                    "would reach the model. Give each parameter to one optimizer, once (param "
-                    "groups for different settings).")
+                    f"{' and '.join(names)}): {where}, each holder keeps its own fp32 master of "
+                    "it or unscales its gradient again, so an update would be lost or scaled "
+                    "wrong. Give each parameter to one optimizer, once (param groups for "
+                    "different settings).")

@@ -563,6 +563,12 @@ def weights_settled() -> None:
         _awaiting_weight.clear()
 
 
+def stepped_elsewhere(p: Tensor) -> bool:
+    """A live store (amp's, FP16_Optimizer's) or a fused optimizer under amp O2 steps ``p``."""
+    owner = _owner_of_param[p]() if p in _owner_of_param else None
+    return owner is not None or any(store.holds(p) for store in list(_stores.values()))
+
+
 def register_owner(p: Tensor, optimizer) -> None:
     """``optimizer`` (a peak fused optimizer) keeps p's master in its state: master_of_param
     finds it (amp's model load hook re-derives it from a reloaded weight)."""
