@@ -168,24 +168,31 @@ def test_custom_autograd_function(o1):
     assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
 
 
-class DecoratedMM(torch.autograd.Function):
-    """custom_fwd without cast_inputs: the dtypes its forward's and backward's mm give."""
+def _recording_mm(**forward_options):
+    """A custom_fwd/custom_bwd Function that records the dtypes its forward's and backward's mm
+    give (``seen``)."""
+    class RecordingMM(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(device_type="cpu", **forward_options)
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            out = torch.mm(a, b)
+            RecordingMM.seen = [out.dtype]
+            return out
 
-    @staticmethod
-    @amp.custom_fwd(device_type="cpu")
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        out = torch.mm(a, b)
-        DecoratedMM.seen = [out.dtype]
-        return out
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            grad_a = torch.mm(g, b.t())
+            RecordingMM.seen.append(grad_a.dtype)
+            return grad_a.to(a.dtype), torch.mm(a.t(), g).to(b.dtype)
 
-    @staticmethod
-    @amp.custom_bwd(device_type="cpu")
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        grad_a = torch.mm(g, b.t())
-        DecoratedMM.seen.append(grad_a.dtype)
-        return grad_a.to(a.dtype), torch.mm(a.t(), g).to(b.dtype)
+    return RecordingMM
+
+
+DecoratedMM = _recording_mm()  # (no cast_inputs: the caller's state)
+Fp32MM = _recording_mm(cast_inputs=torch.float32)  # (fp32 both ways, as under torch.autocast)
 
 
 @pytest.mark.parametrize("forward_cast", [True, False], ids=["fwd cast", "fwd in disable_casts"])
@@ -202,26 +209,6 @@ def test_custom_bwd_runs_under_the_o1_state_forward_saw(o1, forward_cast):
     want = o1 if forward_cast else torch.float32
     assert DecoratedMM.seen == [want, want]
     assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
-
-
-class Fp32MM(torch.autograd.Function):
-    """custom_fwd(cast_inputs=fp32): forward and backward in fp32, as under torch.autocast."""
-
-    @staticmethod
-    @amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        out = torch.mm(a, b)
-        Fp32MM.seen = [out.dtype]
-        return out
-
-    @staticmethod
-    @amp.custom_bwd(device_type="cpu")
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        grad_a = torch.mm(g, b.t())
-        Fp32MM.seen.append(grad_a.dtype)
-        return grad_a, torch.mm(a.t(), g)
 
 
 def test_cast_inputs_backward_stays_fp32_whatever_the_forward_threads_state(o1):
