@@ -10,8 +10,8 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, own_grad, stepped_elsewhere,
-                                    register_owner)
+from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, own_grad, register_owner,
+                                    stepped_elsewhere)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
