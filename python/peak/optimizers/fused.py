@@ -77,8 +77,8 @@ class FusedSGD(FusedOptimizer):
         ops.fused_sgd_(
             params, grads, masters, buffers, [s["step"] for s in states], lr=lr,
             momentum=group["momentum"], dampening=group["dampening"],
-            weight_decay=group["weight_decay"],  # (torch's step: no Nesterov term without momentum)
-            nesterov=group["nesterov"] and group["momentum"] != 0,
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"] and group["momentum"] != 0,  # (as torch's step: no term)
             maximize=group["maximize"], grad_scale=grad_scale, found_inf=found_inf,
             stochastic_rounding_seed=self._rounding_seed(group, params),
             store_unscaled_grads=self._step_store_grads, **self._moment_args(group, states),
