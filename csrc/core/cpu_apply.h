@@ -1,8 +1,8 @@
 // The CPU launcher of multi-tensor apply: parallel over chunks, vectorised inside a chunk.
 //
 // NOTE: [CPU tiles]
-// Each chunk is walked in tiles of kTile elements: every fp16/bf16 list the op reads is converted
-// to a float tile (F16C for fp16, a shift for bf16: both vectorise), fp32 lists are used
+// Each chunk is walked in tiles (NOTE: [Tile size]): every fp16/bf16 list the op reads is
+// converted to a float tile (F16C for fp16, a shift for bf16: both vectorise), fp32 lists are used
 // where they lie, the op's per-element math runs on float arrays (a loop the compiler vectorises,
 // since the op is inlined and its state is a local), and the fp16/bf16 lists it writes are
 // converted back. The conversions round exactly as c10's scalar casts do (round to nearest even;
@@ -40,16 +40,22 @@ namespace cpu {
 inline namespace PEAK_CPU_CAPABILITY {
 
 // NOTE: [Tile size]
-// A tile is 256 elements (1 KB per float list). The working set of one tile of an optimizer step
-// is every list's slice plus the float tiles of its fp16 lists: with 1,024-element tiles an fp16
-// Adam step with fp32 masters (two fp16 tiles, three fp32 lists in place, the fp16 sources) came
-// to about 24 KB of Zen 4's 32 KB L1, and the fp16 step with its unscaled gradients stored back
-// ran at 0.90 ns per element against 0.74 at 256 (one thread, 16M elements; torch's fused fp32
-// AdamW 0.55-0.62 in the same runs); padding the 1,024-element tile rows changed nothing, so it
-// was capacity, not 4K aliasing. 128 measured the same as 256, 64 slower (per-tile overhead);
-// bf16 and fp32 steps, which stage no tile, measured the same at 1,024, 256 and 128. A multiple
-// of kLanes (NOTE: [CPU lanes]), so the lane of each element, and the bits, do not depend on it.
-constexpr int64_t kTile = 256;
+// A tile's working set is, per list, its slice (an fp32 list in place) or its fp16 source and
+// float tile: at most 6 bytes per element and list. Tiles are sized to keep that within half of
+// a 32 KB L1 (1,024 elements for one or two lists, 512 for three to five, 256 for six to ten).
+// With 1,024-element tiles for every op, the fp16 Adam step with fp32 masters (five lists, about
+// 30 KB) and its unscaled gradients stored back ran at 0.90 ns per element on Zen 4 against 0.74
+// at 256 and 512 (one thread, 16M elements; torch's fused fp32 AdamW 0.55-0.62 in the same runs);
+// padded tile rows changed nothing (capacity, not 4K aliasing), 64 was slower (per-tile
+// overhead), and the one-list fp16 unscale ran 9% slower at 256 than at 1,024 (the per-tile
+// loops). Tiles are multiples of kLanes (NOTE: [CPU lanes]), so each element's lane, and the
+// bits, do not depend on the size.
+constexpr int64_t kTileBudgetBytes = 16 * 1024;
+constexpr int64_t tile_elements(int depth) {
+  int64_t n = 1024;
+  while (n > 16 && depth * 6 * n > kTileBudgetBytes) n /= 2;
+  return n;
+}
 
 inline void load_tile(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * 4); }
 
@@ -225,7 +231,7 @@ inline void write_element(void* base, float* p, int64_t off, int64_t i, float x)
 // Every other op runs a plain loop, which the loop vectoriser handles (integer |= reductions
 // included); the lanes would only get in its way.
 constexpr int kLanes = 16;
-static_assert(kTile % kLanes == 0, "NOTE: [Tile size]");
+static_assert(tile_elements(64) % kLanes == 0, "NOTE: [Tile size]");
 
 template <typename State>
 constexpr int lanes_for() {
@@ -243,6 +249,7 @@ inline void run_chunk_plain(const std::array<void*, sizeof...(T)>& base,
                       uint32_t half_lists, std::index_sequence<D...>) {
   constexpr int Depth = sizeof...(T);
   using State = typename Op::State;
+  constexpr int64_t kTile = tile_elements(Depth);
   alignas(64) float tile[Depth][kTile];
   op.load_scalars();
   if constexpr (Op::tensor_scalars > 0) op.load_tensor_scalars(tensor_scalars.data());

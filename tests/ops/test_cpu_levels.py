@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 DISPATCH_BUILD = len(LEVELS["compiled"]) > 1
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Sizes around the vector widths and tiles (8, 16, 256) and across a chunk boundary (65536).
+# Sizes around the vector widths (8, 16) and tiles (256, 512, 1024: NOTE: [Tile size] in
+# csrc/core/cpu_apply.h) and across a chunk boundary (65536).
 SIZES = [1, 7, 8, 15, 17, 33, 255, 257, 1000, 1025, 4099, 65536 + 77]
 
 
