@@ -44,12 +44,11 @@ inline namespace PEAK_CPU_CAPABILITY {
 // float tile: at most 6 bytes per element and list. Tiles are sized to keep that within half of
 // a 32 KB L1 (1,024 elements for one or two lists, 512 for three to five, 256 for six to ten).
 // With 1,024-element tiles for every op, the fp16 Adam step with fp32 masters (five lists, about
-// 30 KB) and its unscaled gradients stored back ran at 0.90 ns per element on Zen 4 against 0.74
-// at 256 and 512 (one thread, 16M elements; torch's fused fp32 AdamW 0.55-0.62 in the same runs);
-// padded tile rows changed nothing (capacity, not 4K aliasing), 64 was slower (per-tile
-// overhead), and the one-list fp16 unscale ran 9% slower at 256 than at 1,024 (the per-tile
-// loops). Tiles are multiples of kLanes (NOTE: [CPU lanes]), so each element's lane, and the
-// bits, do not depend on the size.
+// 24 KB) and its unscaled gradients stored back ran at 0.86-0.90 ns per element on Zen 4 against
+// 0.74-0.79 at 512 or 256 (one thread, 16M elements; torch's fused fp32 AdamW 0.55-0.65 in the
+// same runs). Padded tile rows changed nothing (capacity, not 4K aliasing); 64 was slower
+// (per-tile overhead). Tiles are multiples of kLanes (NOTE: [CPU lanes]), so each element's lane,
+// and the bits, do not depend on the size.
 constexpr int64_t kTileBudgetBytes = 16 * 1024;
 constexpr int64_t tile_elements(int depth) {
   int64_t n = 1024;
