@@ -4,7 +4,8 @@ import torch
 
 from peak import amp, ops
 from peak.optimizers import FusedAdam, FusedSGD
-from peak_testing import assert_poisoned_steps_skipped, make_mlp, snapshot
+from peak_testing import (assert_bitwise_equal, assert_poisoned_steps_skipped, make_mlp,
+                          snapshot)
 
 torch.set_num_threads(1)
 
@@ -150,6 +151,88 @@ def test_clipping_on_master_params_sees_unscaled_gradients():
     opt.step()
     assert any(not torch.equal(p.float(), w) for p, w in zip(model.parameters(), weights))
 
+
+
+def _clip_model_norm(model, opt):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def _clip_model_value(model, opt):
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+
+
+def _replace_a_grad(model, opt):
+    p = next(model.parameters())
+    p.grad = p.grad.clone()
+
+
+def _clip_model_then_read_masters(model, opt):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    list(amp.master_params(opt))
+
+
+@pytest.mark.parametrize("change", [_clip_model_norm, _clip_model_value, _replace_a_grad,
+                                    _clip_model_then_read_masters])
+@pytest.mark.parametrize("make_opt", [lambda p: FusedSGD(p, lr=0.1, momentum=0.9),
+                                      lambda p: FusedAdam(p, lr=1e-2)], ids=["sgd", "adam"])
+def test_scaled_gradients_changed_after_the_exit_are_refused(change, make_opt):
+    """O2 + fused, fp16 dynamic: the step reads the model's gradients still scaled, so a clip of
+    model.parameters() (a no-op on Apex's masters) would act on scaled values: refused, nothing
+    changed; after zero_grad training goes on as if the bad step never came."""
+    data = batches(3)
+
+    def run(bad):
+        model = make_mlp()
+        model, opt = amp.initialize(model, make_opt(model.parameters()), opt_level="O2",
+                                    verbosity=0)
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            with amp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as scaled:
+                scaled.backward()
+            if i == bad:
+                before = snapshot(model, opt)
+                with pytest.raises(RuntimeError, match="changed after amp.scale_loss's exit"):
+                    change(model, opt)
+                    opt.step()
+                assert_bitwise_equal(snapshot(model, opt), before)
+                continue
+            opt.step()
+        return snapshot(model, opt)
+
+    assert_bitwise_equal(run(bad=1), run_without_step(data, make_opt, skip=1))
+
+
+def run_without_step(data, make_opt, skip):
+    model = make_mlp()
+    model, opt = amp.initialize(model, make_opt(model.parameters()), opt_level="O2", verbosity=0)
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        with amp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        if i != skip:
+            opt.step()
+    return snapshot(model, opt)
+
+
+def test_unscaled_gradients_may_be_clipped_on_the_model():
+    """bf16 with a static scale of 1: the gradients the step reads are unscaled, so clipping
+    model.parameters() is a real clip (as clipping amp.master_params is), not refused."""
+    (x, y), = batches(1)
+    updates = []
+    for clip_model in (True, False):
+        model = make_mlp()
+        model, opt = amp.initialize(model, FusedSGD(model.parameters(), lr=1.0), opt_level="O2",
+                                    low_precision_dtype=torch.bfloat16, verbosity=0)
+        with amp.scale_loss(torch.nn.functional.mse_loss(model(x), y) * 100, opt) as scaled:
+            scaled.backward()
+        masters = [m.detach().clone() for m in opt.master_params()]
+        torch.nn.utils.clip_grad_norm_(model.parameters() if clip_model
+                                       else amp.master_params(opt), 0.5)
+        opt.step()
+        updates.append(torch.cat([(m - w).flatten() for m, w in zip(opt.master_params(),
+                                                                    masters)]))
+    assert updates[0].norm() < 0.51  # clipped to 0.5 (the loss * 100 makes the norm larger)
+    torch.testing.assert_close(updates[0], updates[1], rtol=2e-2, atol=1e-4)  # bf16 vs fp32 norm
 
 def test_masters_checkpoint_through_the_optimizer_state():
     model, opt = amp_run(lambda p: FusedAdam(p, lr=1e-2), torch.bfloat16, batches(2))

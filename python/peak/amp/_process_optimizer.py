@@ -10,8 +10,8 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, own_grad, register_owner,
-                                    stepped_elsewhere)
+from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, check_grads_unchanged,
+                                    grad_versions, own_grad, register_owner, stepped_elsewhere)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -136,10 +136,10 @@ class ScaledGradsState(AmpOptimizerState):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.params: list[torch.Tensor] = []
-        # The pending grads' scale (static 1: step() neither unscales nor stores them back), their
-        # norm when the optimizer clips, the grads set aside while a later pass runs ((params,
-        # grads, scale)), whether amp.master_params gave the masters fp32 grads (the step reads).
-        self.grad_scale = self.grad_norm = self.set_aside = None
+        # The pending grads' scale (static 1: step() neither unscales nor stores them), their norm
+        # when the optimizer clips, grads set aside while a later pass runs ((params, grads,
+        # scale)), the scaled grads handed over (grad_versions), whether the masters got fp32 grads.
+        self.grad_scale = self.grad_norm = self.set_aside = self.handed = None
         self.scale_is_one = self.master_grads_given = False
 
     def register_params(self, params, fp32_originals=None) -> list:
@@ -208,6 +208,7 @@ class ScaledGradsState(AmpOptimizerState):
                     self._add_back_set_aside(scaler)
         self.grad_scale = scaler.scale.clone()  # taken before the scale is updated
         self.scale_is_one = scaler.is_static_one()
+        self.handed = None if self.scale_is_one else grad_versions(self.params)
         return got_grads
 
     def _add_back_set_aside(self, scaler) -> None:
@@ -244,15 +245,17 @@ class ScaledGradsState(AmpOptimizerState):
         without gradients (before a backward, after zero_grad: an EMA or a log) just the weights."""
         if not self.master_grads_given and any(
                 p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
+            check_grads_unchanged(self.handed, self.params, type(self.optimizer).__name__)
             self.optimizer.give_master_grads(self.grad_scale)
             if self.grad_scale is not None:
                 self.grad_scale = torch.ones_like(self.grad_scale)
             self.grad_norm = None  # the step measures what it reads (maybe clipped)
-            self.master_grads_given = True
+            self.master_grads_given, self.handed = True, None  # (the step reads the masters')
         yield from self.optimizer.master_params()
 
     def run_step(self, args, found_inf):
         kept = self.grad_scale, self.grad_norm  # (a step that raises keeps them)
+        check_grads_unchanged(self.handed, self.params, type(self.optimizer).__name__)
         unit = self.scale_is_one and not self.master_grads_given
         grad_scale, self.grad_scale = (None if unit else self.grad_scale), None
         grad_norm, self.grad_norm = self.grad_norm, None
@@ -262,12 +265,12 @@ class ScaledGradsState(AmpOptimizerState):
         except BaseException:
             self.grad_scale, self.grad_norm = kept
             raise
-        self.master_grads_given = False  # the step used and dropped them
+        self.master_grads_given, self.handed = False, None  # the step used and dropped them
         return result
 
     def drop_pending(self) -> None:
         self.optimizer.drop_master_grads()
-        self.grad_scale = self.grad_norm = self.set_aside = None
+        self.grad_scale = self.grad_norm = self.set_aside = self.handed = None
         self.master_grads_given = False
 
 

@@ -164,3 +164,22 @@ def check_one_master_each(holders, where: str) -> None:
                     "it or unscales its gradient again, so an update would be lost or scaled "
                     "wrong. Give each parameter to one optimizer, once (param groups for "
                     "different settings).")
+
+
+def grad_versions(params) -> list:
+    """Each gradient of ``params`` with its version counter: what an amp O2 exit checked and left
+    scaled for a fused optimizer, to compare with what its step is about to read."""
+    return [(p, p.grad, p.grad._version) for p in params if p.grad is not None]
+
+
+def check_grads_unchanged(handed: list | None, params, name: str) -> None:
+    """Refuse gradients changed in place or replaced since ``handed = grad_versions(params)``
+    (None: nothing to compare): still scaled, a norm or value clip acted on scaled values."""
+    if handed is not None and (any(p.grad is not g or g._version != v for p, g, v in handed)
+                               or len(handed) != sum(p.grad is not None for p in params)):
+        raise RuntimeError(
+            f"{name}: the model's gradients changed after amp.scale_loss's exit (for example by "
+            "clip_grad_norm_(model.parameters())). Under O2 a fused optimizer reads them still "
+            "scaled by the loss scale, so such a clip acts on scaled values. Clip "
+            "amp.master_params(optimizer) instead (fp32, unscaled) or pass max_grad_norm= to the "
+            "optimizer. Nothing was stepped; zero_grad() drops these gradients.")
