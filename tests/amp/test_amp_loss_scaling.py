@@ -225,6 +225,25 @@ def test_max_loss_scale_cap(monkeypatch):
     assert scales == [2.0**17, 2.0**17, 2.0**17]
 
 
+
+def test_apex_private_settings_set_by_scripts_take_effect():
+    """Apex's LossScaler keeps its window and bounds in ``_scale_seq_len``, ``_min_loss_scale`` and
+    ``_max_loss_scale``, which scripts set directly: the same settings as the public names."""
+    model, opt = _model_opt("O2", torch.float16)
+    scaler = _amp_state.loss_scalers[0]
+    assert (scaler._scale_seq_len, scaler._min_loss_scale, scaler._max_loss_scale) == (
+        2000, 0.0, 2.0**24)
+    scaler._scale_seq_len, scaler._max_loss_scale = 1, 2.0**17
+    scales = []
+    for step in range(3):
+        _train_step(model, opt, step)
+        scales.append(scaler.loss_scale())
+    assert scales == [2.0**17, 2.0**17, 2.0**17]  # grown after one clean step, then capped
+    scaler._min_loss_scale = 2.0**16
+    for step in range(3):
+        _train_step(model, opt, step, inject=True)
+    assert scaler.loss_scale() == 2.0**16 and scaler.min_loss_scale == 2.0**16
+
 def test_max_loss_scale_caps_initial_scale():
     _model_opt("O1", torch.float16, max_loss_scale=2.0**10)
     assert _amp_state.loss_scalers[0].loss_scale() == 2.0**10

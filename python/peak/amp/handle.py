@@ -37,23 +37,23 @@ class LossScaler:
         self.dynamic = loss_scale == "dynamic"
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         # Apex treats min_loss_scale None and 0 alike ("no floor").
-        self.min_loss_scale = float(min_loss_scale) if min_loss_scale else 0.0
-        self.max_loss_scale = float(max_loss_scale) if max_loss_scale is not None else math.inf
+        floor = float(min_loss_scale) if min_loss_scale else 0.0
+        ceiling = float(max_loss_scale) if max_loss_scale is not None else math.inf
         self._static_value = None if self.dynamic else float(loss_scale)
         self.update_count = 0
-        initial = min(self.max_loss_scale, float(init_scale)) if self.dynamic else float(loss_scale)
+        initial = min(ceiling, float(init_scale)) if self.dynamic else float(loss_scale)
         self._core = LossScale(initial, growth_factor=float(scale_factor),
                                backoff_factor=float(backoff_factor),
                                growth_interval=int(scale_window), hysteresis=int(hysteresis),
-                               min_scale=self.min_loss_scale, max_scale=self.max_loss_scale,
-                               device=self.device)
+                               min_scale=floor, max_scale=ceiling, device=self.device)
         # The core's tensors under Apex's names (the same objects: they change only in place).
         self.scale, self.growth_tracker, self.hysteresis_tracker = (
             self._core.scale, self._core.growth_tracker, self._core.hysteresis_tracker)
         self.found_inf = self._core.found_inf.for_device(self.device)
 
-    growth_factor, backoff_factor, growth_interval, hysteresis = map(core_attribute, (
-        "growth_factor", "backoff_factor", "growth_interval", "hysteresis"))
+    (growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale,
+     max_loss_scale) = map(core_attribute, ("growth_factor", "backoff_factor", "growth_interval",
+                                            "hysteresis", "min_scale", "max_scale"))
 
     def loss_scale(self) -> float:
         """The current scale as a Python float (a host sync for a dynamic scaler)."""
@@ -74,9 +74,10 @@ class LossScaler:
         if not self.dynamic:
             self._static_value = float(value)
 
-    # Apex-compatible attributes (its tests set ``loss_scalers[i]._loss_scale = 4.0`` directly).
+    # Apex's private names, which its tests and scripts set (``loss_scalers[0]._loss_scale = 4``).
     _loss_scale = property(lambda self: self.loss_scale(), _set_loss_scale)
-
+    _scale_seq_len, _min_loss_scale, _max_loss_scale = (growth_interval, min_loss_scale,
+                                                        max_loss_scale)
     _unskipped = property(lambda self: int(self.growth_tracker.item()),
                           lambda self, value: self.growth_tracker.fill_(int(value)))
 
@@ -314,8 +315,7 @@ class AmpHandle:
     has_cache = True
 
     def __init__(self, legacy: bool = False) -> None:
-        self._legacy = legacy
-        self._default_device = None
+        self._legacy, self._default_device = legacy, None
 
     # Apex's handle methods: the O1 caster's functions.
     is_active = staticmethod(_caster.is_enabled)
