@@ -1,4 +1,6 @@
 """amp O2 with a peak fused optimizer: the fused path (no unscale pass, no master->model copy)."""
+import warnings
+
 import pytest
 import torch
 
@@ -213,6 +215,29 @@ def run_without_step(data, make_opt, skip):
             opt.step()
     return snapshot(model, opt)
 
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["list_taken_before", "read_each_step"])
+def test_masters_listed_before_the_backward_have_no_gradients_and_the_step_says_so(cached):
+    """O2 + fused: amp.master_params gives the masters fp32 gradients when it is called after the
+    scale_loss block; a list taken before has none to clip, so the step warns (and only then)."""
+    model = make_mlp()
+    model, opt = amp.initialize(model, FusedSGD(model.parameters(), lr=0.1), opt_level="O2",
+                                verbosity=0)
+    listed = list(amp.master_params(opt)) if cached else None
+    list(amp.master_params(opt))  # (read again without gradients: an EMA's read)
+    said = []
+    for x, y in batches(2):
+        opt.zero_grad()
+        with amp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as scaled:
+            scaled.backward()
+        masters = listed if cached else list(amp.master_params(opt))
+        assert all((m.grad is None) == cached for m in masters)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        said += [w for w in caught if "was read before this step's backward" in str(w.message)]
+    assert len(said) == int(cached)  # once per optimizer
 
 def test_unscaled_gradients_may_be_clipped_on_the_model():
     """bf16 with a static scale of 1: the gradients the step reads are unscaled, so clipping

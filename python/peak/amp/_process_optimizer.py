@@ -11,7 +11,8 @@ import torch
 
 from peak import ops
 from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, check_grads_unchanged,
-                                    grad_versions, own_grad, register_owner, stepped_elsewhere)
+                                    grad_versions, own_grad, register_owner, stepped_elsewhere,
+                                    warn_bare_masters)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -140,7 +141,7 @@ class ScaledGradsState(AmpOptimizerState):
         # when the optimizer clips, grads set aside while a later pass runs ((params, grads,
         # scale)), the scaled grads handed over (grad_versions), whether the masters got fp32 grads.
         self.grad_scale = self.grad_norm = self.set_aside = self.handed = None
-        self.scale_is_one = self.master_grads_given = False
+        self.scale_is_one = self.master_grads_given = self.read_bare = False
 
     def register_params(self, params, fp32_originals=None) -> list:
         """The params stay in the group; their fp32 weights from before the cast are the masters."""
@@ -155,11 +156,9 @@ class ScaledGradsState(AmpOptimizerState):
     def holds(self, p) -> bool:
         return any(q is p for q in self.params)
 
-    def mark(self):
-        return len(self.params)
-
-    def rollback(self, mark) -> None:
-        del self.params[mark:]
+    # (As the store's: mark() before registering a group, rollback(mark) if it is refused.)
+    mark = property(lambda self: self.params.__len__)
+    rollback = property(lambda self: lambda mark: self.params.__delitem__(slice(mark, None)))
 
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
@@ -243,12 +242,13 @@ class ScaledGradsState(AmpOptimizerState):
     def master_params(self):
         """The fp32 weights stepped, given fp32 gradients to clip (which the step then reads);
         without gradients (before a backward, after zero_grad: an EMA or a log) just the weights."""
-        if not self.master_grads_given and any(
-                p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
+        with_grads = any(p.grad is not None for p in self.params)
+        # (A list of them taken now has no gradients later; None: the step has said so once.)
+        self.read_bare = None if self.read_bare is None else self.read_bare or not with_grads
+        if with_grads and not self.master_grads_given:
             check_grads_unchanged(self.handed, self.params, type(self.optimizer).__name__)
             self.optimizer.give_master_grads(self.grad_scale)
-            if self.grad_scale is not None:
-                self.grad_scale = torch.ones_like(self.grad_scale)
+            self.grad_scale = None if self.grad_scale is None else torch.ones_like(self.grad_scale)
             self.grad_norm = None  # the step measures what it reads (maybe clipped)
             self.master_grads_given, self.handed = True, None  # (the step reads the masters')
         yield from self.optimizer.master_params()
@@ -256,6 +256,8 @@ class ScaledGradsState(AmpOptimizerState):
     def run_step(self, args, found_inf):
         kept = self.grad_scale, self.grad_norm  # (a step that raises keeps them)
         check_grads_unchanged(self.handed, self.params, type(self.optimizer).__name__)
+        if self.read_bare and not self.master_grads_given:
+            self.read_bare = warn_bare_masters(type(self.optimizer).__name__)
         unit = self.scale_is_one and not self.master_grads_given
         grad_scale, self.grad_scale = (None if unit else self.grad_scale), None
         grad_norm, self.grad_norm = self.grad_norm, None

@@ -232,8 +232,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         cached = self._step_sig_cache.get(key)
         if cached is None:
             params = inspect.signature(step).parameters
-            cached = ("grad_scaler" in params,
-                      "grad_scale" in params and "found_inf" in params,
+            cached = ("grad_scaler" in params, "grad_scale" in params and "found_inf" in params,
                       "grad_norm" in params)
             if len(self._step_sig_cache) >= 64:  # code that re-wraps step() every iteration
                 self._step_sig_cache.clear()

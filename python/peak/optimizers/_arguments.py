@@ -1,10 +1,13 @@
 """The fused optimizers' argument checks: hyperparameter ranges and lean-state options."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
 from .._dtypes import MOMENT_STORAGE, parse_dtype
+from .._stacklevel import user_stacklevel
 
 
 # A group's lean-state options (docs/core.md, "Lean optimizer state").
@@ -183,3 +186,16 @@ def check_grads_unchanged(handed: list | None, params, name: str) -> None:
             "scaled by the loss scale, so such a clip acts on scaled values. Clip "
             "amp.master_params(optimizer) instead (fp32, unscaled) or pass max_grad_norm= to the "
             "optimizer. Nothing was stepped; zero_grad() drops these gradients.")
+
+
+def warn_bare_masters(name: str) -> None:
+    """An amp O2 fused step reading the model's gradients after ``amp.master_params`` gave the
+    masters without any (a list taken before the backward): clipping that list clipped nothing."""
+    warnings.warn(
+        f"{name}.step(): amp.master_params(optimizer) was read before this step's backward, when "
+        "the fp32 master weights had no gradients; under O2 a fused optimizer gives them "
+        "gradients only when amp.master_params is called after the scale_loss block, so a "
+        "list of them taken earlier has none: a clip of it clips nothing. Clip "
+        "amp.master_params(optimizer) called after the backward, each step. (Reading the "
+        "masters for an EMA or a log is fine: this is said once per optimizer.)",
+        stacklevel=user_stacklevel())  # the script's step()
