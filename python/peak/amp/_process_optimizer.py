@@ -139,7 +139,8 @@ class ScaledGradsState(AmpOptimizerState):
         self.params: list[torch.Tensor] = []
         # The pending grads' scale (static 1: step() neither unscales nor stores them), their norm
         # when the optimizer clips, grads set aside while a later pass runs ((params, grads,
-        # scale)), the scaled grads handed over (grad_versions), whether the masters got fp32 grads.
+        # scale)), the scaled grads handed over (grad_versions), whether the masters got fp32 grads
+        # and were read without (a list then taken has none later; None: the step said so once).
         self.grad_scale = self.grad_norm = self.set_aside = self.handed = None
         self.scale_is_one = self.master_grads_given = self.read_bare = False
 
@@ -243,7 +244,6 @@ class ScaledGradsState(AmpOptimizerState):
         """The fp32 weights stepped, given fp32 gradients to clip (which the step then reads);
         without gradients (before a backward, after zero_grad: an EMA or a log) just the weights."""
         with_grads = any(p.grad is not None for p in self.params)
-        # (A list of them taken now has no gradients later; None: the step has said so once.)
         self.read_bare = None if self.read_bare is None else self.read_bare or not with_grads
         if with_grads and not self.master_grads_given:
             check_grads_unchanged(self.handed, self.params, type(self.optimizer).__name__)
@@ -267,7 +267,7 @@ class ScaledGradsState(AmpOptimizerState):
         except BaseException:
             self.grad_scale, self.grad_norm = kept
             raise
-        self.master_grads_given, self.handed = False, None  # the step used and dropped them
+        self.master_grads_given, self.handed, self.read_bare = False, None, self.read_bare and False
         return result
 
     def drop_pending(self) -> None:

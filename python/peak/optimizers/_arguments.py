@@ -171,21 +171,24 @@ def check_one_master_each(holders, where: str) -> None:
 
 def grad_versions(params) -> list:
     """Each gradient of ``params`` with its version counter: what an amp O2 exit checked and left
-    scaled for a fused optimizer, to compare with what its step is about to read."""
-    return [(p, p.grad, p.grad._version) for p in params if p.grad is not None]
+    scaled for a fused optimizer. Views (DDP's bucket views) are left out: a view shares its
+    base's counter, so another gradient's change in the same bucket would look like its own."""
+    return [(p, p.grad, p.grad._version) for p in params
+            if p.grad is not None and p.grad._base is None]
 
 
 def check_grads_unchanged(handed: list | None, params, name: str) -> None:
-    """Refuse gradients changed in place or replaced since ``handed = grad_versions(params)``
-    (None: nothing to compare): still scaled, a norm or value clip acted on scaled values."""
-    if handed is not None and (any(p.grad is not g or g._version != v for p, g, v in handed)
-                               or len(handed) != sum(p.grad is not None for p in params)):
-        raise RuntimeError(
-            f"{name}: the model's gradients changed after amp.scale_loss's exit (for example by "
-            "clip_grad_norm_(model.parameters())). Under O2 a fused optimizer reads them still "
-            "scaled by the loss scale, so such a clip acts on scaled values. Clip "
-            "amp.master_params(optimizer) instead (fp32, unscaled) or pass max_grad_norm= to the "
-            "optimizer. Nothing was stepped; zero_grad() drops these gradients.")
+    """Warn when a gradient of ``handed = grad_versions(params)`` (None: nothing to compare) was
+    changed in place since: still scaled, a norm or value clip of it acted on scaled values."""
+    if handed is not None and any(p.grad is g and g._version != v for p, g, v in handed):
+        warnings.warn(
+            f"{name}: the model's gradients were changed in place after amp.scale_loss's exit. "
+            "Under O2 a fused optimizer reads them still scaled by the loss scale: a change that "
+            "does not depend on the scale (zeroing rows, averaging) is fine, but a clip by norm "
+            "or value (clip_grad_norm_(model.parameters())) acted on scaled values and shrank "
+            "the update by about the scale. Clip amp.master_params(optimizer) instead (fp32, "
+            "unscaled), or pass max_grad_norm= to the optimizer.",
+            stacklevel=user_stacklevel())  # the script's step() or master_params read
 
 
 def warn_bare_masters(name: str) -> None:
