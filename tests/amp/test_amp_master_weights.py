@@ -228,11 +228,14 @@ def test_clip_grad_norm_on_master_params():
     assert norm <= 1e-3 * 1.001
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("opt_name", ["FusedAdam", "Adam"])
-def test_reading_master_params_without_gradients_changes_nothing(opt_name):
+def test_reading_master_params_without_gradients_changes_nothing(opt_name, set_to_none):
     """amp.master_params(opt) where no gradient exists (right after initialize; after zero_grad,
     for an EMA or a log) yields the weights and leaves the next step as it would have been: the
-    same bits as a run that never read them, with peak's fused optimizers as with torch's."""
+    same bits as a run that never read them, with peak's fused optimizers as with torch's. After
+    zero_grad(set_to_none=False) the zeroed gradients it may give the masters are dropped by the
+    next scale_loss (no backward handed them over)."""
     from peak.optimizers import FusedAdam
 
     opt_cls = FusedAdam if opt_name == "FusedAdam" else torch.optim.Adam
@@ -245,7 +248,7 @@ def test_reading_master_params_without_gradients_changes_nothing(opt_name):
             with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
                 scaled.backward()
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             if read:
                 ema = [0.9 * e + 0.1 * m.detach() for e, m in zip(ema, amp.master_params(opt))]
         return H.snapshot(model, opt)

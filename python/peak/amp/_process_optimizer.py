@@ -154,10 +154,8 @@ class ScaledGradsState(AmpOptimizerState):
             self.params.append(p)
         return list(params)
 
-    def holds(self, p) -> bool:
-        return any(q is p for q in self.params)
-
-    # (As the store's: mark() before registering a group, rollback(mark) if it is refused.)
+    # (As the store's: holds(p); mark() before registering a group, rollback(mark) if refused.)
+    holds = property(lambda self: lambda p: any(q is p for q in self.params))
     mark = property(lambda self: self.params.__len__)
     rollback = property(lambda self: lambda mark: self.params.__delitem__(slice(mark, None)))
 
@@ -168,7 +166,9 @@ class ScaledGradsState(AmpOptimizerState):
     def prepare_backward(self, scaler) -> None:
         """Set aside the gradients an earlier pass left (they carry its scale and may hold an
         inf/NaN charged to its scaler); exit checks the new ones alone, then adds them back."""
-        if self.master_grads_given:
+        if self.master_grads_given and self.grad_scale is None:  # given from no exit's (zeroed)
+            self.drop_pending()
+        elif self.master_grads_given:
             raise RuntimeError(
                 "amp.scale_loss: amp.master_params(optimizer) already gave this fused optimizer's "
                 "fp32 master weights their gradients (for clipping) and no step() or zero_grad() "
