@@ -10,9 +10,9 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, check_grads_unchanged,
-                                    grad_versions, own_grad, register_owner, stepped_elsewhere,
-                                    warn_bare_masters)
+from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, grad_versions, own_grad,
+                                    register_owner, stepped_elsewhere, warn_bare_masters,
+                                    warn_changed_grads)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -246,7 +246,7 @@ class ScaledGradsState(AmpOptimizerState):
         with_grads = any(p.grad is not None for p in self.params)
         self.read_bare = None if self.read_bare is None else self.read_bare or not with_grads
         if with_grads and not self.master_grads_given:
-            check_grads_unchanged(self.handed, self.params, type(self.optimizer).__name__)
+            warn_changed_grads(self.handed, type(self.optimizer).__name__)
             self.optimizer.give_master_grads(self.grad_scale)
             self.grad_scale = None if self.grad_scale is None else torch.ones_like(self.grad_scale)
             self.grad_norm = None  # the step measures what it reads (maybe clipped)
@@ -255,7 +255,7 @@ class ScaledGradsState(AmpOptimizerState):
 
     def run_step(self, args, found_inf):
         kept = self.grad_scale, self.grad_norm  # (a step that raises keeps them)
-        check_grads_unchanged(self.handed, self.params, type(self.optimizer).__name__)
+        warn_changed_grads(self.handed, type(self.optimizer).__name__)
         if self.read_bare and not self.master_grads_given:
             self.read_bare = warn_bare_masters(type(self.optimizer).__name__)
         unit = self.scale_is_one and not self.master_grads_given

@@ -1,4 +1,5 @@
-"""The fused optimizers' argument checks: hyperparameter ranges and lean-state options."""
+"""The fused optimizers' argument checks (hyperparameter ranges, lean-state options, one master
+each) and the warnings about scaled gradients amp O2 hands a fused step."""
 from __future__ import annotations
 
 import warnings
@@ -177,7 +178,7 @@ def grad_versions(params) -> list:
             if p.grad is not None and p.grad._base is None]
 
 
-def check_grads_unchanged(handed: list | None, params, name: str) -> None:
+def warn_changed_grads(handed: list | None, name: str) -> None:
     """Warn when a gradient of ``handed = grad_versions(params)`` (None: nothing to compare) was
     changed in place since: still scaled, a norm or value clip of it acted on scaled values."""
     if handed is not None and any(p.grad is g and g._version != v for p, g, v in handed):

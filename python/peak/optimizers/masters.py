@@ -13,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
-    check_grads_unchanged, check_one_master_each, grad_versions, warn_bare_masters)
+    check_one_master_each, grad_versions, warn_bare_masters, warn_changed_grads)
 from ._sharded import is_sharded
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
