@@ -229,3 +229,75 @@ def test_compiled_function_under_o1_does_not_trace_the_casters_state():
     assert not [w for w in caught if "snapshot" in str(w.message)]  # (O1's own wrappers break)
     expected = torch.ones(4, 8) @ w.detach().t()
     torch.testing.assert_close(x.grad, expected, rtol=2e-2, atol=2e-2)  # (bf16 products)
+
+
+@pytest.mark.parametrize("cast_to", [torch.bfloat16, torch.float32])
+def test_cast_inputs_compiles_in_one_graph_as_torchs(cast_to):
+    """A custom_fwd(cast_inputs=...) Function in an autocast region compiles with
+    fullgraph=True, as torch's does, and gives torch's values and gradients."""
+    def function(mod):
+        class Mm(torch.autograd.Function):
+            @staticmethod
+            @mod.custom_fwd(device_type="cpu", cast_inputs=cast_to)
+            def forward(ctx, a, b):
+                ctx.save_for_backward(a, b)
+                return a.mm(b).relu()
+
+            @staticmethod
+            @mod.custom_bwd(device_type="cpu")
+            def backward(ctx, g):
+                a, b = ctx.saved_tensors
+                g = g * (a.mm(b) > 0)
+                return g.mm(b.t()), a.t().mm(g)
+        return Mm
+
+    results = []
+    for mod in (torch.amp, amp):
+        torch._dynamo.reset()
+        Mm = function(mod)
+
+        def run(a, b):
+            with mod.autocast("cpu", dtype=torch.bfloat16):
+                return Mm.apply(a.mm(b), b)
+
+        a, b = (torch.randn(8, 8, generator=torch.Generator().manual_seed(s), requires_grad=True)
+                for s in (1, 2))
+        out = torch.compile(run, fullgraph=True)(a, b)
+        out.float().sum().backward()
+        results.append((out, a.grad, b.grad))
+    for ours, torchs in zip(*results):
+        assert ours.dtype == torchs.dtype
+        torch.testing.assert_close(ours, torchs, rtol=0, atol=0)
+
+
+def test_cast_inputs_under_o1_and_compile_runs_as_eager():
+    """Under O1, a compiled custom_fwd(cast_inputs=torch.float32) forward still runs without
+    O1's casts: its output equals the eager one's, float32."""
+    class Mm(torch.autograd.Function):
+        @staticmethod
+        @amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return torch.mm(a, b)
+
+        @staticmethod
+        @amp.custom_bwd(device_type="cpu")
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            return torch.mm(g, b.t()), torch.mm(a.t(), g)
+
+    torch._dynamo.reset()
+    a = torch.randn(8, 8, dtype=torch.float64).float()
+    b = torch.randn(8, 8, dtype=torch.float64).float()
+    compiled = torch.compile(lambda x, y: Mm.apply(x, y))
+    before = compiled(a, b)  # (compiled with O1 off: O1 turned on later is seen)
+    _caster.enable(torch.bfloat16)
+    try:
+        eager = Mm.apply(a, b)
+        compiled = compiled(a, b)
+    finally:
+        _caster.disable()
+    assert eager.dtype == compiled.dtype == torch.float32
+    torch.testing.assert_close(before, eager, rtol=0, atol=0)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    torch.testing.assert_close(eager, a.double().mm(b.double()).float(), rtol=1e-5, atol=1e-5)

@@ -237,14 +237,12 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
             return fwd(*args, **kwargs)
         ctx._fwd_used_autocast = False
         ctx._peak_edits = []
-        o1 = _caster.is_enabled()  # peak's O1 caster stands down here too (docs/caster.md)
+        o1 = _caster.patched() and _caster.is_enabled()  # O1 stands down (Dynamo: patched())
         ctx._peak_o1_off = o1 or _caster.patched()  # (and in backward, wherever that runs)
-        if enabled or o1:
-            with contextlib.ExitStack() as stack:
-                if enabled:
-                    stack.enter_context(autocast(device_type=device_type, enabled=False))
-                if o1:
-                    stack.enter_context(_caster.disabled())
+        if enabled or o1:  # (no ExitStack: Dynamo keeps an autocast region only in a with)
+            none = contextlib.nullcontext
+            with (autocast(device_type=device_type, enabled=False) if enabled else none()), \
+                    (_caster.disabled() if o1 else none()):
                 return fwd(*_cast(args, device_type, cast_inputs),
                            **_cast(kwargs, device_type, cast_inputs))
         return fwd(*args, **kwargs)
