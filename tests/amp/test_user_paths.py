@@ -743,3 +743,37 @@ def test_o1_unscales_sparse_gradients_that_share_values_once():
     for m, r in zip((tok, pos), ref):
         torch.testing.assert_close(m.weight.grad.to_dense(), r.weight.grad.to_dense(),
                                    rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_o2_steps_sparse_embedding_gradients_as_dense_ones(dtype):
+    """nn.Embedding(sparse=True) under O2: its master (fp32) gets the unscaled sparse gradient
+    (it raised in the multi-tensor kernel) and steps as the same model with a dense embedding,
+    bit for bit: over two backward passes per step, and through an overflowed step (skipped,
+    the scale halved alike)."""
+    results = []
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=dtype,
+                                        loss_scale="dynamic", verbosity=0)
+        for step in range(4):
+            for idx in (torch.tensor([1, 2, 3]), torch.tensor([5, 2, 7])):
+                loss = model(idx).float().sum() * (float("inf") if step == 1 else 1.0)
+                with amp.scale_loss(loss, opt) as s:
+                    s.backward()
+            assert model[0].weight.grad.is_sparse is sparse
+            opt.step()
+            opt.zero_grad()
+        masters = [m.detach().clone() for m in amp.master_params(opt)]
+        results.append((masters, [p.detach().clone() for p in model.parameters()],
+                        amp.state_dict()["loss_scaler0"]["loss_scale"]))
+    (masters, weights, scale), (masters_d, weights_d, scale_d) = results
+    assert scale == scale_d < 2.0**16
+    for a, b in zip(masters + weights, masters_d + weights_d):
+        _assert_bitwise(a, b)
+    torch.manual_seed(0)
+    assert not torch.equal(masters[0], nn.Embedding(10, 4).weight)  # (it trained)

@@ -61,7 +61,9 @@ def check_steppable(optimizer) -> None:
                     continue
                 grad = p  # (a sum: in p's dtype)
             if grad.is_sparse:
-                raise RuntimeError(f"{name} does not support sparse gradients")
+                raise RuntimeError(f"{name} does not support sparse gradients (nn.Embedding("
+                                   f"sparse=True)): step those parameters with a torch optimizer "
+                                   f"that does (SGD, SparseAdam), or make them dense")
             if grad.dtype != dtype:
                 raise TypeError(f"a gradient has dtype {grad.dtype} but its parameter has "
                                 f"{dtype}; {name} reads gradients in the parameter's dtype")

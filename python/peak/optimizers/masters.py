@@ -42,6 +42,16 @@ def own_grad(grad: Tensor | None) -> Tensor | None:
     return grad.detach().clone() if grad is not None and grad._base is not None else grad
 
 
+def unscaled_sparse(grad: Tensor, earlier: Tensor | None, scaler, dtype) -> Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) unscaled on its values, in ``dtype``,
+    plus ``earlier``: in a copy (two embeddings' gradients may share values), coalesced where
+    duplicates may overflow only once summed."""
+    grad = (grad.coalesce() if grad.dtype in LOW_DTYPES else grad).to(dtype, copy=True)
+    values = [grad._values()]
+    scaler.unscale(values, values)
+    return grad if earlier is None else grad + earlier
+
+
 def zero_in_place(grad: Tensor) -> None:
     """As torch's ``zero_grad(set_to_none=False)``: a view (DDP's bucket) is not detached."""
     if grad.grad_fn is not None:
@@ -259,26 +269,21 @@ class MasterWeights:
         whether the pass gave any of them a gradient."""
         if self.frozen:  # (unfrozen since: registered before their gradients are unscaled)
             self._register_frozen([p for p in self.frozen if p.grad is not None])
-        rows = []  # (new gradient, earlier gradient or None, output)
+        rows, sparse = [], False  # (new gradient, earlier gradient or None, output)
         for p, m in zip(self.model_params, self.masters):
-            if p.grad is not None:
+            if p.grad is not None and p.grad.is_sparse:
+                m.grad, sparse = unscaled_sparse(p.grad, m.grad, scaler, torch.float32), True
+            elif p.grad is not None:
                 earlier = m.grad
                 if earlier is None:
                     m.grad = torch.empty_like(m)
                 rows.append((p.grad, earlier, m.grad))
-        stash, sparse = self._grad_stash or [None] * len(self.own_params), False
+        stash = self._grad_stash or [None] * len(self.own_params)
         for p, g in zip(self.own_params, stash):
             if p.grad is None:
                 p.grad = g
-            elif p.grad.is_sparse:  # (nn.Embedding(sparse=True): unscaled on its values, in a
-                # copy (two embeddings' gradients may share values), coalesced where duplicates
-                # may overflow only once summed)
-                low = p.grad.dtype in LOW_DTYPES
-                p.grad = (p.grad.coalesce() if low else p.grad).clone()
-                values = [p.grad._values()]
-                scaler.unscale(values, values)
-                p.grad = p.grad if g is None else p.grad + g
-                sparse = True
+            elif p.grad.is_sparse:
+                p.grad, sparse = unscaled_sparse(p.grad, g, scaler, p.grad.dtype), True
             else:
                 rows.append((p.grad, g, p.grad))
         # (FSDP2: every DTensor to its local shard, one by one: some parameters may not be sharded)
