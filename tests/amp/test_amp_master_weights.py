@@ -478,10 +478,18 @@ def test_a_stale_master_does_not_overwrite_the_model_loaded_before_it():
         assert torch.equal(m, q.detach())  # the fp32 weights loaded, exactly
 
 
-def test_a_remainder_checkpoint_loads_into_o2_over_a_torch_optimizer_and_back():
+def _larc_fused_adam(params, lr):
+    from peak.optimizers import LARC, FusedAdam
+    return LARC(FusedAdam(params, lr=lr))
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, _larc_fused_adam],
+                         ids=["AdamW", "LARC(FusedAdam)"])
+def test_a_remainder_checkpoint_loads_into_o2_over_a_torch_optimizer_and_back(opt_cls):
     """A fused optimizer's remainder masters (store_param_remainders=True) join with the weights
-    into exact fp32 masters of a torch optimizer under O2, in either load order, and its
-    checkpoint loads back into the remainder optimizer."""
+    into exact fp32 masters of a torch optimizer under O2 (or of a fused one in a wrapper, whose
+    masters amp's store keeps: it refused them), in either load order, and its checkpoint loads
+    back into the remainder optimizer."""
     from peak.optimizers import FusedAdam
     from peak.optimizers.masters import join_remainder, masters_by_param
     torch.manual_seed(0)
@@ -496,7 +504,7 @@ def test_a_remainder_checkpoint_loads_into_o2_over_a_torch_optimizer_and_back():
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": fused.state_dict()})
     for model_first in (True, False):
         _amp_state.reset()
-        o2, o2_opt = _o2_linear(torch.optim.AdamW, seed=3)
+        o2, o2_opt = _o2_linear(opt_cls, seed=3)
         if model_first:
             o2.load_state_dict(ckpt["model"])
         o2_opt.load_state_dict(ckpt["opt"])

@@ -734,3 +734,30 @@ def test_compiled_step_is_the_eager_step_without_recompiles(optimizer):
     assert counters["stats"]["unique_graphs"] == 0
     assert not [str(w.message) for w in caught
                 if "recompile" in str(w.message) or "Dynamo" in str(w.message)]
+
+
+@pytest.mark.parametrize("inner", ["SGD", "FusedAdam"])
+def test_export_fp32_state_dict_through_an_optimizer_wrapper_under_amp_o2(inner):
+    """LARC (or any wrapper sharing the param_groups) around the optimizer amp O2 set up: the
+    export takes the masters of amp's store (it took the bf16 weights, widened), for the wrapper
+    and the inner optimizer alike; so does export_fp32_optimizer_state_dict."""
+    from peak import amp
+    from peak.optimizers import LARC, export_fp32_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    make = torch.optim.SGD if inner == "SGD" else FusedAdam
+    opt = LARC(make(model.parameters(), lr=0.1))
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0,
+                                low_precision_dtype=torch.bfloat16)
+    for _ in range(2):
+        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    masters = [m.detach() for m in amp.master_params(opt)]
+    assert not torch.equal(masters[0], model.weight.float())
+    for optimizer in (opt, opt.optim):
+        sd = export_fp32_state_dict(model, optimizer)
+        assert torch.equal(sd["weight"], masters[0]) and torch.equal(sd["bias"], masters[1])
+    exported = export_fp32_optimizer_state_dict(opt)
+    assert torch.equal(exported["state"][0]["master_param"], masters[0])

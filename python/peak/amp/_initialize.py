@@ -14,11 +14,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from peak.optimizers.masters import check_one_master_each, note_load_hook, refresh_after_load_hook
+from peak.optimizers.masters import (check_one_master_each, inner_optimizer, note_load_hook,
+                                    refresh_after_load_hook)
 
 from . import _caster
 from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
-from ._process_optimizer import inner_optimizer, process_optimizer
+from ._process_optimizer import process_optimizer
 from .._bound import BoundMethod
 from .._stacklevel import user_stacklevel
 

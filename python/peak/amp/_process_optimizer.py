@@ -21,22 +21,6 @@ from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, group_by_device_dtype, unscale_grads_
 
 
-def inner_optimizer(optimizer):
-    """The torch optimizer behind a wrapper that shares its ``param_groups`` (Accelerate's
-    ``AcceleratedOptimizer`` keeps it in ``.optimizer``, ``LARC`` in ``.optim``), else
-    ``optimizer``: amp sets up the inner optimizer, and the wrapper keeps working around it."""
-    for _ in range(8):  # wrappers of wrappers, not a cycle
-        for attr in ("optimizer", "optim"):
-            inner = getattr(optimizer, attr, None) if not isinstance(optimizer, type) else None
-            if (isinstance(inner, torch.optim.Optimizer) and inner is not optimizer
-                    and getattr(optimizer, "param_groups", None) is inner.param_groups):
-                optimizer = inner
-                break
-        else:
-            return optimizer
-    return optimizer
-
-
 class AmpOptimizerState:
     """What both kinds share: the step's skip (on the device or the host), its log line."""
 

@@ -15,12 +15,13 @@ from typing import Sequence
 import torch
 
 from peak import ops
+from peak.optimizers.masters import inner_optimizer
 from peak.scaling import (LossScale, agree_on_overflow, core_attribute, group_by_device_dtype,
                           merge_flags, unscale_grads_)
 
 from . import _caster
 from ._amp_state import _amp_state
-from ._process_optimizer import inner_optimizer, process_optimizer
+from ._process_optimizer import process_optimizer
 from .._stacklevel import user_stacklevel
 
 

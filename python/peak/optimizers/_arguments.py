@@ -1,5 +1,6 @@
 """The fused optimizers' argument checks (hyperparameter ranges, lean-state options, one master
-each) and the warnings about scaled gradients amp O2 hands a fused step."""
+each), the warnings about scaled gradients amp O2 hands a fused step, and the torch optimizer
+behind a wrapper."""
 from __future__ import annotations
 
 import warnings
@@ -203,3 +204,19 @@ def warn_bare_masters(name: str) -> None:
         "amp.master_params(optimizer) called after the backward, each step. (Reading the "
         "masters for an EMA or a log is fine: this is said once per optimizer.)",
         stacklevel=user_stacklevel())  # the script's step()
+
+
+def inner_optimizer(optimizer):
+    """The torch optimizer behind a wrapper that shares its ``param_groups`` (Accelerate's
+    ``AcceleratedOptimizer`` keeps it in ``.optimizer``, ``LARC`` in ``.optim``), else
+    ``optimizer``: amp sets up the inner optimizer, and the wrapper keeps working around it."""
+    for _ in range(8):  # wrappers of wrappers, not a cycle
+        for attr in ("optimizer", "optim"):
+            inner = getattr(optimizer, attr, None) if not isinstance(optimizer, type) else None
+            if (isinstance(inner, torch.optim.Optimizer) and inner is not optimizer
+                    and getattr(optimizer, "param_groups", None) is inner.param_groups):
+                optimizer = inner
+                break
+        else:
+            return optimizer
+    return optimizer

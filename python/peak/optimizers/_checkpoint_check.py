@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._arguments import LEAN_KEYS, check_group
 from ._quant import FORMATS, num_blocks, scale_key, whole_block_rows
-from .masters import MASTER_KEY, REMAINDER_KEY
+from .masters import MASTER_KEY, REMAINDER_KEY, store_of
 
 # A param group's entry in state_dict() where some moment is 8-bit: "flat" (one process: every
 # parameter 8-bit) or "rows" (shards: 8-bit where rows are whole blocks, else bf16). A loader
@@ -118,7 +118,8 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
             continue
         if not isinstance(value, Tensor):
             refuse(f"'{key}' must be a tensor, got {type(value).__name__}")
-        if key == REMAINDER_KEY and p.dtype != torch.bfloat16:  # (the bf16 weight's low bits)
+        # (the bf16 weight's low bits; amp O2 in a wrapper: its store joins them with the model's)
+        if key == REMAINDER_KEY and p.dtype != torch.bfloat16 and store_of(optimizer) is None:
             raise ValueError(
                 f"{name}.load_state_dict: {label}: a remainder master (the 16 bits a bf16 weight "
                 f"drops) for a {p.dtype} parameter, which cannot complete it (nothing was "

@@ -13,7 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
-    check_one_master_each, grad_versions, warn_bare_masters, warn_changed_grads)
+    check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads)
 from ._sharded import is_sharded
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
@@ -395,9 +395,10 @@ class MasterWeights:
 
 
 def store_of(optimizer) -> MasterWeights | None:
-    """The :class:`MasterWeights` store of ``optimizer`` (amp O2 with a torch optimizer,
-    ``FP16_Optimizer``), or None."""
-    return _stores.get(optimizer)
+    """The :class:`MasterWeights` store of ``optimizer`` or of the one it wraps (amp O2 with a
+    torch optimizer, ``FP16_Optimizer``), or None."""
+    store = _stores.get(optimizer)
+    return _stores.get(inner_optimizer(optimizer)) if store is None else store
 
 
 def master_of_param(p: Tensor) -> Tensor | None:
