@@ -129,6 +129,8 @@ def test_legal_unusual_combinations(level, kwargs):
     ("O2", {"patch_torch_functions": True}, RuntimeError, "should only be set by selecting opt_level='O1'"),
     ("O3", {"patch_torch_functions": "True"}, RuntimeError, "should only be set by selecting opt_level='O1'"),
     ("O2", {"keep_batchnorm_fp32": "yes"}, ValueError, "the string 'True' or 'False', or None"),
+    # Apex's check is a plain assert: a script catching AssertionError still catches it
+    ("O2", {"keep_batchnorm_fp32": "maybe"}, AssertionError, "found keep_batchnorm_fp32='maybe'"),
     ("O2", {"master_weights": 1}, TypeError, "master_weights must be True, False"),
     ("O2", {"loss_scale": "big"}, ValueError, "'dynamic'"),
     ("O2", {"loss_scale": -1.0}, ValueError, "finite number > 0"),

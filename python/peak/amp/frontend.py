@@ -27,9 +27,12 @@ def _parse_bool(name: str, value):
         return value
     if isinstance(value, str) and value in ("True", "False"):
         return value == "True"
-    raise (ValueError if isinstance(value, str) else TypeError)(
-        f"{name} must be True, False, the string 'True' or 'False', or None; found "
-        f"{name}={value!r}")
+    raise _BadBool(f"{name} must be True, False, the string 'True' or 'False', or None; found "
+                   f"{name}={value!r}")
+
+
+class _BadBool(TypeError, ValueError, AssertionError):
+    """A bad boolean option: Apex's check is a plain assert (AssertionError there)."""
 
 
 class Properties:
