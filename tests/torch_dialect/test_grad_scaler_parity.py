@@ -258,3 +258,58 @@ def test_pickle_round_trip():
     s.unscale_(o)
     with pytest.raises(AssertionError, match="may only be pickled at the beginning"):
         pickle.dumps(s)
+
+
+@pytest.mark.parametrize("compiled", ["unscale_and_clip", "whole_step"])
+def test_scaler_methods_inside_torch_compile_train_as_torchs(compiled):
+    """unscale_ (and step, update) called from code torch.compile traces: peak's run eagerly
+    (NOTE: [GradScaler under torch.compile]) and train as torch's scaler does, bit for bit, an
+    overflowed step included; traced in part, unscale_ lost its state and step() unscaled again
+    (an update 1/scale too small, silently)."""
+    import torch.nn.functional as F
+    results = []
+    for mod in (torch.amp, amp):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                    torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = mod.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+
+        def unscale_and_clip():
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+        def whole_step(x, y, mult):
+            with mod.autocast("cpu"):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss * mult).backward()
+            unscale_and_clip()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return loss
+
+        compiled_fn = torch.compile(unscale_and_clip if compiled == "unscale_and_clip"
+                                    else whole_step)
+        g = torch.Generator().manual_seed(1)
+        trace = []
+        for i in range(4):
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+            mult = torch.tensor(float("inf") if i == 2 else 1.0)
+            if compiled == "whole_step":
+                compiled_fn(x, y, mult)
+            else:
+                with mod.autocast("cpu"):
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss * mult).backward()
+                compiled_fn()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            trace.append(scaler.get_scale())
+        results.append((trace, [p.detach().clone() for p in model.parameters()]))
+    (torch_scales, torch_weights), (scales, weights) = results
+    assert scales == torch_scales and scales[2] < scales[1]
+    for ours, theirs in zip(weights, torch_weights):
+        assert torch.equal(ours, theirs)

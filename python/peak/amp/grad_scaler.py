@@ -80,6 +80,12 @@ def check_options(options: dict, on_min_scale) -> dict:
     return o
 
 
+# NOTE: [GradScaler under torch.compile] unscale_, step and update run eagerly (a graph break),
+# whole: Dynamo cannot trace the C++ unscale, and a method it traced in part lost the state it set
+# before the break (the defaultdict's entry), so step() unscaled again. scale() is traced.
+_eager = torch.compiler.disable
+
+
 class GradScaler(OverflowAttribution, torch.amp.GradScaler):
     """Gradient scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler`` (a
     subclass: ``isinstance(scaler, torch.amp.GradScaler)`` holds), used as torch's,
@@ -168,6 +174,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                             f"object with param_groups and step()), got "
                             f"{type(optimizer).__name__}; pass the optimizer, not the model")
 
+    @_eager
     def unscale_(self, optimizer) -> None:
         """Divides ("unscales") the optimizer's gradients (fp32, fp16 or bf16) by the scale
         factor, in place, checking them for inf/NaN (one pass). Optional: ``step()`` does it if
@@ -239,6 +246,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             self._step_sig_cache[key] = cached
         return cached
 
+    @_eager
     def step(self, optimizer, *args, **kwargs):
         """Unscale the gradients (unless ``unscale_`` did already) and call ``optimizer.step()``
         if none of them held inf/NaN; returns its return value, or None when skipped.
@@ -303,6 +311,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
+    @_eager
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale at the end of an iteration (after ``step`` for every optimizer):
         back off if any step overflowed (after ``hysteresis`` overflowing iterations in a row, not
