@@ -11,7 +11,7 @@ class BoundMethod:
     fails for a function that is not on the object's class: ``torch.save(model)`` wrote a file
     that did not load)."""
 
-    __slots__ = ("__func__", "__self__", "__weakref__")
+    __slots__ = ("__func__", "__self__", "__weakref__", "__dict__")
 
     def __init__(self, func, obj) -> None:
         self.__func__, self.__self__ = func, obj
