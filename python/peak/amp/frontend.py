@@ -27,12 +27,14 @@ def _parse_bool(name: str, value):
         return value
     if isinstance(value, str) and value in ("True", "False"):
         return value == "True"
-    raise _BadBool(f"{name} must be True, False, the string 'True' or 'False', or None; found "
-                   f"{name}={value!r}")
+    kind = ValueError if isinstance(value, str) else TypeError
+    raise (_BadKeepBatchnorm if name == "keep_batchnorm_fp32" else kind)(
+        f"{name} must be True, False, the string 'True' or 'False', or None; found "
+        f"{name}={value!r}")
 
 
-class _BadBool(TypeError, ValueError, AssertionError):
-    """A bad boolean option: Apex's check is a plain assert (AssertionError there)."""
+class _BadKeepBatchnorm(TypeError, ValueError, AssertionError):
+    """A bad keep_batchnorm_fp32: Apex's check is a plain assert (AssertionError there)."""
 
 
 class Properties:
