@@ -820,3 +820,21 @@ def test_o2_training_step_compiled_whole(fused):
     for w, e, s in zip(weights, eager, start.parameters()):
         torch.testing.assert_close(w, e, rtol=0, atol=4e-3)  # (steps of lr=1e-2: they moved)
         assert (e - s.detach()).abs().max() > 5e-3
+
+
+def test_torch_export_at_o2_matches_eager_and_at_o1_is_refused_by_torch():
+    """docs/caster.md: an O2 model (cast weights, amp's patched forward) exports and the program
+    gives the eager output; an O1 model's export fails inside the caster's wrappers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                verbosity=0)
+    x = torch.randn(3, 8)
+    program = torch.export.export(model, (x,))
+    assert torch.equal(program.module()(x), model(x)) and model(x).dtype == torch.float32
+    o1 = nn.Linear(8, 4)
+    o1, _ = amp.initialize(o1, torch.optim.SGD(o1.parameters(), lr=0.1), opt_level="O1",
+                           low_precision_dtype=torch.bfloat16, verbosity=0)
+    with pytest.raises(RuntimeError, match="Cannot access data pointer"):
+        torch.export.export(o1, (x,), strict=False)

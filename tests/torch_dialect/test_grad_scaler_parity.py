@@ -313,3 +313,37 @@ def test_scaler_methods_inside_torch_compile_train_as_torchs(compiled):
     assert scales == torch_scales and scales[2] < scales[1]
     for ours, theirs in zip(weights, torch_weights):
         assert torch.equal(ours, theirs)
+
+
+def test_apex_step_grad_scaler_contract_inside_torch_compile():
+    """FusedMixedPrecisionLamb.step(grad_scaler=scaler) called from compiled code: the scaler's
+    check it calls runs eagerly too, so update() finds it (it lost its entry and raised "No inf
+    checks were recorded"); the run equals the eager one bit for bit, an overflow included."""
+    import torch.nn.functional as F
+    from peak.optimizers import FusedMixedPrecisionLamb
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = FusedMixedPrecisionLamb(model.parameters(), lr=1e-2)
+        scaler = amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+
+        def step():
+            opt.step(grad_scaler=scaler)
+
+        fn = torch.compile(step) if compiled else step
+        g, scales = torch.Generator().manual_seed(1), []
+        for i in range(4):
+            with amp.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(torch.randn(6, 8, generator=g)),
+                                       torch.randint(0, 4, (6,), generator=g))
+            scaler.scale(loss * (float("inf") if i == 2 else 1.0)).backward()
+            fn()
+            scaler.update()
+            opt.zero_grad()
+            scales.append(scaler.get_scale())
+        results.append((scales, [p.detach().clone() for p in model.parameters()]))
+    (eager_scales, eager), (scales, weights) = results
+    assert scales == eager_scales and scales[2] < scales[1]
+    assert all(torch.equal(w, e) for w, e in zip(weights, eager))

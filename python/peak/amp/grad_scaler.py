@@ -80,9 +80,9 @@ def check_options(options: dict, on_min_scale) -> dict:
     return o
 
 
-# NOTE: [GradScaler under torch.compile] unscale_, step and update run eagerly (a graph break),
-# whole: Dynamo cannot trace the C++ unscale, and a method it traced in part lost the state it set
-# before the break (the defaultdict's entry), so step() unscaled again. scale() is traced.
+# NOTE: [GradScaler under torch.compile] unscale_, step, update and step(grad_scaler=)'s checks run
+# eagerly, whole (a graph break; scale() is traced): Dynamo cannot trace the C++ unscale, and a
+# method traced in part lost the state set before the break (a defaultdict entry): unscaled twice.
 _eager = torch.compiler.disable
 
 
@@ -196,6 +196,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             optimizer, self._inv_scale, found_inf, False)
         optimizer_state["stage"] = OptState.UNSCALED
 
+    @_eager
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, torch.Tensor]:
         """Check gradients for inf/NaN without unscaling them (fused-optimizer path)."""
         _scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
@@ -208,6 +209,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
         return per_device
 
+    @_eager
     def _check_inf_by_norm(self, optimizer) -> torch.Tensor | None:
         """Fused path of an optimizer that clips (peak's, ``max_grad_norm > 0``): the global norm
         of the still-scaled gradients is the inf/NaN check too, and the step clips with it."""
