@@ -409,3 +409,35 @@ def test_a_backward_that_raises_then_step_or_zero_grad_as_torch(then):
     opt.step()
     ref.step()
     torch.testing.assert_close(high.weight.detach(), high_ref.weight.detach(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_sparse_embedding_gradients_step_as_dense_ones(dtype):
+    """nn.Embedding(sparse=True) in a half model (and one kept fp32): its sparse gradient is
+    unscaled on its values into a sparse fp32 master gradient (it raised in the multi-tensor
+    kernel), and the run equals the same model with dense embeddings bit for bit, through an
+    overflow (skipped, the scale backed off alike)."""
+    results = []
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        low = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=sparse),
+                                  torch.nn.Linear(4, 1)).to(dtype)
+        kept = torch.nn.Embedding(10, 1, sparse=sparse)  # an fp32 parameter in the groups
+        with pytest.warns(DeprecationWarning, match="amp.initialize"):
+            opt = FP16_Optimizer(
+                torch.optim.SGD([*low.parameters(), *kept.parameters()], lr=0.1),
+                dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2.0**10})
+        for step in range(4):
+            idx = torch.tensor([1, 2, 3]) if step % 2 else torch.tensor([5, 2, 7])
+            loss = (low(idx).float() + kept(idx)).sum() * (float("inf") if step == 1 else 1.0)
+            opt.backward(loss)
+            assert low[0].weight.grad.is_sparse is sparse
+            opt.step()
+            opt.zero_grad()
+        results.append(([p.detach().clone() for p in [*low.parameters(), *kept.parameters()]],
+                        [m.detach().clone() for m in opt.master_params], opt.loss_scale))
+    (weights, masters, scale), (weights_d, masters_d, scale_d) = results
+    assert scale == scale_d < 2.0**10
+    for a, b in zip(weights + masters, weights_d + masters_d):
+        assert torch.equal(a, b)
+    assert not torch.equal(masters[0], masters[0].new_zeros(()).expand_as(masters[0]))

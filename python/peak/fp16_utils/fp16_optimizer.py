@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from ..optimizers.masters import (LOW_DTYPES, MasterWeights, check_one_master_each, own_grad,
-                                  zero_in_place)
+                                  unscaled_sparse, zero_in_place)
 from ..scaling import LossScale, core_attribute
 
 
@@ -149,20 +149,24 @@ class FP16_Optimizer:
     def update_master_grads(self):
         """Unscale every gradient the optimizer will step (fp16/bf16 ones into the masters'
         ``.grad``, fp32 ones in place), checked for inf/NaN in one pass per (device, dtype)."""
+        if not self._fp32_unscaled:  # (a later backward of the step: earlier overflows stand)
+            self._core.found_inf.zero_()
         ins, outs = [], []
         for p, m in zip(self.model_params, self.master_params):
-            if p.grad is None:
-                m.grad = None
+            if p.grad is None or p.grad.is_sparse:  # (nn.Embedding(sparse=True): a sparse one)
+                m.grad = None if p.grad is None else unscaled_sparse(
+                    p.grad, None, self._core.unscale_, m.dtype)
                 continue
             if m.grad is None:
                 m.grad = torch.empty_like(m)
             ins.append(p.grad)
             outs.append(m.grad)
-        fp32_grads = [p.grad for g in self.fp32_from_fp32_groups for p in g if p.grad is not None]
-        ins += fp32_grads
-        outs += fp32_grads
-        if not self._fp32_unscaled:  # (a later backward of the step: earlier overflows stand)
-            self._core.found_inf.zero_()
+        for p in (p for g in self.fp32_from_fp32_groups for p in g if p.grad is not None):
+            if p.grad.is_sparse:
+                p.grad = unscaled_sparse(p.grad, None, self._core.unscale_, p.dtype)
+            else:
+                ins.append(p.grad)
+                outs.append(p.grad)
         self._core.unscale_(ins, outputs=outs)
         for p, g in self._fp32_set_aside or ():
             p.grad = g if p.grad is None else p.grad.add_(g)

@@ -42,13 +42,12 @@ def own_grad(grad: Tensor | None) -> Tensor | None:
     return grad.detach().clone() if grad is not None and grad._base is not None else grad
 
 
-def unscaled_sparse(grad: Tensor, earlier: Tensor | None, scaler, dtype) -> Tensor:
-    """A sparse gradient (``nn.Embedding(sparse=True)``) unscaled on its values, in ``dtype``,
-    plus ``earlier``: in a copy (two embeddings' gradients may share values), coalesced where
-    duplicates may overflow only once summed."""
+def unscaled_sparse(grad: Tensor, earlier: Tensor | None, unscale, dtype) -> Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) unscaled on its values (``unscale``: of
+    a list, in place), in ``dtype``, plus ``earlier``: in a copy (two embeddings' gradients may
+    share values), coalesced where duplicates may overflow only once summed."""
     grad = (grad.coalesce() if grad.dtype in LOW_DTYPES else grad).to(dtype, copy=True)
-    values = [grad._values()]
-    scaler.unscale(values, values)
+    unscale([grad._values()])
     return grad if earlier is None else grad + earlier
 
 
@@ -270,9 +269,10 @@ class MasterWeights:
         if self.frozen:  # (unfrozen since: registered before their gradients are unscaled)
             self._register_frozen([p for p in self.frozen if p.grad is not None])
         rows, sparse = [], False  # (new gradient, earlier gradient or None, output)
+        unscale = lambda values: scaler.unscale(values, values)  # noqa: E731
         for p, m in zip(self.model_params, self.masters):
             if p.grad is not None and p.grad.is_sparse:
-                m.grad, sparse = unscaled_sparse(p.grad, m.grad, scaler, torch.float32), True
+                m.grad, sparse = unscaled_sparse(p.grad, m.grad, unscale, torch.float32), True
             elif p.grad is not None:
                 earlier = m.grad
                 if earlier is None:
@@ -283,7 +283,7 @@ class MasterWeights:
             if p.grad is None:
                 p.grad = g
             elif p.grad.is_sparse:
-                p.grad, sparse = unscaled_sparse(p.grad, g, scaler, p.grad.dtype), True
+                p.grad, sparse = unscaled_sparse(p.grad, g, unscale, p.grad.dtype), True
             else:
                 rows.append((p.grad, g, p.grad))
         # (FSDP2: every DTensor to its local shard, one by one: some parameters may not be sharded)
