@@ -11,10 +11,15 @@ class BoundMethod:
     fails for a function that is not on the object's class: ``torch.save(model)`` wrote a file
     that did not load)."""
 
+    # (__dict__: Dynamo guards on it; it stays empty, as a method takes no attributes)
     __slots__ = ("__func__", "__self__", "__weakref__", "__dict__")
 
     def __init__(self, func, obj) -> None:
-        self.__func__, self.__self__ = func, obj
+        object.__setattr__(self, "__func__", func)
+        object.__setattr__(self, "__self__", obj)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"'method' object has no attribute '{name}'")
 
     def __call__(self, *args, **kwargs):
         return self.__func__(self.__self__, *args, **kwargs)
@@ -23,7 +28,9 @@ class BoundMethod:
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(types.MethodType(self.__func__, self.__self__))
 
-    def __getattr__(self, name: str):  # (__name__, __doc__, __wrapped__...: the function's)
+    __doc__ = property(lambda self: self.__func__.__doc__)  # (a class attribute otherwise)
+
+    def __getattr__(self, name: str):  # (__name__, __wrapped__...: the function's)
         return getattr(self.__func__, name)
 
     def __repr__(self) -> str:

@@ -236,8 +236,8 @@ def agree_on_overflow(optimizer, per_device_found_inf: dict) -> None:
 def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:
     """The optimizer's gradients as the kernels take them and, with ``with_owners``, their
     ``(param, group index, param index)``. A DTensor gradient is its local shard; a sparse one its
-    values -- of a copy, coalesced first for fp16/bf16, whose duplicate indices may overflow only
-    once summed (torch does this for fp16), replacing ``.grad``."""
+    values -- of a copy, coalesced first for fp16, whose duplicate indices may overflow only once
+    summed (as torch), replacing ``.grad``."""
     grads, owners = [], []
     for gi, group in enumerate(optimizer.param_groups):
         for pi, param in enumerate(group["params"]):
@@ -246,8 +246,8 @@ def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:
                 continue
             grad = local_shard(grad)
             if grad.is_sparse:  # (a copy: two embeddings' sparse gradients may share values)
-                low = grad.dtype in (torch.float16, torch.bfloat16)
-                param.grad = grad = (grad.coalesce() if low else grad).clone()
+                param.grad = grad = (grad.coalesce() if grad.dtype == torch.float16
+                                     else grad).clone()
                 grad = grad._values()
             grads.append(grad)
             if with_owners:

@@ -520,6 +520,34 @@ def test_a_remainder_checkpoint_loads_into_o2_over_a_torch_optimizer_and_back(op
         H.assert_bitwise_equal(join_remainder(p.detach(), back.state[p]["master_param_remainder"]), e)
 
 
+def test_a_remainder_checkpoint_into_larc_fused_adam_over_fp16_weights_is_refused_whole():
+    """A remainder needs the bf16 weight it completes: into LARC(FusedAdam) under O2 with fp16
+    weights (amp's store keeps the masters) it is refused, naming the remainder, and nothing of
+    the optimizer's state changes."""
+    from peak.optimizers import FusedAdam
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).bfloat16()
+    fused = FusedAdam(model.parameters(), lr=0.1, store_param_remainders=True)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape).bfloat16()
+    fused.step()
+    ckpt = copy.deepcopy(fused.state_dict())
+    _amp_state.reset()
+    torch.manual_seed(3)
+    o2 = nn.Linear(4, 2)
+    o2_opt = _larc_fused_adam(o2.parameters(), lr=0.1)
+    amp.initialize(o2, o2_opt, opt_level="O2", cast_model_type=torch.float16, loss_scale=1.0,
+                   verbosity=0)
+    masters_before = [m.detach().clone() for m in amp.master_params(o2_opt)]
+    before = copy.deepcopy(o2_opt.state_dict())
+    with pytest.raises(RuntimeError, match="a remainder master .* a bf16 weight needed"):
+        o2_opt.load_state_dict(ckpt)
+    after = o2_opt.state_dict()
+    assert before["state"].keys() == after["state"].keys()
+    for m, b in zip(amp.master_params(o2_opt), masters_before):
+        H.assert_bitwise_equal(m.detach(), b)
+
+
 def _frozen_then_unfrozen(seed):
     _amp_state.reset()
     torch.manual_seed(seed)

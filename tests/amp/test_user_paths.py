@@ -745,12 +745,13 @@ def test_o1_unscales_sparse_gradients_that_share_values_once():
                                    rtol=2e-3, atol=0)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_o2_steps_sparse_embedding_gradients_as_dense_ones(dtype):
+def test_o2_steps_sparse_embedding_gradients_as_dense_ones(dtype, set_to_none):
     """nn.Embedding(sparse=True) under O2: its master (fp32) gets the unscaled sparse gradient
     (it raised in the multi-tensor kernel) and steps as the same model with a dense embedding,
-    bit for bit: over two backward passes per step, and through an overflowed step (skipped,
-    the scale halved alike)."""
+    bit for bit: over two backward passes per step, through an overflowed step (skipped, the
+    scale halved alike), and after zero_grad(set_to_none=False) (its zero stays sparse)."""
     results = []
     for sparse in (True, False):
         torch.manual_seed(0)
@@ -767,7 +768,7 @@ def test_o2_steps_sparse_embedding_gradients_as_dense_ones(dtype):
                     s.backward()
             assert model[0].weight.grad.is_sparse is sparse
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
         masters = [m.detach().clone() for m in amp.master_params(opt)]
         results.append((masters, [p.detach().clone() for p in model.parameters()],
                         amp.state_dict()["loss_scaler0"]["loss_scale"]))
@@ -838,3 +839,52 @@ def test_torch_export_at_o2_matches_eager_and_at_o1_is_refused_by_torch():
                            low_precision_dtype=torch.bfloat16, verbosity=0)
     with pytest.raises(RuntimeError, match="Cannot access data pointer"):
         torch.export.export(o1, (x,), strict=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_o2_sparse_gradients_with_duplicate_rows_and_sparse_adam(dtype):
+    """O2 with SparseAdam on a sparse embedding: duplicate rows reach the fp32 master as the
+    unscaled values (summed in fp32, not in the low dtype); zero_grad(set_to_none=False) gives
+    the same run as set_to_none=True (SparseAdam refuses a dense zero)."""
+    runs = []
+    for set_to_none in (True, False):
+        torch.manual_seed(0)
+        emb, head = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)
+        opts = [torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                torch.optim.SGD(head.parameters(), lr=0.1)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            [emb, head], opts = amp.initialize([emb, head], opts, opt_level="O2",
+                                               cast_model_type=dtype, verbosity=0)
+        idx = torch.tensor([2] * 300 + [4])
+        for _ in range(3):
+            scale = amp.state_dict()["loss_scaler0"]["loss_scale"]  # (no overflow: / 4096)
+            with amp.scale_loss(head(emb(idx)).float().sum() / 4096, opts) as scaled:
+                scaled.backward()
+            master = next(amp.master_params(opts[0]))
+            expected = emb.weight.grad.double().to_dense() / scale
+            torch.testing.assert_close(master.grad.to_dense().double(), expected, rtol=1e-6, atol=0)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+        runs.append(next(amp.master_params(opts[0])).detach().clone())
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_o2_fused_optimizer_with_a_sparse_gradient_is_refused_by_name():
+    """O2 fp16 with a dynamic scale and FusedAdam over a sparse embedding: the scale_loss exit's
+    check reads the sparse values (it raised the kernel's "SparseCPU backend" error), and the step
+    refuses the sparse gradient with the fix, the weights untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    opt = FusedAdam(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic",
+                                    low_precision_dtype=torch.float16, verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(model(torch.tensor([1, 2, 2])).float().sum(), opt) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match="FusedAdam does not support sparse .*SparseAdam"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

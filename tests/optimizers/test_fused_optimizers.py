@@ -761,3 +761,28 @@ def test_export_fp32_state_dict_through_an_optimizer_wrapper_under_amp_o2(inner)
         assert torch.equal(sd["weight"], masters[0]) and torch.equal(sd["bias"], masters[1])
     exported = export_fp32_optimizer_state_dict(opt)
     assert torch.equal(exported["state"][0]["master_param"], masters[0])
+
+
+def test_export_fp32_state_dict_through_a_wrapper_around_fp16_optimizer():
+    """A wrapper that keeps FP16_Optimizer (not a torch.optim.Optimizer) in .optimizer and shares
+    its param_groups, as Accelerate's AcceleratedOptimizer does: the export takes its masters (it
+    took the half weights, widened)."""
+    from peak.fp16_utils import FP16_Optimizer
+
+    class Wrapper:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        param_groups = property(lambda self: self.optimizer.param_groups)
+        state = property(lambda self: self.optimizer.state)
+
+    torch.manual_seed(0)
+    half = torch.nn.Linear(4, 4).bfloat16()
+    with pytest.warns(DeprecationWarning):
+        inner = FP16_Optimizer(torch.optim.SGD(half.parameters(), lr=0.1), static_loss_scale=8.)
+    for _ in range(2):
+        inner.backward(half(torch.randn(3, 4).bfloat16()).float().sum())
+        inner.step()
+    sd = export_fp32_state_dict(half, Wrapper(Wrapper(inner)))
+    assert torch.equal(sd["weight"], inner.master_params[0])
+    assert not torch.equal(sd["weight"], half.weight.float())

@@ -347,3 +347,21 @@ def test_apex_step_grad_scaler_contract_inside_torch_compile():
     (eager_scales, eager), (scales, weights) = results
     assert scales == eager_scales and scales[2] < scales[1]
     assert all(torch.equal(w, e) for w, e in zip(weights, eager))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sparse_gradients_with_duplicate_rows_step_as_torchs(dtype):
+    """A sparse embedding gradient with many duplicate rows: peak's scaler leaves bf16 (and fp32)
+    ones uncoalesced, as torch's does (it summed bf16 duplicates in bf16 first: 256 where the
+    rows add up to 1000), so SGD steps to torch's bits."""
+    weights = []
+    for mod in (torch.amp, amp):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(4, 2, sparse=True).to(dtype)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.01)
+        scaler = mod.GradScaler("cpu", init_scale=4.0)
+        scaler.scale(emb(torch.tensor([1] * 1000 + [2])).float().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        weights.append(emb.weight.detach().clone())
+    assert torch.equal(weights[1], weights[0])

@@ -187,7 +187,8 @@ class ScaledGradsState(AmpOptimizerState):
                     self.grad_norm = norm
             else:  # the new gradients alone, then the earlier ones added back
                 if scaler.dynamic:  # a static scaler never reads the flag (as Apex): no pass
-                    scaler.check([p.grad for p in self.params if p.grad is not None])
+                    scaler.check([p.grad._values() if p.grad.is_sparse else p.grad  # (refused
+                                  for p in self.params if p.grad is not None])  # by the step)
                 if self.set_aside is not None:
                     self._add_back_set_aside(scaler)
         self.grad_scale = scaler.scale.clone()  # taken before the scale is updated

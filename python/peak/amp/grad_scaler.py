@@ -80,10 +80,9 @@ def check_options(options: dict, on_min_scale) -> dict:
     return o
 
 
-# NOTE: [GradScaler under torch.compile] unscale_, step, update and step(grad_scaler=)'s checks run
-# eagerly, whole (a graph break; scale() is traced): Dynamo cannot trace the C++ unscale, and a
-# method traced in part lost the state set before the break (a defaultdict entry): unscaled twice.
-_eager = torch.compiler.disable
+# NOTE: [GradScaler under torch.compile] _eager methods run eagerly, whole (a graph break): one
+# traced in part lost the state it set before the break (a defaultdict entry): unscaled twice.
+_eager = torch._disable_dynamo  # (torch.optim's lazy form: importing Dynamo costs a second)
 
 
 class GradScaler(OverflowAttribution, torch.amp.GradScaler):

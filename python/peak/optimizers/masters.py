@@ -14,6 +14,7 @@ from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads)
+from ._grads import own_grad, unscaled_sparse, zero_in_place  # noqa: F401 (its front doors')
 from ._sharded import is_sharded
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
@@ -34,30 +35,6 @@ _owner_of_param = WeakIdKeyDictionary()  # model parameter -> the fused optimize
 def new_master(p: Tensor, original: Tensor | None = None) -> Tensor:
     """The one maker of masters: ``original`` (fp32 weights from before a cast) or p widened."""
     return original if original is not None else p.detach().to(torch.float32, copy=True)
-
-
-def own_grad(grad: Tensor | None) -> Tensor | None:
-    """A gradient set aside while a backward pass runs: a copy where it is a view into a larger
-    buffer (DistributedDataParallel(gradient_as_bucket_view=True): the pass writes the bucket)."""
-    return grad.detach().clone() if grad is not None and grad._base is not None else grad
-
-
-def unscaled_sparse(grad: Tensor, earlier: Tensor | None, unscale, dtype) -> Tensor:
-    """A sparse gradient (``nn.Embedding(sparse=True)``) unscaled on its values (``unscale``: of
-    a list, in place), in ``dtype``, plus ``earlier``: in a copy (two embeddings' gradients may
-    share values), coalesced where duplicates may overflow only once summed."""
-    grad = (grad.coalesce() if grad.dtype in LOW_DTYPES else grad).to(dtype, copy=True)
-    unscale([grad._values()])
-    return grad if earlier is None else grad + earlier
-
-
-def zero_in_place(grad: Tensor) -> None:
-    """As torch's ``zero_grad(set_to_none=False)``: a view (DDP's bucket) is not detached."""
-    if grad.grad_fn is not None:
-        grad.detach_()
-    else:
-        grad.requires_grad_(False)
-    grad.zero_()
 
 
 @torch.no_grad()
@@ -154,7 +131,7 @@ class MasterWeights:
         # pass first gives one a gradient (unfrozen later).
         self.frozen: list[Tensor] = []
         self._optimizer_ref = None  # (a weak reference, from attach: whose groups hold them)
-        self.had_grads: list[bool] = []  # which masters were stepped with a gradient
+        self.had_grads: list = []  # the layout of each master's gradient at its step, or None
         self.took_grads = False  # a backward pass of this step went through take_grads
         self._grad_stash: list | None = None
         self._loaded: dict | None = None
@@ -231,7 +208,7 @@ class MasterWeights:
     def drop_grads(self) -> None:
         """After a step (or its skip): the masters' gradients go; which had one is kept, as
         ``zero_grad(set_to_none=False)`` gives those zeros again (as torch keeps zeroed ones)."""
-        self.had_grads = [m.grad is not None for m in self.masters]
+        self.had_grads = [None if m.grad is None else m.grad.layout for m in self.masters]
         self.took_grads = False
         self._settle()
         for m in self.masters:
@@ -309,8 +286,8 @@ class MasterWeights:
                 zero_in_place(p.grad)
         if not set_to_none:
             for m, had in zip(self.masters, self.had_grads):
-                if had and m.grad is None:
-                    m.grad = torch.zeros_like(m)
+                if had is not None and m.grad is None:  # (a sparse one stays sparse)
+                    m.grad = torch.zeros_like(m, layout=had)
         self._grad_stash = None
         self.took_grads = False
 
@@ -362,11 +339,13 @@ class MasterWeights:
                 saved = value[0] if isinstance(value, tuple) else value
                 if (weight is None or target.shape != saved.shape
                         or (isinstance(value, tuple) and weight.dtype != torch.bfloat16)):
+                    what = ("a remainder master (the 16 bits a bf16 weight drops; a bf16 "
+                            "weight needed)" if isinstance(value, tuple) else "an fp32 master")
                     raise RuntimeError(
-                        f"optimizer.load_state_dict: the checkpoint has an fp32 master weight "
-                        f"for parameter {i} that this optimizer does not have a master for (shape "
-                        "or dtype differ). Restore with the same model, opt_level and "
-                        "keep_batchnorm_fp32 that wrote the checkpoint.")
+                        f"optimizer.load_state_dict: the checkpoint has {what} for parameter {i} "
+                        "that this optimizer does not have a master for (shape or dtype differ). "
+                        "Restore with the same model, opt_level and keep_batchnorm_fp32 that "
+                        "wrote the checkpoint.")
             self._register_frozen([flat[i] for i in loaded if any(flat[i] is q
                                                                    for q in self.frozen)])
         self._loaded = loaded or None
@@ -395,10 +374,15 @@ class MasterWeights:
 
 
 def store_of(optimizer) -> MasterWeights | None:
-    """The :class:`MasterWeights` store of ``optimizer`` or of the one it wraps (amp O2 with a
-    torch optimizer, ``FP16_Optimizer``), or None."""
-    store = _stores.get(optimizer)
-    return _stores.get(inner_optimizer(optimizer)) if store is None else store
+    """The :class:`MasterWeights` store (amp O2 with a torch optimizer, ``FP16_Optimizer``) of
+    ``optimizer`` or of what it wraps (``.optimizer``/``.optim``, sharing its param_groups)."""
+    for _ in range(8):  # (wrappers of wrappers: Accelerate's around FP16_Optimizer or LARC)
+        inner = getattr(optimizer, "optimizer", getattr(optimizer, "optim", None))
+        if optimizer in _stores or getattr(inner, "param_groups", 0) is not getattr(
+                optimizer, "param_groups", None):
+            return _stores.get(optimizer)
+        optimizer = inner
+    return None
 
 
 def master_of_param(p: Tensor) -> Tensor | None:

@@ -1,0 +1,30 @@
+"""The gradients a master-weight store takes from a backward pass: set aside while another pass
+runs, zeroed in place as torch's ``zero_grad`` does, sparse ones unscaled into their masters'."""
+from __future__ import annotations
+
+from torch import Tensor
+
+
+def own_grad(grad: Tensor | None) -> Tensor | None:
+    """A gradient set aside while a backward pass runs: a copy where it is a view into a larger
+    buffer (DistributedDataParallel(gradient_as_bucket_view=True): the pass writes the bucket)."""
+    return grad.detach().clone() if grad is not None and grad._base is not None else grad
+
+
+def unscaled_sparse(grad: Tensor, earlier: Tensor | None, unscale, dtype) -> Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) unscaled on its values (``unscale``: of
+    a list, in place), in ``dtype``, plus ``earlier``: in a copy (two embeddings' gradients may
+    share values), coalesced where widened (duplicate rows summed in fp32, not in fp16/bf16)."""
+    wide = grad.to(dtype, copy=True)
+    grad = wide.coalesce() if grad.dtype != dtype else wide
+    unscale([grad._values()])
+    return grad if earlier is None else grad + earlier if earlier.is_sparse else earlier + grad
+
+
+def zero_in_place(grad: Tensor) -> None:
+    """As torch's ``zero_grad(set_to_none=False)``: a view (DDP's bucket) is not detached."""
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()
