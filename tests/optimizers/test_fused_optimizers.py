@@ -786,3 +786,52 @@ def test_export_fp32_state_dict_through_a_wrapper_around_fp16_optimizer():
     sd = export_fp32_state_dict(half, Wrapper(Wrapper(inner)))
     assert torch.equal(sd["weight"], inner.master_params[0])
     assert not torch.equal(sd["weight"], half.weight.float())
+
+
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first", "no_model"])
+def test_low_precision_checkpoint_into_fp32_parameters_takes_the_exact_masters(order):
+    """A FusedAdamW checkpoint of a bf16 model (fp32 masters in its state) resumed over an fp32
+    model: the parameters take the exact masters where they hold the masters' rounding (the
+    model's state_dict loaded before or after the optimizer's; the masters were dropped and the
+    run went on from the rounded weights), and are left alone where they do not (no model load).
+    The next step equals one from fp32 weights and state exported from the bf16 run."""
+    from peak.optimizers import FusedAdamW, export_fp32_optimizer_state_dict
+
+    def set_grads(model, seed):
+        for p in model.parameters():
+            g = torch.Generator().manual_seed(seed)
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+    torch.manual_seed(0)
+    low = torch.nn.Linear(6, 3).bfloat16()
+    low_opt = FusedAdamW(low.parameters(), lr=0.05)
+    for i in range(3):
+        set_grads(low, i)
+        low_opt.step()
+    ckpt = copy.deepcopy({"model": low.state_dict(), "opt": low_opt.state_dict()})
+    exact, exact_opt = export_fp32_state_dict(low, low_opt), export_fp32_optimizer_state_dict(low_opt)
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(6, 3)
+    start = copy.deepcopy(model.state_dict())
+    opt = FusedAdamW(model.parameters(), lr=0.05)
+    if order == "model_first":
+        model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    if order == "optimizer_first":
+        model.load_state_dict(ckpt["model"])
+    set_grads(model, 7)
+    opt.step()
+
+    ref = torch.nn.Linear(6, 3)
+    ref.load_state_dict(start if order == "no_model" else exact)
+    ref_opt = FusedAdamW(ref.parameters(), lr=0.05)
+    ref_opt.load_state_dict({"state": {k: {n: v for n, v in s.items() if n != "master_param"}
+                                       for k, s in exact_opt["state"].items()},
+                             "param_groups": exact_opt["param_groups"]})
+    set_grads(ref, 7)
+    ref_opt.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, r)
+    if order != "no_model":
+        assert not torch.equal(exact["weight"], exact["weight"].bfloat16().float())

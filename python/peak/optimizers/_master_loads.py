@@ -11,14 +11,16 @@ from ..scaling import local_shard
 from ._sharded import is_sharded
 from .masters import (MASTER_KEY, REMAINDER_KEY, _awaiting_weight, _forget_id, _join_on_arrival,
                       _split_on_arrival, _weight_version, copy_to_model, join_or_weight,
-                      join_remainder, keep_as_remainder, note_weight, weight_wins)
+                      join_remainder, keep_as_remainder, note_weight, weight_from_master,
+                      weight_wins)
 
 
 def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:
     """A saved master (``entries``: p's checkpoint state) into ``optimizer``'s form: a remainder
     as is, or joined with p's current bf16 value, which must be the weight saved with it (load the
-    model's state_dict too); an fp32 master as is, or split into p's rounding and a remainder.
-    Returns the remainder an fp32 master was joined from, if so (for ``weight_loaded``)."""
+    model's state_dict too); an fp32 master as is, or split into p's rounding and a remainder, or
+    (an fp32 p, saved from a low-precision run) into p where p is its rounding. Returns the
+    remainder an fp32 master was joined from, if so (for ``weight_loaded``)."""
     state.pop(MASTER_KEY, None)
     state.pop(REMAINDER_KEY, None)
     master, remainder = entries.get(MASTER_KEY), entries.get(REMAINDER_KEY)
@@ -39,6 +41,10 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
         # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
         state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
         return remainder  # (joined with the weight now; again with one loaded after it)
+    elif p.dtype == torch.float32 and not is_sharded(p):  # saved from a bf16/fp16 run: the
+        master = master.detach().to(p.device, torch.float32, copy=True)  # weight is its master
+        weight_from_master(p, master)
+        _split_on_arrival[p] = master  # (again for a weight loaded after: ``follow_weight``)
     return None
 
 
