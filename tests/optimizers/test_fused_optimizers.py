@@ -791,11 +791,15 @@ def test_export_fp32_state_dict_through_a_wrapper_around_fp16_optimizer():
 @pytest.mark.parametrize("order", ["model_first", "optimizer_first", "no_model"])
 def test_low_precision_checkpoint_into_fp32_parameters_takes_the_exact_masters(order):
     """A FusedAdamW checkpoint of a bf16 model (fp32 masters in its state) resumed over an fp32
-    model: the parameters take the exact masters where they hold the masters' rounding (the
-    model's state_dict loaded before or after the optimizer's; the masters were dropped and the
-    run went on from the rounded weights), and are left alone where they do not (no model load).
-    The next step equals one from fp32 weights and state exported from the bf16 run."""
+    model: the parameters take the exact masters when the model's state_dict saved with them is
+    loaded, before or after the optimizer's (the masters were dropped and the run went on from the
+    rounded weights); without it, none does, not even a LayerNorm weight whose fresh ones are the
+    bf16 rounding of masters near 1. The next step equals one from fp32 weights and state
+    exported from the bf16 run."""
     from peak.optimizers import FusedAdamW, export_fp32_optimizer_state_dict
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.LayerNorm(3))
 
     def set_grads(model, seed):
         for p in model.parameters():
@@ -803,18 +807,19 @@ def test_low_precision_checkpoint_into_fp32_parameters_takes_the_exact_masters(o
             p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
 
     torch.manual_seed(0)
-    low = torch.nn.Linear(6, 3).bfloat16()
-    low_opt = FusedAdamW(low.parameters(), lr=0.05)
+    low = make().bfloat16()
+    low_opt = FusedAdamW(low.parameters(), lr=1e-3)
     for i in range(3):
         set_grads(low, i)
         low_opt.step()
     ckpt = copy.deepcopy({"model": low.state_dict(), "opt": low_opt.state_dict()})
     exact, exact_opt = export_fp32_state_dict(low, low_opt), export_fp32_optimizer_state_dict(low_opt)
+    assert (exact["1.weight"].bfloat16() == 1).any()  # (near 1: some round to the fresh 1s)
 
     torch.manual_seed(1)
-    model = torch.nn.Linear(6, 3)
+    model = make()
     start = copy.deepcopy(model.state_dict())
-    opt = FusedAdamW(model.parameters(), lr=0.05)
+    opt = FusedAdamW(model.parameters(), lr=1e-3)
     if order == "model_first":
         model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
@@ -823,9 +828,9 @@ def test_low_precision_checkpoint_into_fp32_parameters_takes_the_exact_masters(o
     set_grads(model, 7)
     opt.step()
 
-    ref = torch.nn.Linear(6, 3)
+    ref = make()
     ref.load_state_dict(start if order == "no_model" else exact)
-    ref_opt = FusedAdamW(ref.parameters(), lr=0.05)
+    ref_opt = FusedAdamW(ref.parameters(), lr=1e-3)
     ref_opt.load_state_dict({"state": {k: {n: v for n, v in s.items() if n != "master_param"}
                                        for k, s in exact_opt["state"].items()},
                              "param_groups": exact_opt["param_groups"]})
@@ -833,5 +838,47 @@ def test_low_precision_checkpoint_into_fp32_parameters_takes_the_exact_masters(o
     ref_opt.step()
     for p, r in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, r)
-    if order != "no_model":
-        assert not torch.equal(exact["weight"], exact["weight"].bfloat16().float())
+    assert not torch.equal(exact["0.weight"], exact["0.weight"].bfloat16().float())
+
+
+def test_stale_masters_a_torch_optimizer_kept_do_not_become_fp32_weights():
+    """A peak bf16 checkpoint trained on in fp32 by torch's AdamW (which keeps the unknown
+    'master_param' entries as they were) with the LayerNorm frozen, then loaded into an fp32
+    FusedAdamW: the trained weights no longer round from their masters, so no saved master
+    replaces a weight, not even the frozen LayerNorm's, whose did not move."""
+    from peak.optimizers import FusedAdamW
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    low = make().bfloat16()
+    low_opt = FusedAdamW(low.parameters(), lr=1e-3)
+    for _ in range(3):
+        low(x.bfloat16()).float().pow(2).sum().backward()
+        low_opt.step()
+        low_opt.zero_grad()
+    fp32 = make()
+    fp32.load_state_dict(low.state_dict())
+    torch_opt = torch.optim.AdamW(fp32.parameters(), lr=1e-3)
+    torch_opt.load_state_dict(copy.deepcopy(low_opt.state_dict()))
+    fp32[1].requires_grad_(False)
+    for _ in range(3):
+        fp32(x).pow(2).sum().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    fp32[1].requires_grad_(True)
+    saved = copy.deepcopy({"model": fp32.state_dict(), "opt": torch_opt.state_dict()})
+    assert "master_param" in saved["opt"]["state"][2]  # (stale: kept by torch)
+    for model_first in (True, False):
+        model = make()
+        opt = FusedAdamW(model.parameters(), lr=1e-3)
+        if model_first:
+            model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        if not model_first:
+            model.load_state_dict(saved["model"])
+        opt.state_dict()  # (a state read settles the load)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, saved["model"][name]), name

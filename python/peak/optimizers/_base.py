@@ -24,7 +24,8 @@ from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)
 from ._fp32_sums import accumulate_fp32, check_fp32_sums, take_fp32_sums
-from ._master_loads import kept_master, load_master, masters_before_load, masters_loaded
+from ._master_loads import (kept_master, load_master, masters_before_load, masters_loaded,
+                            take_fp32_masters)
 from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
                       master_in_state, note_stepped, settle_loads, store_of, weights_settled)
 
@@ -322,6 +323,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             check_steppable(self)
         follow_storage(self, changed)
         take_fp32_sums(self)
+        take_fp32_masters(self)  # (loaded before the model's weights: NOTE in _master_loads.py)
         weights_settled()
         check_steppable(self)
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
@@ -477,6 +479,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """As torch's, with storage dtypes in param_groups by name ("bfloat16"), which every
         checkpointer takes (torch.distributed.checkpoint's gather does not take torch.dtype)."""
         settle_loads(self)
+        take_fp32_masters(self)
         sd = super().state_dict()
         sd["param_groups"] = [{k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype)
                                else v for k, v in g.items()} for g in sd["param_groups"]]

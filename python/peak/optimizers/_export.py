@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ._checkpoint_check import MOMENT_KEYS, SCALE_KEYS
+from ._master_loads import take_fp32_masters
 from ._quant import dequantize, scale_key
 from .masters import REMAINDER_KEY, join_remainder, masters_by_param
 
@@ -15,6 +16,7 @@ def export_fp32_state_dict(model: torch.nn.Module, optimizer) -> dict:
     copy where it keeps one (exact fp32 weights, not the rounded model copy): a peak fused
     optimizer, an optimizer that ``amp.initialize`` gave master weights (O2), or
     ``FP16_Optimizer``. Tied parameters get the master under every name they have."""
+    take_fp32_masters(optimizer)  # (fp32 weights a load left to the next state read)
     masters = masters_by_param(optimizer)
     by_name = dict(model.named_parameters(remove_duplicate=False))
     out = {}

@@ -1,18 +1,20 @@
 """A fused optimizer's load of master weights: a saved master (fp32 or a remainder) into the
-loading optimizer's form, the masters it had kept where the checkpoint has none, and what the
+loading optimizer's form, the masters it had kept where the checkpoint has none, what the
 weights arriving with or after the load are checked against (NOTE: [Masters after a model
-reload] in masters.py)."""
+reload] in masters.py), and fp32 parameters' weights from a low-precision run's masters."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..scaling import local_shard
 from ._sharded import is_sharded
 from .masters import (MASTER_KEY, REMAINDER_KEY, _awaiting_weight, _forget_id, _join_on_arrival,
                       _split_on_arrival, _weight_version, copy_to_model, join_or_weight,
-                      join_remainder, keep_as_remainder, note_weight, weight_from_master,
-                      weight_wins)
+                      join_remainder, keep_as_remainder, note_weight, weight_wins)
+
+_fp32_pending = WeakIdKeyDictionary()  # fused optimizer -> {fp32 param: a loaded master}
 
 
 def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:
@@ -41,10 +43,9 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
         # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
         state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
         return remainder  # (joined with the weight now; again with one loaded after it)
-    elif p.dtype == torch.float32 and not is_sharded(p):  # saved from a bf16/fp16 run: the
-        master = master.detach().to(p.device, torch.float32, copy=True)  # weight is its master
-        weight_from_master(p, master)
-        _split_on_arrival[p] = master  # (again for a weight loaded after: ``follow_weight``)
+    elif p.dtype == torch.float32 and not is_sharded(p):  # (from a bf16/fp16 run: NOTE: [fp32
+        # weights from masters], below)
+        _fp32_pending.setdefault(optimizer, {})[p] = master.detach().to(p.device, torch.float32)
     return None
 
 
@@ -68,6 +69,7 @@ def masters_before_load(optimizer) -> dict:
     (torch's or Apex's): an fp32 master, or a remainder while its weight is the one it goes with
     (``kept_master`` makes the master)."""
     kept = {}
+    _fp32_pending.pop(optimizer, None)  # (an earlier load's)
     for p in (p for group in optimizer.param_groups for p in group["params"]):
         _split_on_arrival.pop(p, None)  # (an earlier load's)
         st, entry = optimizer.state.get(p, {}), _weight_version.get(id(p))
@@ -105,3 +107,25 @@ def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None
                 refresh[0].append(local_shard(master))
                 refresh[1].append(local_shard(p))
     copy_to_model(*refresh)
+    take_fp32_masters(optimizer, at_load=True)
+
+
+def take_fp32_masters(optimizer, at_load: bool = False) -> None:
+    """NOTE: [fp32 weights from masters] A low-precision run's masters loaded for fp32 parameters
+    become their weights if each one is, whole, its weight's bf16 or fp16 rounding: the model
+    saved with them, loaded before the optimizer (decided at the load) or after it (at the next
+    step or state read, on the device); else none does (another run's weights, or a torch
+    optimizer's training since, which left the saved masters stale)."""
+    pending = _fp32_pending.get(optimizer)
+    if not pending:
+        return
+    device = next(iter(pending)).device
+    ok = torch.stack([((m.to(torch.bfloat16).float() == p).all()
+                       | (m.to(torch.float16).float() == p).all()).to(device)
+                      for p, m in pending.items()]).all()
+    if at_load and not bool(ok):
+        return  # (a model loaded after the optimizer: decided again)
+    del _fp32_pending[optimizer]
+    with torch.no_grad():
+        for p, m in pending.items():
+            p.copy_(torch.where(ok.to(p.device), m, p))

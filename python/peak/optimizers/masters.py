@@ -493,14 +493,6 @@ def weight_wins(master: Tensor, p: Tensor) -> Tensor:
     return torch.where(master.to(p.dtype) == p.detach(), master, p.detach().to(torch.float32))
 
 
-@torch.no_grad()
-def weight_from_master(p: Tensor, master: Tensor) -> None:
-    """An fp32 weight from a low-precision run's ``master`` where it is the master rounded to
-    bf16 or fp16 (the model's state_dict saved with it), else as it is (written otherwise)."""
-    rounded = (master.to(torch.bfloat16).float() == p) | (master.to(torch.float16).float() == p)
-    p.copy_(torch.where(rounded, master, p))
-
-
 def _checksum(p: Tensor) -> Tensor:
     return local_shard(p).detach().view(torch.int16).sum(dtype=torch.int64)
 
@@ -522,8 +514,6 @@ def follow_weight(p: Tensor, state: dict) -> None:
                     join_or_weight(local_shard(p), local_shard(remainder)))
             elif split is not None and REMAINDER_KEY in state:  # so did the master's weight
                 keep_as_remainder(p, state, weight_wins(split, p))
-            elif split is not None and p.dtype == torch.float32:  # (an fp32 weight: from it)
-                weight_from_master(p, split)
             elif REMAINDER_KEY in state:
                 remainder = local_shard(state[REMAINDER_KEY])  # (each rank: its shard's bits)
                 if entry[2] is None:
