@@ -206,17 +206,26 @@ def warn_bare_masters(name: str) -> None:
         stacklevel=user_stacklevel())  # the script's step()
 
 
-def inner_optimizer(optimizer):
-    """The torch optimizer behind a wrapper that shares its ``param_groups`` (Accelerate's
-    ``AcceleratedOptimizer`` keeps it in ``.optimizer``, ``LARC`` in ``.optim``), else
-    ``optimizer``: amp sets up the inner optimizer, and the wrapper keeps working around it."""
+def wrapper_chain(optimizer):
+    """``optimizer``, then what it wraps, outermost first: each object a wrapper keeps in
+    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, ``FP16_Optimizer``) or ``.optim``
+    (``LARC``) and whose ``param_groups`` it shares."""
     for _ in range(8):  # wrappers of wrappers, not a cycle
-        for attr in ("optimizer", "optim"):
-            inner = getattr(optimizer, attr, None) if not isinstance(optimizer, type) else None
-            if (isinstance(inner, torch.optim.Optimizer) and inner is not optimizer
-                    and getattr(optimizer, "param_groups", None) is inner.param_groups):
-                optimizer = inner
-                break
-        else:
-            return optimizer
-    return optimizer
+        yield optimizer
+        groups = None if isinstance(optimizer, type) else getattr(optimizer, "param_groups", None)
+        inners = (getattr(optimizer, attr, None) for attr in ("optimizer", "optim"))
+        optimizer = next((inner for inner in inners if inner is not None and inner is not optimizer
+                          and getattr(inner, "param_groups", None) is groups is not None), None)
+        if optimizer is None:
+            return
+
+
+def inner_optimizer(optimizer):
+    """The torch optimizer behind wrappers that share its ``param_groups`` (``wrapper_chain``),
+    else ``optimizer``: amp sets up the inner optimizer, and the wrapper keeps working around it."""
+    inner = optimizer
+    for wrapped in wrapper_chain(optimizer):
+        if wrapped is not optimizer and not isinstance(wrapped, torch.optim.Optimizer):
+            break
+        inner = wrapped
+    return inner

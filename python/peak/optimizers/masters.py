@@ -13,7 +13,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
-    check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads)
+    check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
+    wrapper_chain)
 from ._grads import own_grad, unscaled_sparse, zero_in_place  # noqa: F401 (its front doors')
 from ._sharded import is_sharded
 
@@ -375,14 +376,8 @@ class MasterWeights:
 
 def store_of(optimizer) -> MasterWeights | None:
     """The :class:`MasterWeights` store (amp O2 with a torch optimizer, ``FP16_Optimizer``) of
-    ``optimizer`` or of what it wraps (``.optimizer``/``.optim``, sharing its param_groups)."""
-    for _ in range(8):  # (wrappers of wrappers: Accelerate's around FP16_Optimizer or LARC)
-        inner = getattr(optimizer, "optimizer", getattr(optimizer, "optim", None))
-        if optimizer in _stores or getattr(inner, "param_groups", 0) is not getattr(
-                optimizer, "param_groups", None):
-            return _stores.get(optimizer)
-        optimizer = inner
-    return None
+    ``optimizer`` or of what it wraps (``wrapper_chain``: Accelerate's, LARC)."""
+    return next((_stores[o] for o in wrapper_chain(optimizer) if o in _stores), None)
 
 
 def master_of_param(p: Tensor) -> Tensor | None:
