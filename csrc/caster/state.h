@@ -43,7 +43,9 @@ struct CacheKeyHash {
 // `w.data.add_(...)` (a `.data` view has a version counter of its own), the manual-SGD idiom;
 // a weight is updated after the backward of the forward that used it, so an entry is never
 // reused across that point (without scale_loss, which clears the cache as in Apex, stale copies
-// would otherwise be served). Entries also keep their weight alive (the cast's autograd graph
+// would otherwise be served). A fused optimizer step writes weights without moving their version
+// counters, so every optimizer step clears the cache (NOTE: [Cast cache and fused steps] in
+// python/peak/amp/_torch_hooks.py). Entries also keep their weight alive (the cast's autograd graph
 // holds it, and the preserved Python object of a dead parameter looks just like a live one), so
 // a store now and then sweeps the entries backward has used, and a cache still above
 // kCacheCapacity entries after that (grad-mode forwards of throwaway models, never backward) is

@@ -661,3 +661,39 @@ def test_checkpoint_with_autograd_grad_and_backward_inputs(o1):
     torch.autograd.backward(out.float().sum())
     for p, a in zip(model.parameters(), g[1:]):
         torch.testing.assert_close(p.grad, 2 * a, rtol=0, atol=0)
+
+
+def _fused_sgd(params):
+    from peak.optimizers import FusedSGD
+    return FusedSGD(params, lr=0.5)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    _fused_sgd, lambda params: torch.optim.Adam(params, lr=0.5, fused=True),
+    lambda params: torch.optim.SGD(params, lr=0.5)], ids=["peak fused", "torch fused", "torch"])
+@pytest.mark.parametrize("through_amp", [True, False], ids=["amp", "optimizer outside amp"])
+def test_cache_ends_with_a_fused_step(low, make_optimizer, through_amp):
+    """A fused step leaves the weights' version counters as they were (torch's fused kernels and
+    peak's); a grad-mode forward between the backward and the step (a metric, a validation pass
+    without no_grad) filled the cache with the old weights' casts, which the next forward used."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    optimizer = make_optimizer(model.parameters())
+    options = dict(opt_level="O1", low_precision_dtype=low, loss_scale=1.0, verbosity=0)
+    if through_amp:
+        model, optimizer = amp.initialize(model, optimizer, **options)
+    else:
+        model = amp.initialize(model, **options)
+    x = torch.randn(4, 8)
+    try:
+        model(x).float().pow(2).mean().backward()
+        model(x)  # the forward no backward goes through: it fills the cache
+        before = model.weight.detach().clone()
+        optimizer.step()
+        assert not torch.equal(model.weight, before)
+        with amp.disable_casts():
+            expected = F.linear(x.to(low), model.weight.detach().to(low),
+                                model.bias.detach().to(low))
+        assert torch.equal(model(x), expected)
+    finally:
+        _caster.disable()

@@ -189,8 +189,7 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
         _apply_registrations()
         # the table, and the list-edit frames entered before O1
         _hold([fn for codes, _device in _stack() for fn in codes], table=True)
-        _torch_hooks.install_rnn_check()
-        _torch_hooks.install_checkpoint(under_current_state)
+        _torch_hooks.install(under_current_state)
         _on.add(threading.get_ident())
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
@@ -212,8 +211,7 @@ def disable() -> None:
             _on.discard(ident)
             _release()
         if not _on:
-            _torch_hooks.remove_rnn_check()
-            _torch_hooks.remove_checkpoint()
+            _torch_hooks.remove()
             _undo_registrations()
 
 

@@ -1,18 +1,21 @@
 """The O1 caster's hooks into torch internals (checked against torch 2.13 and 2.14), installed by
 ``_caster.enable`` and removed when no thread has O1 on: ``RNNBase.check_input``'s dtype check
-relaxed while O1 casts; ``torch.utils.checkpoint`` recomputing under the forward's caster state."""
+relaxed while O1 casts; ``torch.utils.checkpoint`` recomputing under the forward's caster state;
+the weight-cast cache cleared after every optimizer step."""
 
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import _C
 
 _c = _C.caster
+_undo: list = []  # while some thread has O1 on: what takes each hook out again, in order
+_original: dict = {}  # what the hooks replaced, by name
 
 # ---- nn.RNN/LSTM/GRU under O1
 
-_rnn_check: dict = {}  # "orig": RNNBase.check_input while some thread has O1 on
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # what O1 casts (not float64)
 
 
@@ -25,24 +28,10 @@ def _rnn_check_input(self, input, batch_sizes):
     if (w is not None and input.dtype != w.dtype and input.dtype in _CASTABLE
             and w.dtype in _CASTABLE and _c.is_casting()):
         input = torch.empty(input.shape, dtype=w.dtype, device="meta")  # shape checks only
-    return _rnn_check["orig"](self, input, batch_sizes)
-
-
-def install_rnn_check() -> None:
-    if not _rnn_check:
-        _rnn_check["orig"] = torch.nn.RNNBase.__dict__["check_input"]
-        torch.nn.RNNBase.check_input = _rnn_check_input
-
-
-def remove_rnn_check() -> None:
-    if _rnn_check:
-        torch.nn.RNNBase.check_input = _rnn_check.pop("orig")
+    return _original["check_input"](self, input, batch_sizes)
 
 
 # ---- torch.utils.checkpoint: recompute under the forward's caster state
-
-_checkpoint: dict = {}  # the originals replaced in torch.utils.checkpoint while O1 is on
-
 
 class _CheckpointFunctionProxy:
     """Stands in for torch.utils.checkpoint.CheckpointFunction while O1 is on: ``apply`` (what
@@ -60,13 +49,24 @@ class _CheckpointFunctionProxy:
         return getattr(self._function, name)
 
 
-def install_checkpoint(wrap_recompute) -> None:
-    """Make checkpoint() recompute ``wrap_recompute(fn)`` instead of ``fn``; it looks both of these
-    up in its module at each call: the non-reentrant path calls the generator (whose ``fn`` only
-    recomputes), the reentrant one CheckpointFunction (whose run_function runs in the forward,
-    under the state it captures itself, and again in backward)."""
-    if _checkpoint:
+def _replace(owner, name: str, new) -> None:
+    _original[name] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, new)
+    _undo.append(lambda: setattr(owner, name, _original.pop(name)))
+
+
+def install(wrap_recompute) -> None:
+    """Every hook, once. checkpoint() is made to recompute ``wrap_recompute(fn)`` instead of
+    ``fn``; it looks both of these up in its module at each call: the non-reentrant path calls the
+    generator (whose ``fn`` only recomputes), the reentrant one CheckpointFunction (whose
+    run_function runs in the forward, under the state it captures itself, and again in backward).
+    NOTE: [Cast cache and fused steps] A fused step (peak's kernels, torch's fused=True) leaves the
+    weights' version counters as they were, so a cache entry made between the backward and the
+    step (a grad-mode metric or validation forward) would outlive it: any torch.optim step clears
+    the cache, through torch's global step hook (optimizers not given to amp.initialize too)."""
+    if _undo:
         return
+    _replace(torch.nn.RNNBase, "check_input", _rnn_check_input)
     import torch.utils.checkpoint as ckpt  # noqa: PLC0415 (only when O1 is turned on)
     # torch 2.14 calls _checkpoint_without_reentrant_generator_impl (the old name forwards to
     # it); 2.13 has only the old one. Both take the function to recompute first.
@@ -74,19 +74,17 @@ def install_checkpoint(wrap_recompute) -> None:
             if hasattr(ckpt, "_checkpoint_without_reentrant_generator_impl")
             else "_checkpoint_without_reentrant_generator")
     generator = getattr(ckpt, name)
-    function = ckpt.CheckpointFunction
-
-    def checkpoint_without_reentrant_generator(fn, *args, **kwargs):
-        return generator(wrap_recompute(fn), *args, **kwargs)
-
-    _checkpoint.update(module=ckpt, name=name, generator=generator, function=function)
-    setattr(ckpt, name, checkpoint_without_reentrant_generator)
-    ckpt.CheckpointFunction = _CheckpointFunctionProxy(function, wrap_recompute)
+    _replace(ckpt, name, lambda fn, *args, **kwargs: generator(wrap_recompute(fn), *args, **kwargs))
+    _replace(ckpt, "CheckpointFunction",
+             _CheckpointFunctionProxy(ckpt.CheckpointFunction, wrap_recompute))
+    _undo.append(register_optimizer_step_post_hook(_clear_cache).remove)
 
 
-def remove_checkpoint() -> None:
-    if _checkpoint:
-        ckpt = _checkpoint.pop("module")
-        setattr(ckpt, _checkpoint.pop("name"), _checkpoint.pop("generator"))
-        ckpt.CheckpointFunction = _checkpoint.pop("function")
+@torch._disable_dynamo  # (run eagerly: a compiled step breaks the graph here, as amp's does)
+def _clear_cache(*_) -> None:
+    _c.clear_cache()
 
+
+def remove() -> None:
+    while _undo:
+        _undo.pop()()
