@@ -3,6 +3,7 @@ optimizers, optimizer wrappers, gradients after a fused step, amp.master_params 
 training that bypasses amp, Apex's keywords, unskipped counts, exact state_dict round trips.
 Every test compares against an independent run (the documented path, or torch's own) and fails
 on the behaviour the issue describes."""
+import contextlib
 import copy
 import warnings
 
@@ -888,3 +889,67 @@ def test_o2_fused_optimizer_with_a_sparse_gradient_is_refused_by_name():
     with pytest.raises(RuntimeError, match="FusedAdam does not support sparse .*SparseAdam"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# ---- 12. weights written between steps under master weights ---------------------------------
+def _renormed_embedding_run(make_opt, steps=12, under_amp=True):
+    """nn.Embedding(max_norm=1) renormalises the looked-up rows of its weight in place, in the
+    forward: the masters must follow, or each step's copy-back undoes the renormalisation."""
+    torch.manual_seed(0)
+    model = nn.Embedding(40, 16, max_norm=1.0)
+    opt = make_opt(model.parameters())
+    if under_amp:
+        model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                                    loss_scale=1.0, verbosity=0)
+    for s in range(steps):
+        ids = torch.randint(0, 40, (8,), generator=torch.Generator().manual_seed(s))
+        loss = model(ids).float().square().sum()
+        with amp.scale_loss(loss, opt) if under_amp else contextlib.nullcontext(loss) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.weight.detach().clone()
+
+
+def test_masters_follow_weights_written_in_the_forward_with_a_torch_optimizer():
+    """The fused optimizer's masters already followed such writes; amp's store for torch
+    optimizers overwrote them at every step (the rows grew to norm 14 where fp32 keeps 1)."""
+    torch_sgd = _renormed_embedding_run(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    amp._amp_state.reset()
+    fused_sgd = _renormed_embedding_run(lambda ps: FusedSGD(ps, lr=0.1))
+    _assert_bitwise([torch_sgd], [fused_sgd])
+    amp._amp_state.reset()
+    fp32 = _renormed_embedding_run(lambda ps: torch.optim.SGD(ps, lr=0.1), under_amp=False)
+    torch.testing.assert_close(torch_sgd.float(), fp32, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("front", ["amp O2", "FP16_Optimizer"])
+def test_a_weight_copied_in_between_steps_is_kept(front):
+    """``weight.copy_(new)`` under no_grad between steps (an EMA swap, a pruning mask): the next
+    step starts from it, as with fp32 weights; masters still equal to their weight are kept."""
+    from peak.fp16_utils import FP16_Optimizer
+    torch.manual_seed(0)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    if front == "amp O2":
+        model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=1.0, verbosity=0)
+    else:
+        model = model.half()
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.0), static_loss_scale=1.0)
+    first, other = model[0].weight, model[2].weight
+    kept = other.detach().clone()
+    for s in range(2):
+        x, y = data(s)
+        loss = F.cross_entropy(model(x.to(first.dtype)).float(), y)
+        if front == "amp O2":
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        else:
+            opt.backward(loss)
+        if s == 0:
+            with torch.no_grad():
+                first.copy_(torch.full_like(first, 0.25))
+        opt.step()
+        opt.zero_grad()
+    assert (first == 0.25).all()
+    _assert_bitwise([other.detach()], [kept])

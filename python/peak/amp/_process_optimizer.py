@@ -307,6 +307,7 @@ class UnscaledGradsState(AmpOptimizerState):
         opt = self.optimizer
         if found_inf is not None:  # torch's fused optimizers read it as an attribute
             opt.found_inf = found_inf.reshape(())
+        self.store.follow_weights()
         try:
             if self.o1:
                 with _caster.disabled():

@@ -209,6 +209,7 @@ class FP16_Optimizer:
                 print(f"Gradient overflow.  Skipping step, reducing loss scale to "
                       f"{self.loss_scale}")
             return None
+        self._store.follow_weights()
         if closure is None:
             result = self.optimizer.step()
         else:

@@ -136,6 +136,7 @@ class MasterWeights:
         self.took_grads = False  # a backward pass of this step went through take_grads
         self._grad_stash: list | None = None
         self._loaded: dict | None = None
+        self._versions: list[int] = []  # the weights' version counters at the last copy-back
 
     def register(self, params, with_masters: bool, originals: dict | None = None) -> list:
         """What a param group holds instead of ``params``: with ``with_masters``, every trainable
@@ -177,6 +178,7 @@ class MasterWeights:
         master = torch.nn.Parameter(new_master(p, original), requires_grad=True)
         self.model_params.append(p)
         self.masters.append(master)
+        self._versions.append(p._version)
         _master_of_param[p] = master
         return master
 
@@ -188,6 +190,7 @@ class MasterWeights:
         for p in self.model_params[mark[0]:]:
             _master_of_param.pop(p, None)
         del self.model_params[mark[0]:], self.masters[mark[0]:], self.own_params[mark[1]:]
+        del self._versions[mark[0]:]
         for p in self.frozen[mark[2]:]:
             _frozen_in_store.pop(p, None)
         del self.frozen[mark[2]:]
@@ -197,7 +200,17 @@ class MasterWeights:
 
     def copy_to_model(self) -> None:
         copy_to_model(self.masters, self.model_params)
+        self._versions = [p._version for p in self.model_params]  # (peak's kernels bump none)
         self._settle()
+
+    @torch.no_grad()
+    def follow_weights(self) -> None:
+        """Before a step: a master follows its weight where it was written since the last copy
+        (``weight.copy_`` under no_grad, nn.Embedding's max_norm), as a fused optimizer's do
+        (NOTE: [Masters after a model reload]); not through ``.data`` (as Apex, unseen)."""
+        for p, master, seen in zip(self.model_params, self.masters, self._versions):
+            if p._version != seen:
+                master.copy_(weight_wins(master, p))
 
     def _settle(self) -> None:
         """A step (or its skip) or a load: what a model load gave is settled."""
