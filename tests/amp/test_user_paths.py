@@ -953,3 +953,95 @@ def test_a_weight_copied_in_between_steps_is_kept(front):
         opt.zero_grad()
     assert (first == 0.25).all()
     _assert_bitwise([other.detach()], [kept])
+
+
+def test_master_edits_after_the_backward_survive_a_weight_written_in_the_forward():
+    """Decoupled weight decay on ``amp.master_params`` between the backward and the step, with a
+    weight the forward writes (``max_norm`` renormalises in place even where nothing is over the
+    limit): the masters follow the weights at the backward, before the edit, so the decay lands
+    (it was undone where the masters followed at the step)."""
+    def run(under_amp, steps=100, decay=1e-3):
+        amp._amp_state.reset()
+        torch.manual_seed(0)
+        model = nn.Embedding(100, 16, max_norm=100.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        if under_amp:
+            model, opt = amp.initialize(model, opt, opt_level="O2",
+                                        cast_model_type=torch.bfloat16, loss_scale=1.0,
+                                        verbosity=0)
+        params = list(amp.master_params(opt)) if under_amp else list(model.parameters())
+        for s in range(steps):
+            ids = torch.randint(0, 100, (4,), generator=torch.Generator().manual_seed(s))
+            loss = model(ids).float().sum()
+            with amp.scale_loss(loss, opt) if under_amp else contextlib.nullcontext(loss) as sl:
+                sl.backward()
+            with torch.no_grad():
+                for p in params:
+                    p.mul_(1 - decay)
+            opt.step()
+            opt.zero_grad()
+        return model.weight.detach().float()
+    torch.testing.assert_close(run(True), run(False), rtol=1e-2, atol=1e-2)
+
+
+def test_fp16_optimizer_follows_a_write_made_in_its_closure():
+    """``FP16_Optimizer.step(closure)``: the closure's forward renormalises embedding rows; the
+    masters follow at its backward, as without a closure."""
+    from peak.fp16_utils import FP16_Optimizer
+
+    def run(use_closure, steps=6):
+        torch.manual_seed(0)
+        model = nn.Embedding(40, 16, max_norm=1.0).half()
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=1.0,
+                             verbose=False)
+        for s in range(steps):
+            ids = torch.randint(0, 40, (8,), generator=torch.Generator().manual_seed(s))
+
+            def closure():
+                opt.zero_grad()
+                loss = model(ids).float().square().sum()
+                opt.backward(loss)
+                return loss
+            if use_closure:
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
+        return model.weight.detach().clone()
+    _assert_bitwise([run(True)], [run(False)])
+
+
+@pytest.mark.parametrize("model_first", [True, False], ids=["model first", "optimizer first"])
+def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_first):
+    """A pruning mask applied after each step (``weight.mul_(mask)``), a checkpoint between steps:
+    the resumed run is the uninterrupted one, in either load order (the loads took the whole
+    tensor's weights for masters, where the uninterrupted run keeps each master that still rounds
+    to its weight)."""
+    mask = torch.arange(48).reshape(8, 6) % 7 != 0
+
+    def build():
+        amp._amp_state.reset()
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        return amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                              loss_scale=1.0, verbosity=0)
+
+    def run(steps, resume_at=None):
+        model, opt = build()
+        for s in range(steps):
+            if s == resume_at:
+                saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+                model, opt = build()
+                loads = [lambda: model.load_state_dict(saved[0]),
+                         lambda: opt.load_state_dict(saved[1])]
+                for load in loads if model_first else loads[::-1]:
+                    load()
+            x, y = data(s)
+            with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model[0].weight.mul_(mask)
+        return _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+    _assert_bitwise(run(8, resume_at=4), run(8))

@@ -77,12 +77,9 @@ def install(wrap_recompute) -> None:
     _replace(ckpt, name, lambda fn, *args, **kwargs: generator(wrap_recompute(fn), *args, **kwargs))
     _replace(ckpt, "CheckpointFunction",
              _CheckpointFunctionProxy(ckpt.CheckpointFunction, wrap_recompute))
-    _undo.append(register_optimizer_step_post_hook(_clear_cache).remove)
-
-
-@torch._disable_dynamo  # (run eagerly: a compiled step breaks the graph here, as amp's does)
-def _clear_cache(*_) -> None:
-    _c.clear_cache()
+    # (run eagerly: a compiled step breaks its graph here, as amp's own step does)
+    clear = torch._disable_dynamo(lambda *_: _c.clear_cache())
+    _undo.append(register_optimizer_step_post_hook(clear).remove)
 
 
 def remove() -> None:

@@ -93,6 +93,9 @@ class Properties:
         options[name] = value
 
 
+_TINY = torch.finfo(torch.float32).tiny
+
+
 def parse_loss_scale(value):
     if value == "dynamic":
         return value
@@ -104,9 +107,9 @@ def parse_loss_scale(value):
     except (TypeError, ValueError):
         raise ValueError("loss_scale must be a number, a numeric string such as '128.0', or "
                          f"'dynamic'; found loss_scale={value!r}") from None
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"loss_scale must be a finite number > 0 (or 'dynamic'); found "
-                         f"loss_scale={value!r}")
+    if not (math.isfinite(scale) and scale >= _TINY):  # (1/scale finite in float32)
+        raise ValueError(f"loss_scale must be a finite number >= {_TINY:.3g} (or 'dynamic'); "
+                         f"found loss_scale={value!r}")
     return scale
 
 
@@ -151,8 +154,9 @@ def _check_loss_scale_bound(name, value):
         v = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number or None; found {name}={value!r}") from None
-    if math.isnan(v) or v < 0:
-        raise ValueError(f"{name} must be >= 0 (or None); found {name}={value!r}")
+    low = _TINY if name == "max_loss_scale" else 0.0  # (the first scale: 1/scale finite)
+    if math.isnan(v) or v < low:
+        raise ValueError(f"{name} must be >= {low:.3g} (or None); found {name}={value!r}")
     return v
 
 

@@ -151,6 +151,7 @@ class FP16_Optimizer:
         ``.grad``, fp32 ones in place), checked for inf/NaN in one pass per (device, dtype)."""
         if not self._fp32_unscaled:  # (a later backward of the step: earlier overflows stand)
             self._core.found_inf.zero_()
+        self._store.follow_weights()
         ins, outs = [], []
         for p, m in zip(self.model_params, self.master_params):
             if p.grad is None or p.grad.is_sparse:  # (nn.Embedding(sparse=True): a sparse one)

@@ -205,12 +205,14 @@ class MasterWeights:
 
     @torch.no_grad()
     def follow_weights(self) -> None:
-        """Before a step: a master follows its weight where it was written since the last copy
-        (``weight.copy_`` under no_grad, nn.Embedding's max_norm), as a fused optimizer's do
-        (NOTE: [Masters after a model reload]); not through ``.data`` (as Apex, unseen)."""
-        for p, master, seen in zip(self.model_params, self.masters, self._versions):
+        """After a backward pass and before a step: a master follows its weight where it was
+        written since (``weight.copy_`` under no_grad, nn.Embedding's max_norm), as a fused
+        optimizer's do (NOTE: [Masters after a model reload]); not through ``.data`` (unseen, as
+        in Apex). After the backward: before the script edits the masters (clipping, decay)."""
+        for i, (p, master, seen) in enumerate(zip(self.model_params, self.masters, self._versions)):
             if p._version != seen:
                 master.copy_(weight_wins(master, p))
+                self._versions[i] = p._version
 
     def _settle(self) -> None:
         """A step (or its skip) or a load: what a model load gave is settled."""
@@ -259,6 +261,7 @@ class MasterWeights:
         whether the pass gave any of them a gradient."""
         if self.frozen:  # (unfrozen since: registered before their gradients are unscaled)
             self._register_frozen([p for p in self.frozen if p.grad is not None])
+        self.follow_weights()
         rows, sparse = [], False  # (new gradient, earlier gradient or None, output)
         unscale = lambda values: scaler.unscale(values, values)  # noqa: E731
         for p, m in zip(self.model_params, self.masters):
@@ -380,8 +383,11 @@ class MasterWeights:
                 if remainder is not None:  # (joined again with a weight loaded after it)
                     joins[weight] = remainder.to(device=weight.device, dtype=torch.int16)
                     value = join_remainder(weight.detach(), joins[weight])
-                elif weight in _arrived and not torch.equal(value.to(weight.dtype), weight):
-                    continue  # a master of other weights than the model's just loaded: stale
+                elif _arrived.get(weight):  # (finer weights than the model's: stale unless
+                    if not torch.equal(value.to(weight.dtype), weight):  # it is theirs)
+                        continue
+                elif weight in _arrived:  # (elementwise: a weight written before the save wins)
+                    value = weight_wins(value.to(weight.device, torch.float32), weight)
                 target.copy_(value)
         self.copy_to_model()
         _join_on_arrival.update(joins)
@@ -457,14 +463,16 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
             continue
         value, changed, before = _loading.pop(p, (None, False, None))
         master = master_of_param(p)
+        finer = (value is not None and (master is not None or p in _frozen_in_store)  # (than p)
+                 and not torch.equal(value.to(p.dtype).to(value.dtype), value))
         remainder = _join_on_arrival.pop(p, None)
         if master is not None and remainder is not None:  # (its rounding is p by construction)
             master.copy_(join_remainder(p, remainder))
         elif (master is not None and value is not None  # (not a weight this load left out)
-              and not rounds_to(master, p)):
-            master.copy_(value)  # (exact where fp32 weights arrive)
+              and not rounds_to(master, p)):  # (exact where fp32 weights arrive)
+            master.copy_(value if finer else weight_wins(master, p))
         if value is not None and (p in _master_of_param or p in _frozen_in_store):
-            _arrived[p] = True  # (a store's weight: checked at its optimizer's next load)
+            _arrived[p] = finer  # (a store's weight: checked at its optimizer's next load)
         owner = _owner_of_param[p]() if p in _owner_of_param else None
         state = owner.state.get(p, {}) if owner is not None else {}
         if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
