@@ -144,6 +144,31 @@ def test_overflow_message_comes_from_the_report_without_a_stall(capsys):
     assert "Gradient overflow" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("make_optimizer", [lambda ps: FusedAdam(ps, lr=1e-2),
+                                            lambda ps: torch.optim.Adam(ps, lr=1e-2)],
+                         ids=["device skip", "host skip"])
+def test_overflow_message_names_the_first_overflow_with_the_scale_at_the_step(capsys,
+                                                                            make_optimizer):
+    """Two overflowing passes of one step (loss 1, then loss 0 twice): one line, as Apex prints it
+    at step(): the first overflowing loss, its scaler's scale as the step finds it (the device
+    skip printed the scale of that loss's first back-off)."""
+    amp._amp_state.reset()
+    model = make_model()
+    model, opt = amp.initialize(model, make_optimizer(model.parameters()), opt_level="O2",
+                                low_precision_dtype=torch.float16, verbosity=1, num_losses=2)
+    capsys.readouterr()
+    scale = amp._amp_state.loss_scalers[0].loss_scale()
+    x, y = batch(0)
+    for loss_id in (0, 0, 1):
+        with amp.scale_loss(F.mse_loss(model(x).float(), y) * float("inf"), opt,
+                            loss_id=loss_id) as s:
+            s.backward()
+    opt.step()
+    out = capsys.readouterr().out
+    assert out.count("Gradient overflow.  Skipping step") == 1
+    assert f"loss scaler 0 reducing loss scale to {scale / 4}" in out
+
+
 @pytest.mark.parametrize("poisoned", [0, 1])
 def test_two_losses_accumulate_like_one_run_and_an_overflow_charges_its_own_scaler(poisoned):
     """Gradients of an earlier loss are set aside while the next backward runs: an inf in one

@@ -43,6 +43,7 @@ class AmpOptimizerState:
         self.found_inf = None  # device skip: the flag the next step() hands over
         self.pending_skip = None  # host skip: (loss_id, scaler) of an overflow
         self.in_flight: list = []  # device skip: (step, loss_id, host [flag, new scale], event)
+        self.first_skip: dict = {}  # step -> [loss_id, scale] of its first overflow, or None
         self.step_count = 0  # step() calls since initialize, skipped ones included (log line)
         self.warned_no_master_grads = self.warned_no_grads = False
         self.orig_step = optimizer.step
@@ -77,14 +78,17 @@ class AmpOptimizerState:
                 event.record()
             self.in_flight.append((self.step_count, loss_id, report, event))
 
-    def print_reports(self) -> None:  # of skipped steps whose reports arrived (one per step)
-        printed = set()
+    def print_reports(self) -> None:  # one line per skipped step once its reports all arrived
         while self.in_flight and (self.in_flight[0][3] is None or self.in_flight[0][3].query()):
             step_index, loss_id, host, _ = self.in_flight.pop(0)
-            skipped, new_scale = host.tolist()
-            if skipped and step_index not in printed:
-                printed.add(step_index)
-                self.print_skip(step_index, loss_id, new_scale)
+            skipped, new_scale = host.tolist()  # (as Apex: the first overflowing loss, with its
+            first = self.first_skip.get(step_index)  # scale after the step's last exit)
+            if first is None and skipped:
+                self.first_skip[step_index] = [loss_id, new_scale]
+            elif first is not None and first[0] == loss_id:
+                first[1] = new_scale
+            if step_index in self.first_skip and all(e[0] != step_index for e in self.in_flight):
+                self.print_skip(step_index, *self.first_skip.pop(step_index))
 
     def print_skip(self, step_index: int, loss_id: int, new_scale: float) -> None:
         maybe_print("Gradient overflow.  Skipping step, loss scaler {} reducing loss scale to {}"

@@ -14,8 +14,6 @@ _c = _C.caster
 _undo: list = []  # while some thread has O1 on: what takes each hook out again, in order
 _original: dict = {}  # what the hooks replaced, by name
 
-# ---- nn.RNN/LSTM/GRU under O1
-
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # what O1 casts (not float64)
 
 
