@@ -1011,20 +1011,35 @@ def test_fp16_optimizer_follows_a_write_made_in_its_closure():
     _assert_bitwise([run(True)], [run(False)])
 
 
+_PRUNED_RUNS = {  # optimizer, under amp O2
+    "torch SGD, amp": (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), True),
+    "FusedSGD, amp": (lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9), True),
+    "FusedAdam remainders, amp": (lambda ps: FusedAdam(ps, lr=1e-3,
+                                                       store_param_remainders=True), True),
+    "FusedAdam": (lambda ps: FusedAdam(ps, lr=1e-3), False),
+    "FusedAdam remainders": (lambda ps: FusedAdam(ps, lr=1e-3, store_param_remainders=True),
+                             False)}
+
+
+@pytest.mark.parametrize("run_kind", list(_PRUNED_RUNS))
 @pytest.mark.parametrize("model_first", [True, False], ids=["model first", "optimizer first"])
-def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_first):
+def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_first, run_kind):
     """A pruning mask applied after each step (``weight.mul_(mask)``), a checkpoint between steps:
     the resumed run is the uninterrupted one, in either load order (the loads took the whole
     tensor's weights for masters, where the uninterrupted run keeps each master that still rounds
-    to its weight)."""
+    to its weight; a fused optimizer saved the masters the write had left behind, and its load
+    put them back into the model)."""
     mask = torch.arange(48).reshape(8, 6) % 7 != 0
+    make_opt, under_amp = _PRUNED_RUNS[run_kind]
 
     def build():
         amp._amp_state.reset()
         model = make_mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        return amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
-                              loss_scale=1.0, verbosity=0)
+        if not under_amp:
+            model = model.to(torch.bfloat16)
+            return model, make_opt(model.parameters())
+        return amp.initialize(model, make_opt(model.parameters()), opt_level="O2",
+                              cast_model_type=torch.bfloat16, loss_scale=1.0, verbosity=0)
 
     def run(steps, resume_at=None):
         model, opt = build()
@@ -1037,11 +1052,16 @@ def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_firs
                 for load in loads if model_first else loads[::-1]:
                     load()
             x, y = data(s)
-            with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
-                scaled.backward()
+            if under_amp:
+                with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+                    scaled.backward()
+            else:
+                F.cross_entropy(model(x.bfloat16()).float(), y).backward()
             opt.step()
             opt.zero_grad()
             with torch.no_grad():
                 model[0].weight.mul_(mask)
-        return _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+        masters = amp.master_params(opt) if under_amp else [opt.master_of(p)
+                                                              for p in model.parameters()]
+        return _weights(model) + [m.detach().clone() for m in masters]
     _assert_bitwise(run(8, resume_at=4), run(8))

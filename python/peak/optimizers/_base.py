@@ -25,7 +25,7 @@ from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local
                        local_states, reduce_over_meshes)
 from ._fp32_sums import accumulate_fp32, check_fp32_sums, take_fp32_sums
 from ._master_loads import (kept_master, load_master, masters_before_load, masters_loaded,
-                            take_fp32_masters)
+                            masters_to_save, take_fp32_masters)
 from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
                       master_in_state, note_stepped, note_weight, settle_loads, store_of,
                       weights_settled)
@@ -483,6 +483,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         settle_loads(self)
         take_fp32_masters(self)
         sd = super().state_dict()
+        masters_to_save(self, sd["state"])
         sd["param_groups"] = [{k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype)
                                else v for k, v in g.items()} for g in sd["param_groups"]]
         # Whether a group keeps 8-bit moments, and how (_checkpoint_check.EIGHT_BIT_LAYOUT): in

@@ -1,4 +1,5 @@
-"""A fused optimizer's load of master weights: a saved master (fp32 or a remainder) into the
+"""A fused optimizer's save and load of master weights: masters saved with the weights written
+since the last step (``masters_to_save``); a saved master (fp32 or a remainder) into the
 loading optimizer's form, the masters it had kept where the checkpoint has none, what the
 weights arriving with or after the load are checked against (NOTE: [Masters after a model
 reload] in masters.py), and fp32 parameters' weights from a low-precision run's masters."""
@@ -11,10 +12,26 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..scaling import local_shard
 from ._sharded import is_sharded
 from .masters import (MASTER_KEY, REMAINDER_KEY, _awaiting_weight, _forget_id, _join_on_arrival,
-                      _split_on_arrival, _weight_version, copy_to_model, join_or_weight,
-                      join_remainder, keep_as_remainder, note_weight, weight_wins)
+                      _split_on_arrival, _weight_version, copy_to_model, follow_write,
+                      join_or_weight, join_remainder, keep_as_remainder, note_weight,
+                      weight_wins)
 
 _fp32_pending = WeakIdKeyDictionary()  # fused optimizer -> {fp32 param: a loaded master}
+
+
+@torch.no_grad()
+def masters_to_save(optimizer, packed: dict) -> None:
+    """NOTE: [Masters saved after a write] In ``packed`` (a state_dict's "state"), a master or
+    remainder that a weight written since the last step left behind is saved as that step will
+    follow it: the checkpoint's weights and masters go together, so either load order resumes
+    exactly. The live master waits for the step, so saving changes no training."""
+    for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        entry, state = _weight_version.get(id(p)), packed.get(i)
+        if state and entry is not None and entry[0]() is p and entry[1] != p._version:
+            key = REMAINDER_KEY if REMAINDER_KEY in state else MASTER_KEY
+            if key in state:
+                packed[i] = {**state, key: state[key].clone()}
+                follow_write(p, packed[i], entry)
 
 
 def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:

@@ -189,11 +189,10 @@ class MasterWeights:
         """Forget what was registered after ``mark()`` (a registration that failed)."""
         for p in self.model_params[mark[0]:]:
             _master_of_param.pop(p, None)
-        del self.model_params[mark[0]:], self.masters[mark[0]:], self.own_params[mark[1]:]
-        del self._versions[mark[0]:]
         for p in self.frozen[mark[2]:]:
             _frozen_in_store.pop(p, None)
-        del self.frozen[mark[2]:]
+        del self.model_params[mark[0]:], self.masters[mark[0]:], self._versions[mark[0]:]
+        del self.own_params[mark[1]:], self.frozen[mark[2]:]
 
     def holds(self, p: Tensor) -> bool:
         return any(q is p for q in self.model_params) or any(q is p for q in self.frozen)
@@ -421,11 +420,12 @@ def master_of_param(p: Tensor) -> Tensor | None:
 # optimizer notes each weight's version counter when its master last matched it, and a weight
 # written since (in-place loads; peak's kernels do not bump the counter) makes the master follow it
 # before the next step: an fp32 master takes the weight where it no longer rounds to it; a
-# remainder, which cannot tell, is cleared. Some writes change nothing (nn.Embedding's max_norm):
-# a weight written once is watched from then on by a checksum of its bits after each step, its
-# remainder cleared only when the bits changed. A loaded optimizer state forgets the versions (the
-# weights arriving with it are the ones it was saved with). Writes through ``.data`` go unseen; a
-# step captured in a CUDA graph follows nothing (a replay would repeat it).
+# remainder, which cannot tell, is cleared. Some writes change nothing (nn.Embedding's max_norm): a
+# weight written once is watched from then on by a checksum of its bits after each step, its
+# remainder cleared only when the bits changed. A checkpoint saves the masters as that step will
+# follow them (NOTE: [Masters saved after a write]); a loaded optimizer state forgets the versions
+# (its weights arrive with it). Writes through ``.data`` go unseen; a step captured in a CUDA graph
+# follows nothing (a replay would repeat it).
 _loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
 # id(parameter) -> (a weak reference to it, its version when its master last matched it,
 # the checksum of its bits after the last step if it is watched, else None)
@@ -439,8 +439,7 @@ _join_on_arrival = WeakIdKeyDictionary()
 # ties away), to split again from a weight loaded after it, rounded to nearest even: the master
 # where it rounds to that weight (until the next step)
 _split_on_arrival = WeakIdKeyDictionary()
-# parameter -> True: weights a model load gave a store's parameter, until its next step
-_arrived = WeakIdKeyDictionary()
+_arrived = WeakIdKeyDictionary()  # parameter -> True: a model load's, for a store's (to its step)
 _frozen_in_store = WeakIdKeyDictionary()  # parameter -> True: a store's, frozen at registration
 
 
@@ -530,17 +529,18 @@ def follow_weight(p: Tensor, state: dict) -> None:
                     join_or_weight(local_shard(p), local_shard(remainder)))
             elif split is not None and REMAINDER_KEY in state:  # so did the master's weight
                 keep_as_remainder(p, state, weight_wins(split, p))
-            elif REMAINDER_KEY in state:
-                remainder = local_shard(state[REMAINDER_KEY])  # (each rank: its shard's bits)
-                if entry[2] is None:
-                    remainder.zero_()
-                else:  # watched: cleared only if the bits changed
-                    remainder.copy_(torch.where(_checksum(p) == entry[2], remainder, 0))
-                _watched.add(id(p))
-            elif MASTER_KEY in state:
-                master = state[MASTER_KEY]
-                master.copy_(weight_wins(master, p))
+            else:
+                follow_write(p, state, entry)
     return note_weight(p)
+
+
+def follow_write(p: Tensor, state: dict, entry: tuple) -> None:
+    """p's master (or remainder) in ``state`` follows a weight written since ``entry``'s step."""
+    if REMAINDER_KEY in state:  # (each rank: its shard's bits; kept if watched and unchanged)
+        local_shard(state[REMAINDER_KEY]).mul_(entry[2] is not None and _checksum(p) == entry[2])
+        _watched.add(id(p))
+    elif MASTER_KEY in state:
+        state[MASTER_KEY].copy_(weight_wins(state[MASTER_KEY], p))
 
 
 def settle_loads(optimizer, params=None) -> None:
