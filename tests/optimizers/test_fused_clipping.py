@@ -142,6 +142,30 @@ def test_grad_scaler_after_unscale_lets_the_optimizer_measure():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("exponent,overflows", [(62, False), (64, True)])
+def test_a_scaled_norm_past_fp32s_range_counts_as_an_overflow(exponent, overflows):
+    """The rule the docs state (docs/core.md, "Clipping inside the step"): the norm is summed in
+    fp32, so finite scaled gradients whose squares pass fp32's range (a scale grown far over fp32
+    gradients) are an overflow: skipped, the scale backs off, nothing changes; below it the step
+    is the unscaled gradients' step, bit for bit."""
+    p, ref = torch.ones(4, requires_grad=True), torch.ones(4, requires_grad=True)
+    opt, ref_opt = FusedAdam([p], lr=0.1, max_grad_norm=1.0), FusedAdam([ref], lr=0.1,
+                                                                         max_grad_norm=1.0)
+    scaler = amp.GradScaler("cpu", init_scale=2.0**exponent)
+    scaler.scale(p.sum()).backward()  # every scaled gradient 2**exponent: finite
+    assert torch.isfinite(p.grad).all()
+    ref.grad = torch.ones(4)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**(exponent - 1 if overflows else exponent)
+    if overflows:
+        assert torch.equal(p.detach(), torch.ones(4)) and opt.state[p]["step"] == 0
+        assert not opt.state[p]["exp_avg"].any() and not opt.state[p]["exp_avg_sq"].any()
+    else:
+        ref_opt.step()
+        assert torch.equal(p, ref) and not torch.equal(p.detach(), torch.ones(4))
+
+
 @pytest.mark.parametrize("dtype,loss_scale", [(LOW[0], 128.0), (LOW[1], 128.0), (LOW[1], None)],
                          ids=["fp16", "bf16", "bf16_static_1"])
 def test_amp_o2_fused_path_clips_with_the_check_pass_norm(monkeypatch, dtype, loss_scale):

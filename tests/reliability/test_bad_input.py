@@ -230,6 +230,17 @@ def scaler_update_without_step():
     _scaler_iteration()[2].update()
 
 
+def scaler_setter_out_of_range():
+    scaler = amp.GradScaler("cpu")
+    for setter, value in (("set_growth_factor", 0.5), ("set_backoff_factor", 2.0)):
+        with pytest.raises(AssertionError, match="factor must be"):
+            getattr(scaler, setter)(value)
+    with pytest.raises(ValueError, match=r"growth_interval must be in \[1, 2\*\*31 - 1\]"):
+        amp.GradScaler("cpu", growth_interval=2**32 + 1)
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor()) == (2.0, 0.5)
+    scaler.set_growth_interval(0)
+
+
 def scaler_bad_policy():
     amp.GradScaler("cpu", on_min_scale="ignore")
 

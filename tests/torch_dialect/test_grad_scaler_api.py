@@ -90,9 +90,11 @@ def test_disabled_scaler_is_a_pass_through():
     (dict(init_scale=0.0), ValueError, "init_scale"),
     (dict(init_scale=float("inf")), ValueError, "init_scale"),
     (dict(init_scale="big"), TypeError, "init_scale must be a float"),
-    (dict(growth_interval=0), ValueError, "growth_interval must be >= 1"),
+    (dict(growth_interval=0), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
+    (dict(growth_interval=2**32 + 1), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),  # (an int32 counter would wrap)
     (dict(growth_interval=2.5), TypeError, "growth_interval must be an int"),
-    (dict(hysteresis=0), ValueError, "hysteresis must be >= 1"),
+    (dict(hysteresis=0), ValueError, r"hysteresis must be in \[1, 2\*\*31 - 1\]"),
+    (dict(growth_factor=float("nan")), AssertionError, "growth factor must be > 1.0"),
     (dict(min_scale=2.0**20), ValueError, "min_scale=.* must be in"),
     (dict(max_scale=1.0), ValueError, "max_scale=.* must be >= init_scale"),
     (dict(on_min_scale="ignore"), ValueError, "on_min_scale must be one of"),
@@ -114,8 +116,9 @@ def test_bad_constructor_arguments(kwargs, exc, match):
     (dict(scale=float("inf")), ValueError, "GradScaler: scale must be finite and > 0, got inf"),
     (dict(scale=0.0), ValueError, "GradScaler: scale must be finite and > 0"),
     (dict(scale="a"), TypeError, "GradScaler: scale must be a float, got str"),
-    (dict(growth_interval=0), ValueError, "growth_interval must be >= 1"),
-    (dict(hysteresis=0), ValueError, "hysteresis must be >= 1"),
+    (dict(growth_interval=0), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
+    (dict(growth_interval=2**31), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
+    (dict(hysteresis=0), ValueError, r"hysteresis must be in \[1, 2\*\*31 - 1\]"),
 ])
 def test_a_damaged_state_dict_is_refused_before_anything_changes(change, exc, match):
     """What the constructor refuses, load_state_dict refuses too, naming the entry; the scaler
@@ -854,3 +857,28 @@ def test_sparse_gradients_that_share_values_are_unscaled_once():
     ref[2](ref[0](idx) + ref[1](at)).sum().backward()
     for m, r in zip((tok, pos), ref):
         assert torch.equal(m.weight.grad.to_dense(), r.weight.grad.to_dense())
+
+
+@pytest.mark.parametrize("setter, value, exc", [
+    ("set_growth_interval", 0, ValueError), ("set_growth_interval", 2**32 + 1, ValueError),
+    ("set_growth_factor", 0.5, AssertionError), ("set_growth_factor", float("nan"), AssertionError),
+    ("set_backoff_factor", 2.0, AssertionError)])
+def test_setters_refuse_what_the_constructor_refuses_and_change_nothing(setter, value, exc):
+    """torch's setters take any value and its update misbehaves later; peak's update raised after
+    the step had run, which left the iteration unfinishable. Refused at the setter, the scaler
+    trains on as torch's scaler does."""
+    runs = []
+    for scaler in (amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        if isinstance(scaler, amp.GradScaler):
+            with pytest.raises(exc):
+                getattr(scaler, setter)(value)
+        for _ in range(3):
+            scaler.scale(p.sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append((p.detach().clone(), scaler.get_scale(), scaler.get_growth_factor(),
+                     scaler.get_backoff_factor(), scaler.get_growth_interval()))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]

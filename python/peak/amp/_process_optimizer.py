@@ -28,9 +28,7 @@ class AmpOptimizerState:
     grad_holders = property(lambda self: self.params)  # (what a backward gives gradients)
 
     def __init__(self, optimizer, master_weights: bool, o1: bool, generation: int) -> None:
-        self.optimizer = optimizer
-        self.master_weights = master_weights
-        self.o1 = o1
+        self.optimizer, self.master_weights, self.o1 = optimizer, master_weights, o1
         self.generation = generation
         self.lazy_init_called = True  # Apex name; peak builds the masters eagerly
         self.params_have_scaled_gradients = False
@@ -46,9 +44,8 @@ class AmpOptimizerState:
         self.first_skip: dict = {}  # step -> [loss_id, scale] of its first overflow, or None
         self.step_count = 0  # step() calls since initialize, skipped ones included (log line)
         self.warned_no_master_grads = self.warned_no_grads = False
-        self.orig_step = optimizer.step
-        self.orig_zero_grad = optimizer.zero_grad
-        self.orig_add_param_group = optimizer.add_param_group
+        self.orig_step, self.orig_zero_grad, self.orig_add_param_group = (
+            optimizer.step, optimizer.zero_grad, optimizer.add_param_group)
 
     # Apex's "a skip is pending" (a host read when asked).
     already_patched = property(lambda self: self.pending_skip is not None or (

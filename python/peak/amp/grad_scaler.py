@@ -47,6 +47,10 @@ def _number(kind: type, name: str, value):
     return kind(value)
 
 
+_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale",
+            "growth_interval", "hysteresis")
+
+
 def check_options(options: dict, on_min_scale) -> dict:
     """GradScaler's options as numbers, or the error torch (or peak, for its own) raises."""
     ints, optional = ("growth_interval", "hysteresis"), ("min_scale", "max_scale")
@@ -57,20 +61,19 @@ def check_options(options: dict, on_min_scale) -> dict:
         raise ValueError(f"GradScaler: on_min_scale must be one of ('warn', 'raise', 'keep'), "
                          f"got {on_min_scale!r}")
     # torch's two checks (AssertionError there; _ConfigError is also an AssertionError).
-    if o["growth_factor"] <= 1.0:
+    if not o["growth_factor"] > 1.0:  # (NaN too)
         raise _ConfigError("The growth factor must be > 1.0.")
-    if o["backoff_factor"] >= 1.0:
+    if not o["backoff_factor"] < 1.0:
         raise _ConfigError("The backoff factor must be < 1.0.")
     init_scale, min_scale, max_scale = o["init_scale"], o["min_scale"], o["max_scale"]
     if not (math.isfinite(init_scale) and init_scale > 0):
         raise ValueError(f"GradScaler: init_scale must be finite and > 0, got {init_scale}")
     if not o["backoff_factor"] > 0:
         raise ValueError(f"GradScaler: backoff_factor must be > 0, got {o['backoff_factor']}")
-    if o["growth_interval"] < 1:
-        raise ValueError(f"GradScaler: growth_interval must be >= 1, got {o['growth_interval']}")
-    if o["hysteresis"] < 1:
-        raise ValueError(f"GradScaler: hysteresis must be >= 1 (1 backs off at the first "
-                         f"overflow, as torch), got {o['hysteresis']}")
+    for name, what in (("growth_interval", ""), ("hysteresis", " (1 backs off at the first "
+                                                               "overflow, as torch)")):
+        if not 1 <= o[name] <= 2**31 - 1:  # (the update kernel's counters are int32)
+            raise ValueError(f"GradScaler: {name} must be in [1, 2**31 - 1]{what}, got {o[name]}")
     if min_scale is not None and not (0 <= min_scale <= init_scale):
         raise ValueError(f"GradScaler: min_scale={min_scale} must be in [0, init_scale="
                          f"{init_scale}]; lower min_scale or raise init_scale")
@@ -115,9 +118,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  "
                           "Disabling.", stacklevel=2)
             self._enabled = False
-        options = dict(init_scale=init_scale, growth_factor=growth_factor,
-                       backoff_factor=backoff_factor, min_scale=min_scale, max_scale=max_scale,
-                       growth_interval=growth_interval, hysteresis=hysteresis)
+        options = dict(zip(_OPTIONS, (init_scale, growth_factor, backoff_factor, min_scale,
+                                      max_scale, growth_interval, hysteresis)))
         if self._enabled:  # a disabled scaler checks nothing (as torch's): it never uses them
             options = check_options(options, on_min_scale)
         # The state: 0-dim tensors created on the device of the first tensor scale() sees.
@@ -431,16 +433,13 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             raise type(e)(f"GradScaler.load_state_dict: the state dict holds a value no "
                           f"GradScaler can ({saved}); nothing was loaded. Pass a dict returned "
                           "by GradScaler.state_dict(), peak's or torch's") from None
-        self._init_scale = o["init_scale"]
+        for name in _OPTIONS:
+            setattr(self, "_" + name, o[name])
         if self._scale is not None:
             self._scale.fill_(o["init_scale"])
-        self._growth_factor, self._backoff_factor = o["growth_factor"], o["backoff_factor"]
-        self._growth_interval = o["growth_interval"]
         self._init_growth_tracker = trackers["_growth_tracker"]
         if self._growth_tracker is not None:
             self._growth_tracker.fill_(self._init_growth_tracker)
-        self._hysteresis = o["hysteresis"]
-        self._min_scale, self._max_scale = o["min_scale"], o["max_scale"]
         self._init_hysteresis_tracker = trackers["_hysteresis_tracker"]
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
@@ -493,12 +492,16 @@ def _refuse_overlapping(grads) -> None:
                            "Please clone() the tensor before assigning it to .grad.")
 
 
-def _run_torch_code(name: str) -> None:
+def _run_torch_code(name: str, option: str | None = None) -> None:
     """GradScaler's ``name``: torch's code, run over peak's state (the core's values under torch's
-    private names, above), with the signature and docstring of torch's."""
+    private names, above), with the signature and docstring of torch's; a setter of ``option``
+    checks its value first, as the constructor does (update() raised it after the step)."""
     theirs = getattr(torch.amp.GradScaler, name)
 
     def method(self, *args, **kwargs):
+        if option is not None and self._enabled:  # (the value: the one argument)
+            check_options({**{k: getattr(self._core, k) for k in _OPTIONS},
+                           option: [*args, *kwargs.values()][0]}, self._on_min_scale)
         return theirs(self, *args, **kwargs)
     method.__name__, method.__qualname__ = name, f"GradScaler.{name}"
     method.__module__, method.__doc__ = __name__, theirs.__doc__
@@ -510,5 +513,5 @@ for _attr in ("scale", "get_scale", "_get_scale_async", "_get_growth_tracker", "
               "_check_scale_growth_tracker", "_found_inf_per_device", "get_growth_factor",
               "set_growth_factor", "get_backoff_factor", "set_backoff_factor",
               "get_growth_interval", "set_growth_interval"):
-    _run_torch_code(_attr)
+    _run_torch_code(_attr, _attr.removeprefix("set_") if _attr.startswith("set_") else None)
 del _attr
