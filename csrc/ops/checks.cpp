@@ -114,6 +114,10 @@ void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_t
   TORCH_CHECK(growth_interval >= 1, name, ": growth_interval must be >= 1, got ",
               growth_interval);
   TORCH_CHECK(hysteresis >= 1, name, ": hysteresis must be >= 1, got ", hysteresis);
+  // The trackers are int32 on the device: a larger count would wrap when cast.
+  TORCH_CHECK(growth_interval <= INT32_MAX && hysteresis <= INT32_MAX, name,
+              ": growth_interval and hysteresis must be at most 2**31 - 1 (int32 trackers), got ",
+              growth_interval, " and ", hysteresis);
   TORCH_CHECK(hysteresis == 1 || hysteresis_tracker.has_value(), name, ": hysteresis=",
               hysteresis, " needs a hysteresis_tracker (an int32 tensor of one element)");
   TORCH_CHECK(min_scale >= 0.0 && min_scale <= max_scale, name,

@@ -142,6 +142,8 @@ def test_update_scale_bad_state():
         ops.update_scale_(s, g, flag(), 2.0, 0.5, 10, hysteresis=2)
     with pytest.raises(RuntimeError, match=r"growth_interval must be >= 1"):
         ops.update_scale_(s, g, flag(), 2.0, 0.5, 0)
+    with pytest.raises(RuntimeError, match=r"at most 2\*\*31 - 1 \(int32 trackers\)"):
+        ops.update_scale_(s, g, flag(), 2.0, 0.5, 2**32 + 1)  # (cast, it would be 1)
     with pytest.raises(RuntimeError, match=r"backoff_factor must be in \(0, 1\]"):
         ops.update_scale_(s, g, flag(), 2.0, 1.5, 10)
     with pytest.raises(RuntimeError, match=r"growth_factor must be >= 1"):
