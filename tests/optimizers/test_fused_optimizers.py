@@ -663,6 +663,14 @@ def test_torch_adamw_checkpoint_keeps_stepping_as_adamw():
     back = torch.optim.Adam([p.detach().clone().requires_grad_() for p in ours], lr=1e-2)
     back.load_state_dict(opt.state_dict())
     assert back.param_groups[0]["decoupled_weight_decay"] is True
+    # torch's Adam (L2) checkpoint into FusedAdamW, as into torch's AdamW: the group says what the
+    # step does (it said decoupled_weight_decay=False while stepping as AdamW)
+    from peak.optimizers import FusedAdamW
+    l2 = torch.optim.Adam([p.detach().clone().requires_grad_() for p in ours], weight_decay=0.1)
+    for into in (FusedAdamW([p.detach().clone().requires_grad_() for p in ours]),
+                 torch.optim.AdamW([p.detach().clone().requires_grad_() for p in ours])):
+        into.load_state_dict(l2.state_dict())
+        assert into.param_groups[0]["decoupled_weight_decay"] is True
 
 
 @pytest.mark.parametrize("dampening", [0.0, 0.3])
@@ -882,3 +890,52 @@ def test_stale_masters_a_torch_optimizer_kept_do_not_become_fp32_weights():
         opt.state_dict()  # (a state read settles the load)
         for name, value in model.state_dict().items():
             assert torch.equal(value, saved["model"][name]), name
+
+
+@pytest.mark.parametrize("family", ["adamw", "sgd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model_first", [True, False], ids=["model first", "optimizer first"])
+def test_a_checkpoint_through_a_low_precision_torch_optimizer_loads_back(family, dtype,
+                                                                        model_first):
+    """A peak bf16/fp16 checkpoint loaded into torch's optimizer over the same low-precision
+    model (torch's load casts every floating state entry to the parameter's dtype, 'master_param'
+    too), trained on, saved, and loaded back into peak: it loads (it was refused as damaged), and
+    the weights torch trained are the masters, the moments torch's."""
+    from peak.optimizers import FusedAdamW, FusedSGD
+    make_peak, make_torch = {
+        "adamw": (lambda ps: FusedAdamW(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+        "sgd": (lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9),
+                lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))}[family]
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 8).to(dtype)
+
+    def train(model, opt, steps):
+        for s in range(steps):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s)).to(dtype)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    model = make()
+    opt = make_peak(model.parameters())
+    train(model, opt, 2)
+    via = make()
+    via.load_state_dict(model.state_dict())
+    via_opt = make_torch(via.parameters())
+    via_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert via_opt.state[via.weight]["master_param"].dtype == dtype  # (torch cast it)
+    train(via, via_opt, 2)
+    saved = copy.deepcopy({"model": via.state_dict(), "opt": via_opt.state_dict()})
+    back = make()
+    back_opt = make_peak(back.parameters())
+    loads = [lambda: back.load_state_dict(saved["model"]),
+             lambda: back_opt.load_state_dict(saved["opt"])]
+    for load in loads if model_first else loads[::-1]:
+        load()
+    for p, q in zip(back.parameters(), via.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(back_opt.master_of(p), q.detach().float())
+        moment = "exp_avg" if family == "adamw" else "momentum_buffer"
+        assert torch.equal(back_opt.state[p][moment], via_opt.state[q][moment].float())

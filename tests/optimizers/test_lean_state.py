@@ -762,6 +762,8 @@ def test_masters_kept_through_a_torch_checkpoint_load(case):
     if case == "remainders":
         assert all(t.dtype == torch.int16 for t in kept.values()) and kept
     before = opt.master_of(p).clone() if case != "model_made_fp32" else None
+    if case == "weights_loaded_outside_amp":  # (the live master: master_of follows the write)
+        before = opt.state[p]["master_param"].clone()
     opt.load_state_dict(ckpt)
     if case == "weights_loaded_outside_amp":
         loaded = ref.detach().to(BF16)

@@ -162,6 +162,42 @@ def test_masters_by_param_sees_every_placement():
     assert masters_by_param(opt)[id(low)] is store.masters[0]
 
 
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32 masters", "remainders"])
+def test_reads_between_a_weight_write_and_the_step_give_what_the_step_will(remainders):
+    """A model reloaded (no amp: no hook sees it) between steps: ``master_of``, the exports and
+    ``state_dict`` give the masters the next step follows the weights to (they gave the masters
+    of the weights trained before the reload), and reading changes nothing that run does."""
+    from peak.optimizers import export_fp32_optimizer_state_dict, export_fp32_state_dict
+
+    def run(read, check=False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+        early = copy.deepcopy(model.state_dict())
+        opt = FusedAdam(model.parameters(), lr=1e-2, store_param_remainders=remainders)
+        for step in range(5):
+            if step == 3:
+                model.load_state_dict(early)
+                reads = (opt.master_of(model.weight), export_fp32_state_dict(model, opt)["weight"],
+                         export_fp32_optimizer_state_dict(opt)["state"][0]["master_param"],
+                         opt.state_dict()) if read else None
+            if step == 3 and check:  # the next step's following, with nothing to move weights
+                opt.param_groups[0]["lr"] = 0.0
+                model.weight.grad = torch.zeros_like(model.weight)
+                opt.step()
+                followed = opt.master_of(model.weight)
+                assert torch.equal(followed.to(torch.bfloat16), model.weight.detach())
+                for value in reads[:3]:
+                    assert_bitwise_equal(value, followed)
+                return None
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+            model(x.bfloat16()).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+    run(True, check=True)
+    assert_bitwise_equal(run(True), run(False))  # reading changed nothing
+
+
 # -- a model reloaded without its optimizer state (NOTE: [Masters after a model reload]) ---------
 RELOAD_CASES = {
     "bf16 remainders": (torch.bfloat16, dict(store_param_remainders=True)),

@@ -26,9 +26,9 @@ from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local
 from ._fp32_sums import accumulate_fp32, check_fp32_sums, take_fp32_sums
 from ._master_loads import (kept_master, load_master, masters_before_load, masters_loaded,
                             masters_to_save, take_fp32_masters)
-from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, follow_weight, join_remainder,
-                      master_in_state, note_stepped, note_weight, settle_loads, store_of,
-                      weights_settled)
+from .masters import (MASTER_KEY, REMAINDER_KEY, as_followed, copy_to_model, follow_weight,
+                      join_remainder, master_in_state, note_stepped, note_weight, settle_loads,
+                      store_of, weights_settled)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -204,7 +204,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def master_of(self, p: Tensor) -> Tensor | None:
         """p's exact fp32 master (a remainder joined with its weight), or None."""
         settle_loads(self, [p])
-        state = self.state.get(p) or {}
+        state = as_followed(p, self.state.get(p) or {})  # (a weight written since: followed)
         if REMAINDER_KEY in state:
             return join_remainder(p.detach(), state[REMAINDER_KEY])
         return state.get(MASTER_KEY)

@@ -140,8 +140,9 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
             continue
         if key == REMAINDER_KEY:
             dtypes, shape = (torch.int16,), p.shape
-        elif key == MASTER_KEY:
-            dtypes, shape = (torch.float32,), p.shape
+        elif key == MASTER_KEY:  # (a torch optimizer's load casts it to p's dtype: followed by
+            dtypes, shape = (torch.float32,), p.shape  # the weights at the next step anyway)
+            dtypes += (p.dtype,) if "foreach" in group or "differentiable" in group else ()
         else:
             dtypes = (torch.float32, torch.bfloat16, torch.float16)
             dtypes += (torch.uint8,) if key in FORMATS else ()

@@ -12,26 +12,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..scaling import local_shard
 from ._sharded import is_sharded
 from .masters import (MASTER_KEY, REMAINDER_KEY, _awaiting_weight, _forget_id, _join_on_arrival,
-                      _split_on_arrival, _weight_version, copy_to_model, follow_write,
+                      _split_on_arrival, _weight_version, as_followed, copy_to_model,
                       join_or_weight, join_remainder, keep_as_remainder, note_weight,
                       weight_wins)
 
 _fp32_pending = WeakIdKeyDictionary()  # fused optimizer -> {fp32 param: a loaded master}
 
 
-@torch.no_grad()
 def masters_to_save(optimizer, packed: dict) -> None:
     """NOTE: [Masters saved after a write] In ``packed`` (a state_dict's "state"), a master or
     remainder that a weight written since the last step left behind is saved as that step will
     follow it: the checkpoint's weights and masters go together, so either load order resumes
-    exactly. The live master waits for the step, so saving changes no training."""
+    exactly (``as_followed``: saving changes no training)."""
     for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        entry, state = _weight_version.get(id(p)), packed.get(i)
-        if state and entry is not None and entry[0]() is p and entry[1] != p._version:
-            key = REMAINDER_KEY if REMAINDER_KEY in state else MASTER_KEY
-            if key in state:
-                packed[i] = {**state, key: state[key].clone()}
-                follow_write(p, packed[i], entry)
+        if i in packed:
+            packed[i] = as_followed(p, packed[i])
 
 
 def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:

@@ -138,6 +138,8 @@ class FusedAdam(FusedOptimizer):
         # always True): a torch AdamW checkpoint must keep stepping as AdamW here.
         if "adam_w_mode" not in group and "decoupled_weight_decay" in group:
             group["adam_w_mode"] = bool(group["decoupled_weight_decay"])
+        if "decoupled_weight_decay" in group:  # (loaded: it says what the step does)
+            group["decoupled_weight_decay"] = bool(group["adam_w_mode"])
 
     def state_dict(self):
         # ...and the other way: torch.optim.Adam reads 'decoupled_weight_decay' (default False),
@@ -247,6 +249,7 @@ class FusedAdamW(FusedAdam):
 
     def _translate_torch_group(self, group):
         group["adam_w_mode"] = True  # any checkpoint loaded here keeps stepping as AdamW
+        super()._translate_torch_group(group)
 
 
 class FusedAdagrad(FusedOptimizer):

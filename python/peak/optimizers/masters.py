@@ -16,7 +16,7 @@ from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
     wrapper_chain)
 from ._grads import own_grad, unscaled_sparse, zero_in_place  # noqa: F401 (its front doors')
-from ._sharded import is_sharded
+from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
            "copy_to_model", "join_remainder", "split_master", "keep_as_remainder",
@@ -45,47 +45,6 @@ def copy_to_model(masters: list[Tensor], params: list[Tensor]) -> None:
     conversions]). A skipped step left the masters as they were: copying them again is exact."""
     for device, _, _, (ins, outs) in group_by_device_dtype(masters, params):
         ops.multi_tensor_scale_(ins, outs, 1.0, ops.new_found_inf(device))
-
-
-def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
-    """The fp32 master held as a bf16 ``weight`` and its int16 ``remainder`` (the low 16 bits; a
-    negative remainder means the weight was rounded up): NOTE: [Remainder masters]."""
-    if is_sharded(weight):  # (DTensor's shifts leave a tensor as it is: shard by shard)
-        out = torch.empty_like(weight, dtype=torch.float32)
-        local_shard(out).copy_(join_remainder(local_shard(weight), local_shard(remainder)))
-        return out
-    high = weight.view(torch.int16).to(torch.int32) & 0xFFFF
-    low = remainder.to(torch.int32) & 0xFFFF
-    high = (high - (low >> 15)) & 0xFFFF
-    bits = (high.to(torch.int64) << 16) | low.to(torch.int64)
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    return bits.view(torch.float32)
-
-
-def join_or_weight(weight: Tensor, remainder: Tensor) -> Tensor:
-    """:func:`join_remainder`, but the weight where the join is not finite and the weight is: a
-    remainder joined with a weight other than its own (a user's write after a load) can cross
-    the exponent's edge (a zero weight and a rounded-up remainder join to NaN bits)."""
-    joined = join_remainder(weight, remainder)
-    return torch.where(joined.isfinite() | ~weight.isfinite(), joined, weight.float())
-
-
-def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
-    """The inverse of :func:`join_remainder`: (bf16 weight, int16 remainder) with the weight the
-    master rounded half away from zero in magnitude (round to nearest, ties up in magnitude)."""
-    if is_sharded(master):  # (as join_remainder: shard by shard)
-        parts = split_master(local_shard(master))
-        out = (torch.empty_like(master, dtype=torch.bfloat16),
-               torch.empty_like(master, dtype=torch.int16))
-        for whole, part in zip(out, parts):
-            local_shard(whole).copy_(part)
-        return out
-    bits = master.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
-    bits = bits & 0xFFFFFFFF
-    low = bits & 0xFFFF
-    high = ((bits >> 16) + (low >> 15)) & 0xFFFF
-    as_int16 = lambda x: torch.where(x >= 2**15, x - 2**16, x).to(torch.int16)  # noqa: E731
-    return as_int16(high).view(torch.bfloat16), as_int16(low)
 
 
 def keep_as_remainder(p: Tensor, state: dict, master: Tensor) -> None:
@@ -543,6 +502,19 @@ def follow_write(p: Tensor, state: dict, entry: tuple) -> None:
         state[MASTER_KEY].copy_(weight_wins(state[MASTER_KEY], p))
 
 
+def as_followed(p: Tensor, state: dict) -> dict:
+    """``state``, or a copy whose master (or remainder) follows a weight written since the last
+    step as that step will: what reads between steps give (a save, ``master_of``, the exports).
+    The live state waits for the step, so a read changes no training."""
+    entry, key = _weight_version.get(id(p)), REMAINDER_KEY if REMAINDER_KEY in state else MASTER_KEY
+    if key not in state or entry is None or entry[0]() is not p or entry[1] == p._version:
+        return state
+    state = {**state, key: state[key].clone()}
+    with torch.no_grad():
+        follow_write(p, state, entry)
+    return state
+
+
 def settle_loads(optimizer, params=None) -> None:
     """Before a fused optimizer's masters are read (``state_dict``, ``master_of``, the exports):
     a join or split an optimizer load left for a weight written since is made now, as the next
@@ -592,7 +564,7 @@ def masters_by_param(optimizer) -> dict[int, Tensor]:
         settle_loads(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            st = optimizer.state.get(p, {})
+            st = as_followed(p, optimizer.state.get(p, {}))
             if MASTER_KEY in st:
                 masters[id(p)] = st[MASTER_KEY]
             elif REMAINDER_KEY in st:
