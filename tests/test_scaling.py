@@ -129,6 +129,17 @@ def test_update_follows_the_reference_rule_over_a_sequence():
     assert min(seen) == 2.0**4 and seen[-1] == 2.0**12  # down to the floor, up to the ceiling
 
 
+@pytest.mark.parametrize("window", [2**31, 2**32 + 1, 10**12])
+def test_a_window_past_int32_never_grows(window):
+    """Apex takes any scale_window (a huge one: "never grow"); the update's trackers are int32,
+    so the core passes at most 2**31 - 1: cast, 2**32 + 1 was 1 (growth every update), and 2**31
+    was refused at the first step."""
+    core = LossScale(2.0**8, device="cpu", growth_interval=window)
+    for _ in range(5):
+        core.update()
+    assert core.scale.item() == 2.0**8 and int(core.growth_tracker.item()) == 5
+
+
 def test_inv_scale_is_the_float64_reciprocal():
     core = LossScale(3.0, device="cpu")
     assert core.inv_scale().item() == torch.tensor(1 / 3.0, dtype=torch.float64).float().item()

@@ -189,8 +189,8 @@ class LossScale:
         if found_infs is None:
             found_infs = list(self.found_inf.values())
         ops.update_scale_(self.scale, self.growth_tracker, found_infs, self.growth_factor,
-                          self.backoff_factor, self.growth_interval, hysteresis=self.hysteresis,
-                          hysteresis_tracker=self.hysteresis_tracker,
+                          self.backoff_factor, min(self.growth_interval, 2**31 - 1),  # (int32)
+                          hysteresis=self.hysteresis, hysteresis_tracker=self.hysteresis_tracker,
                           min_scale=0.0 if self.min_scale is None else self.min_scale,
                           max_scale=math.inf if self.max_scale is None else self.max_scale)
 

@@ -1021,14 +1021,18 @@ _PRUNED_RUNS = {  # optimizer, under amp O2
                              False)}
 
 
+@pytest.mark.parametrize("rewrite", [False, True], ids=["", "written again after the loads"])
 @pytest.mark.parametrize("run_kind", list(_PRUNED_RUNS))
 @pytest.mark.parametrize("model_first", [True, False], ids=["model first", "optimizer first"])
-def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_first, run_kind):
+def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_first, run_kind,
+                                                                      rewrite):
     """A pruning mask applied after each step (``weight.mul_(mask)``), a checkpoint between steps:
     the resumed run is the uninterrupted one, in either load order (the loads took the whole
     tensor's weights for masters, where the uninterrupted run keeps each master that still rounds
     to its weight; a fused optimizer saved the masters the write had left behind, and its load
-    put them back into the model)."""
+    put them back into the model). With ``rewrite`` the weight is written again after the loads,
+    before the first step (a mask re-applied on resuming): a fused optimizer's first step took
+    its loaded masters over that write."""
     mask = torch.arange(48).reshape(8, 6) % 7 != 0
     make_opt, under_amp = _PRUNED_RUNS[run_kind]
 
@@ -1041,7 +1045,7 @@ def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_firs
         return amp.initialize(model, make_opt(model.parameters()), opt_level="O2",
                               cast_model_type=torch.bfloat16, loss_scale=1.0, verbosity=0)
 
-    def run(steps, resume_at=None):
+    def run(steps, resume_at=None, write_at=None):
         model, opt = build()
         for s in range(steps):
             if s == resume_at:
@@ -1051,6 +1055,9 @@ def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_firs
                          lambda: opt.load_state_dict(saved[1])]
                 for load in loads if model_first else loads[::-1]:
                     load()
+            if s == write_at:
+                with torch.no_grad():
+                    model[0].weight[:, 1].fill_(0.25)
             x, y = data(s)
             if under_amp:
                 with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
@@ -1064,4 +1071,5 @@ def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_firs
         masters = amp.master_params(opt) if under_amp else [opt.master_of(p)
                                                               for p in model.parameters()]
         return _weights(model) + [m.detach().clone() for m in masters]
-    _assert_bitwise(run(8, resume_at=4), run(8))
+    write_at = 4 if rewrite else None
+    _assert_bitwise(run(8, resume_at=4, write_at=write_at), run(8, write_at=write_at))

@@ -892,20 +892,35 @@ def test_stale_masters_a_torch_optimizer_kept_do_not_become_fp32_weights():
             assert torch.equal(value, saved["model"][name]), name
 
 
-@pytest.mark.parametrize("family", ["adamw", "sgd"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+_THROUGH_TORCH = {  # peak's optimizer before, torch's, peak's after
+    "adamw": (lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True),
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+              lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True)),
+    "sgd": (lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9),
+            lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+            lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9)),
+    "adamw into remainders": (
+        lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True, store_param_remainders=True)),
+    "remainders into remainders": (
+        lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True, store_param_remainders=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda ps: FusedAdam(ps, lr=1e-2, adam_w_mode=True, store_param_remainders=True))}
+
+
+@pytest.mark.parametrize("family,dtype", [(f, d) for f in _THROUGH_TORCH
+                                          for d in (torch.bfloat16, torch.float16)
+                                          if d == torch.bfloat16 or "remainders" not in f])
 @pytest.mark.parametrize("model_first", [True, False], ids=["model first", "optimizer first"])
 def test_a_checkpoint_through_a_low_precision_torch_optimizer_loads_back(family, dtype,
                                                                         model_first):
     """A peak bf16/fp16 checkpoint loaded into torch's optimizer over the same low-precision
     model (torch's load casts every floating state entry to the parameter's dtype, 'master_param'
-    too), trained on, saved, and loaded back into peak: it loads (it was refused as damaged), and
-    the weights torch trained are the masters, the moments torch's."""
-    from peak.optimizers import FusedAdamW, FusedSGD
-    make_peak, make_torch = {
-        "adamw": (lambda ps: FusedAdamW(ps, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
-        "sgd": (lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9),
-                lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))}[family]
+    and a remainder too), trained on, saved, and loaded back into peak: it loads (it was refused
+    as damaged), and the weights torch trained are the masters (a remainder optimizer loaded
+    after the model put the stale masters' rounding back into the model), the moments torch's."""
+    make_peak, make_torch, make_back = _THROUGH_TORCH[family]  # (remainders: bf16 alone)
 
     def make():
         torch.manual_seed(0)
@@ -925,11 +940,12 @@ def test_a_checkpoint_through_a_low_precision_torch_optimizer_loads_back(family,
     via.load_state_dict(model.state_dict())
     via_opt = make_torch(via.parameters())
     via_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    assert via_opt.state[via.weight]["master_param"].dtype == dtype  # (torch cast it)
+    assert all(v.dtype == dtype for k, v in via_opt.state[via.weight].items()
+               if k.startswith("master_param"))  # (torch cast it)
     train(via, via_opt, 2)
     saved = copy.deepcopy({"model": via.state_dict(), "opt": via_opt.state_dict()})
     back = make()
-    back_opt = make_peak(back.parameters())
+    back_opt = make_back(back.parameters())
     loads = [lambda: back.load_state_dict(saved["model"]),
              lambda: back_opt.load_state_dict(saved["opt"])]
     for load in loads if model_first else loads[::-1]:
@@ -937,5 +953,5 @@ def test_a_checkpoint_through_a_low_precision_torch_optimizer_loads_back(family,
     for p, q in zip(back.parameters(), via.parameters()):
         assert torch.equal(p, q)
         assert torch.equal(back_opt.master_of(p), q.detach().float())
-        moment = "exp_avg" if family == "adamw" else "momentum_buffer"
+        moment = "momentum_buffer" if family == "sgd" else "exp_avg"
         assert torch.equal(back_opt.state[p][moment], via_opt.state[q][moment].float())

@@ -882,3 +882,24 @@ def test_setters_refuse_what_the_constructor_refuses_and_change_nothing(setter, 
         runs.append((p.detach().clone(), scaler.get_scale(), scaler.get_growth_factor(),
                      scaler.get_backoff_factor(), scaler.get_growth_interval()))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
+
+
+def test_a_setter_checks_its_own_value_alone():
+    """A valid value is taken whatever else the scaler holds (a loaded torch state above this
+    scaler's max_scale, documented as allowed; an unpickled scaler whose scale was set below
+    min_scale): the setter refused it over the unrelated option. No value: torch's TypeError."""
+    import pickle
+    scaler = amp.GradScaler("cpu", max_scale=2.0**16)
+    scaler.load_state_dict(torch.amp.GradScaler("cpu", init_scale=2.0**17).state_dict())
+    scaler.set_growth_interval(100)
+    assert scaler.get_growth_interval() == 100
+    scaler = amp.GradScaler("cpu", init_scale=1024.0, min_scale=64.0)
+    p = torch.nn.Parameter(torch.ones(3))
+    scaler.scale(p.sum()).backward()
+    scaler.step(torch.optim.SGD([p], lr=0.1))
+    scaler.update(new_scale=8.0)
+    copy_ = pickle.loads(pickle.dumps(scaler))
+    copy_.set_growth_factor(4.0)
+    assert copy_.get_growth_factor() == 4.0
+    with pytest.raises(TypeError, match="new_factor"):
+        amp.GradScaler("cpu").set_growth_factor()

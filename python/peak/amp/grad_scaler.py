@@ -499,9 +499,9 @@ def _run_torch_code(name: str, option: str | None = None) -> None:
     theirs = getattr(torch.amp.GradScaler, name)
 
     def method(self, *args, **kwargs):
-        if option is not None and self._enabled:  # (the value: the one argument)
-            check_options({**{k: getattr(self._core, k) for k in _OPTIONS},
-                           option: [*args, *kwargs.values()][0]}, self._on_min_scale)
+        if option is not None and self._enabled and (args or kwargs):  # (checked alone)
+            check_options({**{k: getattr(self._core, k) for k in _OPTIONS}, "min_scale": None,
+                           "max_scale": None, option: [*args, *kwargs.values()][0]}, "keep")
         return theirs(self, *args, **kwargs)
     method.__name__, method.__qualname__ = name, f"GradScaler.{name}"
     method.__module__, method.__doc__ = __name__, theirs.__doc__

@@ -17,7 +17,7 @@ from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, u
 from ._arguments import (LEAN_KEYS, check_bool, check_group, check_lean, check_storage,
                          check_unique)
 from ._checkpoint_check import (EIGHT_BIT_LAYOUT, FP32_STATE_KEYS, MOMENT_KEYS, SCALE_KEYS,
-                                STORAGE_KEYS, check_loadable)
+                                STORAGE_KEYS, check_loadable, written_by_torch)
 from ._layout import (LayoutWatch, check_steppable, follow_layout, follow_storage,
                       note_storage, storage_changes)
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
@@ -525,6 +525,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # saved with fp32 state loads into a lean optimizer (and back), converted below.
         storage = [{k: g[k] for k in LEAN_KEYS if k in g} for g in self.param_groups]
         kept = masters_before_load(self)
+        via_torch = written_by_torch(state_dict["param_groups"])
         super().load_state_dict(stripped)
         own_keys = getattr(self, "_group_keys", tuple(self.defaults))
         for group, own in zip(self.param_groups, storage):
@@ -557,7 +558,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 kept.pop(p, None)
             else:  # (a torch.optim or Apex checkpoint: the masters made from the model stay)
                 entries = {**entries, MASTER_KEY: kept_master(p, kept[p])}
-            joined[p] = load_master(self, p, state, group, entries)
+            joined[p] = load_master(self, p, state, group, entries, via_torch)
             self._complete_loaded_state(p, state)
         for p in kept.keys() - joined.keys():  # (no state in the checkpoint)
             load_master(self, p, self.state[p], self._group_of(p),
@@ -566,8 +567,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if not is_sharded(p):  # (the checkpoint's layout becomes p's)
                 follow_layout(p, self.state[p])
         note_storage(self)
-        masters_loaded(self, joined, kept, any(k in g for g in state_dict["param_groups"]
-                                               for k in _TORCH_GROUP_KEYS))
+        masters_loaded(self, joined, kept, via_torch)
 
     def _translate_torch_group(self, group: dict) -> None:
         """Hook: map a torch.optim param group's options onto ours (before defaults fill in)."""
@@ -589,7 +589,6 @@ class FusedOptimizer(torch.optim.Optimizer):
 _EAGER_FUSED_STEP = torch._disable_dynamo(FusedOptimizer._fused_step)
 
 
-_TORCH_GROUP_KEYS = ("foreach", "differentiable", "fused")  # torch.optim's, not peak's
 # What a constructor sets beside torch's attributes, kept through pickling and deepcopy.
 _CONSTRUCTOR_ATTRIBUTES = ("master_weights", "set_grad_none", "store_unscaled_grads",
                            "_group_keys", "reduced_precision_dtype", "_initial_step",

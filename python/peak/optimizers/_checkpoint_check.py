@@ -31,6 +31,11 @@ SCALE_KEYS = tuple(scale_key(k) for k in ("exp_avg", "exp_avg_sq", "momentum_buf
 FP32_STATE_KEYS = ("step", "sum", MASTER_KEY, REMAINDER_KEY) + MOMENT_KEYS + SCALE_KEYS
 
 
+def written_by_torch(saved_groups) -> bool:
+    """A torch.optim optimizer wrote the checkpoint: its own options are in the groups."""
+    return any(k in g for g in saved_groups for k in ("foreach", "differentiable", "fused"))
+
+
 def check_loadable(optimizer, state_dict) -> None:
     """Raises ValueError (naming the entry and the fix) unless ``state_dict`` is whole for
     ``optimizer``: its structure, and every parameter's saved state (see the module's doc)."""
@@ -67,10 +72,12 @@ def check_loadable(optimizer, state_dict) -> None:
                              f"parameter id {pid!r}, which no param group lists (an extra "
                              "entry: the state dict was edited or comes from another model)")
         p, group, label = where[pid]
-        _check_entries(optimizer, name, p, group, f"state[{pid!r}] ({label})", entries)
+        _check_entries(optimizer, name, p, group, f"state[{pid!r}] ({label})", entries,
+                       written_by_torch(saved_groups))
 
 
-def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries) -> None:
+def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries,
+                   via_torch: bool) -> None:
     def refuse(what: str) -> None:
         raise ValueError(f"{name}.load_state_dict: {label}: {what}; the checkpoint is damaged "
                          "or from another optimizer (nothing was loaded)")
@@ -138,11 +145,14 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries)
                        f"256 of the parameter's {p.numel()}), got {value.dtype} with "
                        f"{value.numel()}")
             continue
-        if key == REMAINDER_KEY:
+        if key in (MASTER_KEY, REMAINDER_KEY) and via_torch:  # (torch's options in the groups:
+            # a torch optimizer wrote it, whose load casts every entry to p's dtype. Stale anyway,
+            # the weights win over a master; a remainder's lost bits are dropped)
+            dtypes, shape = (torch.float32, torch.bfloat16, torch.float16, torch.int16), p.shape
+        elif key == REMAINDER_KEY:
             dtypes, shape = (torch.int16,), p.shape
-        elif key == MASTER_KEY:  # (a torch optimizer's load casts it to p's dtype: followed by
-            dtypes, shape = (torch.float32,), p.shape  # the weights at the next step anyway)
-            dtypes += (p.dtype,) if "foreach" in group or "differentiable" in group else ()
+        elif key == MASTER_KEY:
+            dtypes, shape = (torch.float32,), p.shape
         else:
             dtypes = (torch.float32, torch.bfloat16, torch.float16)
             dtypes += (torch.uint8,) if key in FORMATS else ()

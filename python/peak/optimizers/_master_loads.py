@@ -29,15 +29,20 @@ def masters_to_save(optimizer, packed: dict) -> None:
             packed[i] = as_followed(p, packed[i])
 
 
-def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -> Tensor | None:
+def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict,
+                via_torch: bool = False) -> Tensor | None:
     """A saved master (``entries``: p's checkpoint state) into ``optimizer``'s form: a remainder
     as is, or joined with p's current bf16 value, which must be the weight saved with it (load the
     model's state_dict too); an fp32 master as is, or split into p's rounding and a remainder, or
-    (an fp32 p, saved from a low-precision run) into p where p is its rounding. Returns the
-    remainder an fp32 master was joined from, if so (for ``weight_loaded``)."""
+    (an fp32 p, saved from a low-precision run) into p where p is its rounding. A checkpoint a
+    torch optimizer wrote (``via_torch``) may hold stale masters: split, the weight wins where one
+    does not round to it; a remainder torch's load cast to p's dtype (its bits lost) is dropped.
+    Returns the remainder an fp32 master was joined from, if so (for ``weight_loaded``)."""
     state.pop(MASTER_KEY, None)
     state.pop(REMAINDER_KEY, None)
     master, remainder = entries.get(MASTER_KEY), entries.get(REMAINDER_KEY)
+    if via_torch and remainder is not None and remainder.dtype != torch.int16:
+        remainder = None
     if remainder is not None:
         remainder = remainder.to(device=p.device, dtype=torch.int16)
         if optimizer.keeps_remainder(p, group):
@@ -48,7 +53,8 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
     if master is None:
         return None  # the optimizer starts it from the weights
     if optimizer.keeps_remainder(p, group):
-        keep_as_remainder(p, state, master)
+        keep_as_remainder(p, state, weight_wins(master.to(p.device, torch.float32), p)
+                          if via_torch else master)
         # (a weight arriving later is split again: ``follow_weight``)
         _split_on_arrival[p] = master.detach().to(p.device, torch.float32, copy=True)
     elif optimizer.wants_master(p):
@@ -61,17 +67,18 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict) -
     return None
 
 
-def weight_loaded(p: Tensor, joined_remainder: Tensor | None, fp32_master: bool) -> None:
-    """After an optimizer load: with ``fp32_master`` p's master is checked against its weight at
-    the next step (``masters_loaded``: the weight wins where the master does not round to it); a
-    master joined from a remainder is joined again with a weight written after the load; else p's
-    weight is taken to go with its loaded master (its version is forgotten). An earlier load's
-    pending join is dropped."""
+def weight_loaded(p: Tensor, joined_remainder: Tensor | None, check: bool, master: bool) -> None:
+    """After an optimizer load: with ``check`` p's fp32 master is checked against its weight at
+    the next step (the weight wins where the master does not round to it: a torch optimizer's
+    stale master); a master joined from a remainder is joined again with a weight written after
+    the load; another fp32 ``master`` follows a weight written after the load (a model loaded
+    after it brings the weights it rounds to); else p's weight is taken to go with its loaded
+    remainder (its version is forgotten). An earlier load's pending join is dropped."""
     _join_on_arrival.pop(p, None)
     if joined_remainder is not None:
         _join_on_arrival[p] = joined_remainder
-    if fp32_master or joined_remainder is not None or p in _split_on_arrival:
-        note_weight(p, version=-1 if fp32_master else None)  # (-1: a version no weight has)
+    if check or master or joined_remainder is not None or p in _split_on_arrival:
+        note_weight(p, version=-1 if check else None)  # (-1: a version no weight has)
     elif (entry := _weight_version.get(id(p))) is not None and entry[0]() is p:
         _forget_id(id(p))
 
@@ -102,17 +109,18 @@ def kept_master(p: Tensor, kept: Tensor) -> Tensor:
 
 def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None:
     """After a fused optimizer's load (``joined``: parameter -> the remainder its fp32 master was
-    joined from): the loaded fp32 masters refresh the model, as a store's do. A checkpoint a torch
-    optimizer wrote (``via_torch``: its options in the groups) may hold stale masters (torch keeps
-    an unknown 'master_param' as it was while it trains the weights): those are checked against
-    the weights at the next step instead, and follow them where they do not round to them. Masters
-    ``kept`` from before the load go with the weights already."""
+    joined from): the loaded fp32 masters refresh the model, as a store's do (a weight written
+    after the load wins). A checkpoint a torch optimizer wrote (``via_torch``: its options in the
+    groups) may hold stale masters (torch keeps an unknown 'master_param' as it was while it trains
+    the weights): those are checked against the weights at the next step instead, and follow them
+    where they do not round to them. Masters ``kept`` from before the load go with the weights
+    already."""
     refresh = ([], [])
     for group in optimizer.param_groups:
         for p in group["params"]:
             master = optimizer.state.get(p, {}).get(MASTER_KEY)
             check = master is not None and via_torch and p not in kept
-            weight_loaded(p, joined.get(p), check)
+            weight_loaded(p, joined.get(p), check, master is not None)
             if p in kept:  # (it goes with this weight: a weight written after the load wins)
                 note_weight(p)
             if master is not None and not via_torch and joined.get(p) is None and p not in kept:

@@ -382,9 +382,10 @@ def master_of_param(p: Tensor) -> Tensor | None:
 # remainder, which cannot tell, is cleared. Some writes change nothing (nn.Embedding's max_norm): a
 # weight written once is watched from then on by a checksum of its bits after each step, its
 # remainder cleared only when the bits changed. A checkpoint saves the masters as that step will
-# follow them (NOTE: [Masters saved after a write]); a loaded optimizer state forgets the versions
-# (its weights arrive with it). Writes through ``.data`` go unseen; a step captured in a CUDA graph
-# follows nothing (a replay would repeat it).
+# follow them (NOTE: [Masters saved after a write]). A loaded fp32 master follows a weight written
+# after the load (a model loaded after it brings weights it rounds to); a loaded remainder's version
+# is forgotten (its weight arrives with it, in either order). Writes through ``.data`` go unseen; a
+# step captured in a CUDA graph follows nothing (a replay would repeat it).
 _loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
 # id(parameter) -> (a weak reference to it, its version when its master last matched it,
 # the checksum of its bits after the last step if it is watched, else None)
