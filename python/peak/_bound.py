@@ -12,11 +12,12 @@ class BoundMethod:
     that did not load)."""
 
     # (__dict__: Dynamo guards on it; it stays empty, as a method takes no attributes)
-    __slots__ = ("__func__", "__self__", "__weakref__", "__dict__")
+    __slots__ = ("__func__", "__self__", "__weakref__", "__dict__", "_replaced")
 
-    def __init__(self, func, obj) -> None:
+    def __init__(self, func, obj, replaced=None) -> None:
         object.__setattr__(self, "__func__", func)
         object.__setattr__(self, "__self__", obj)
+        object.__setattr__(self, "_replaced", replaced)  # (the method it stands in for)
 
     def __setattr__(self, name: str, value) -> None:
         raise AttributeError(f"'method' object has no attribute '{name}'")
@@ -31,6 +32,8 @@ class BoundMethod:
     __doc__ = property(lambda self: self.__func__.__doc__)  # (a class attribute otherwise)
 
     def __getattr__(self, name: str):  # (__name__, __wrapped__...: the function's)
+        if name == "_wrapped_by_lr_sched":  # torch's LR scheduler marks the step it wrapped:
+            return getattr(self._replaced, name)  # the step bound over that one calls it
         return getattr(self.__func__, name)
 
     def __repr__(self) -> str:

@@ -168,6 +168,42 @@ def test_overflow_charged_to_its_own_loss_only(name):
     assert any(not torch.equal(p, q) for p, q in zip(_weights(b), wb))  # stepped
 
 
+@pytest.mark.parametrize("name", ["FusedSGD", "FusedAdam"])
+def test_a_stepped_optimizers_old_gradients_are_not_charged_to_a_later_loss(name):
+    """Two models, each stepped after its own loss, the first optimizer passed to the second
+    loss too (Lightning's manual_backward passes every optimizer); loss 0 overflows once. With a
+    fused optimizer the skipped step's inf gradients stayed and were charged to loss 1 (its clean
+    step skipped, its scale halved) and to the first optimizer's next clean step: a step's (or
+    skip's) gradients go before the next backward, as a torch optimizer's masters' do. The runs
+    equal the torch optimizer's, bit for bit, over steps without zero_grad too."""
+    def run(make):
+        amp._amp_state.reset()
+        a, b = make_mlp(1), make_mlp(2)
+        oa, ob = make(a.parameters()), make(b.parameters())
+        [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level="O2", num_losses=2,
+                                          verbosity=0)
+        scales = []
+        for i in range(4):
+            x, y = data(i)
+            if i != 3:  # (the last: no zero_grad, a step's gradients go all the same)
+                oa.zero_grad()
+            loss_a = F.cross_entropy(a(x).float(), y) * (float("inf") if i == 1 else 1.0)
+            with amp.scale_loss(loss_a, oa, loss_id=0) as s:
+                s.backward()
+            oa.step()
+            if i != 3:
+                ob.zero_grad()
+            with amp.scale_loss(F.cross_entropy(b(x).float(), y), [oa, ob], loss_id=1) as s:
+                s.backward()
+            ob.step()
+            scales.append([amp._amp_state.loss_scalers[k].loss_scale() for k in range(2)])
+        return scales, _weights(a) + _weights(b)
+    theirs = run(lambda ps: {"FusedSGD": TORCH["SGD"], "FusedAdam": TORCH["Adam"]}[name](ps))
+    ours = run(FUSED[name])
+    assert ours[0] == theirs[0] and ours[0][-1] == [2.0**15, 2.0**16]
+    _assert_bitwise(ours[1], theirs[1])
+
+
 def test_fused_overflow_in_second_loss_is_still_caught():
     """Setting earlier gradients aside must not hide an overflow of the new pass."""
     a = make_mlp(1)
@@ -1073,3 +1109,32 @@ def test_a_resume_after_a_weight_written_between_steps_is_bit_for_bit(model_firs
         return _weights(model) + [m.detach().clone() for m in masters]
     write_at = 4 if rewrite else None
     _assert_bitwise(run(8, resume_at=4, write_at=write_at), run(8, write_at=write_at))
+
+
+# ---- 13. an LR scheduler built before amp.initialize (Lightning, Accelerate) ------------------
+@pytest.mark.parametrize("name", ["SGD", "FusedSGD"])
+def test_a_scheduler_built_before_initialize_keeps_torchs_order_check(name):
+    """amp binds its step over the one torch's scheduler wrapped: torch warned "optimizer.step()
+    has been overridden after learning rate scheduler initialization" at every run, and lost its
+    real check (scheduler.step() before optimizer.step()), which must still warn."""
+    for misordered in (False, True):
+        amp._amp_state.reset()
+        model = make_mlp()
+        opt = {**TORCH, **FUSED}[name](model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                                    verbosity=0)
+        x, y = data(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if misordered:
+                sched.step()
+            with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            sched.step()
+        messages = [str(w.message) for w in caught]
+        assert not any("overridden" in m for m in messages)
+        assert any("before `optimizer.step()`" in m for m in messages) == misordered
+        assert opt.param_groups[0]["lr"] == {**TORCH, **FUSED}[name](
+            [torch.zeros(1, requires_grad=True)]).param_groups[0]["lr"] * 0.5 ** (1 + misordered)

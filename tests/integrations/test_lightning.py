@@ -322,3 +322,47 @@ def test_apex_plugin_gradient_accumulation_as_by_hand(opt_level, dtype):
                 optimizer.step()
     assert_bitwise(got, weights(ref))
     assert got_amp == amp.state_dict()
+
+
+def test_apex_plugin_manual_optimization_passes_the_chosen_optimizers():
+    """Two models, two optimizers, two loss scalers in manual optimization; the first loss
+    overflows once. manual_backward(..., optimizers=opt) passes scale_loss that optimizer alone,
+    so the overflow skips its step only and halves its scaler only (every optimizer was passed:
+    the other model's clean step was skipped too)."""
+    class TwoModels(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+            self.moved = []
+
+        def training_step(self, batch, batch_idx):
+            opt_a, opt_b = self.optimizers()
+            x = batch[0]
+            before = [m.weight.detach().clone() for m in (self.a, self.b)]
+            for m, opt, loss_id in ((self.a, opt_a, 0), (self.b, opt_b, 1)):
+                opt.zero_grad()
+                loss = m(x.half()).float().pow(2).mean()  # (O2: the submodules take fp16)
+                if loss_id == 0 and batch_idx == 1:
+                    loss = loss * float("inf")
+                self.manual_backward(loss, loss_id=loss_id, optimizers=opt)
+                opt.step()
+            self.moved.append([not torch.equal(w, m.weight) for w, m in zip(before,
+                                                                             (self.a, self.b))])
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
+                    torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+    model = TwoModels()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(48, 4)),
+                                         batch_size=16)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False,
+                        plugins=[AmpPrecision("O2", "fp16", num_losses=2)])
+    trainer.fit(model, loader)
+    assert model.moved == [[True, True], [False, True], [True, True]]
+    state = amp.state_dict()
+    assert (state["loss_scaler0"]["loss_scale"], state["loss_scaler1"]["loss_scale"]) == (
+        2.0**15, 2.0**16)

@@ -110,7 +110,7 @@ class AmpOptimizerState:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """After the optimizer's own ``zero_grad``: what amp keeps for the step is dropped."""
-        self.params_have_scaled_gradients, self.delayed_scale = False, None
+        self.params_have_scaled_gradients, self.delayed_scale, self.stepped = False, None, False
 
 
 class ScaledGradsState(AmpOptimizerState):
@@ -127,7 +127,7 @@ class ScaledGradsState(AmpOptimizerState):
         # scale)), the scaled grads handed over (grad_versions), whether the masters got fp32 grads
         # and were read without (a list then taken has none later; None: the step said so once).
         self.grad_scale = self.grad_norm = self.set_aside = self.handed = None
-        self.scale_is_one = self.master_grads_given = self.read_bare = False
+        self.scale_is_one = self.master_grads_given = self.read_bare = self.stepped = False
 
     def register_params(self, params, fp32_originals=None) -> list:
         """The params stay in the group; their fp32 weights from before the cast are the masters."""
@@ -159,6 +159,8 @@ class ScaledGradsState(AmpOptimizerState):
                 "fp32 master weights their gradients (for clipping) and no step() or zero_grad() "
                 "has used them since. Read amp.master_params once per step, after the last "
                 "scale_loss block of the step (gradient accumulation: after the last micro-batch).")
+        if self.stepped and self.grad_scale is None:  # the last step's (or skip's) gradients go,
+            self.optimizer.zero_grad(set_to_none=True)  # as a store's (an inf: charged again)
         params = [p for p in self.params if p.grad is not None]
         if self.grad_scale is None or not params:
             return
@@ -345,7 +347,7 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
         # Cast existing per-parameter state to the (new) parameter dtypes, as Apex does.
         optimizer.load_state_dict(optimizer.state_dict())
     optimizer._amp_stash = stash
-    optimizer.step = BoundMethod(_step, optimizer)
+    optimizer.step = BoundMethod(_step, optimizer, optimizer.step)
     optimizer.zero_grad = BoundMethod(_zero_grad, optimizer)
     optimizer.add_param_group = BoundMethod(_add_param_group, optimizer)
     if kind is UnscaledGradsState and master_weights:  # a fused optimizer saves its own masters
@@ -374,7 +376,7 @@ def _step(self, closure=None):
             "amp.scale_loss exit had delay_unscale=True. Exit the last micro-batch's scale_loss "
             "without delay_unscale (it unscales and checks everything accumulated), then step")
     step_index = stash.step_count
-    stash.step_count += 1
+    stash.step_count, stash.stepped = step_index + 1, True  # (run or skipped)
     stash.print_reports()  # earlier steps' skips whose reports have arrived
     if stash.pending_skip is not None:
         loss_id, scaler = stash.pending_skip

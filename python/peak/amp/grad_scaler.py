@@ -444,9 +444,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
         self._skipped_steps_host = trackers["_skipped_steps"]
-        self._skipped_steps_device = None
+        self._skipped_steps_device = self._inv_scale = None
         self._last_skipped = False
-        self._inv_scale = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -463,8 +462,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         if state.get("_report_records"):
             self._finish_report_records()
             state["_last_report"] = self._last_report
-        state["_param_names"] = {}
-        state["_report_records"] = []
+        state["_param_names"], state["_report_records"] = {}, []
         for key in ("_inv_scale", "_host_found_inf", "_last_skipped", "_step_sig_cache"):
             state.pop(key, None)
         state["_last_skipped_value"] = self.last_step_skipped

@@ -100,8 +100,13 @@ class AmpPrecision(Precision):
         return model, optimizers, lr_schedulers
 
     def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
-        loss_id = kwargs.pop("loss_id", 0)
-        optimizers = [_unwrap(optimizer)] if optimizer is not None else self._optimizers
+        """``manual_backward(loss, loss_id=k, optimizers=opt)``: scaler k, and the optimizer(s)
+        that step on this loss (default: every one, each of which an overflow then skips)."""
+        loss_id, chosen = kwargs.pop("loss_id", 0), kwargs.pop("optimizers", None)
+        if isinstance(chosen, (torch.optim.Optimizer, LightningOptimizer)):
+            chosen = [chosen]
+        optimizers = ([_unwrap(optimizer)] if optimizer is not None else self._optimizers
+                      if chosen is None else [_unwrap(o) for o in chosen])
         with amp.scale_loss(tensor, optimizers, loss_id=loss_id) as scaled_loss:
             model.backward(scaled_loss, *args, **kwargs)
 
