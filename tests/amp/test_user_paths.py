@@ -204,6 +204,44 @@ def test_a_stepped_optimizers_old_gradients_are_not_charged_to_a_later_loss(name
     _assert_bitwise(ours[1], theirs[1])
 
 
+@pytest.mark.parametrize("zero", ["none", "model set_to_none=False"])
+def test_a_steps_gradients_go_unless_zeroed_with_fp32_params_too(zero):
+    """O2 with fp32 parameters (BatchNorm: their own masters): without zero_grad, a skipped
+    step's inf gradients of those were added into the next step, whose check saw only the new
+    ones (torch optimizer: the BatchNorm weights went NaN); with ``model.zero_grad(set_to_none=
+    False)`` a parameter the next backward does not reach keeps its zero gradient and is stepped
+    (momentum), as in fp32 (a fused optimizer; amp's store for a torch optimizer gives an
+    unreached master no gradient). Without zero_grad the two agree bit for bit."""
+    def run(make):
+        amp._amp_state.reset()
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8)),
+                               "b": nn.Linear(6, 8)})
+        model, opt = amp.initialize(model, make(model.parameters()), opt_level="O2",
+                                    verbosity=0)
+        moved = []
+        for i in range(5):
+            if zero != "none":
+                model.zero_grad(set_to_none=False)
+            x = torch.randn(16, 6, generator=torch.Generator().manual_seed(i)).half()
+            out = model["a"](x) + (model["b"](x) if i % 2 == 0 else 0)
+            loss = out.float().pow(2).mean() * (float("inf") if i == 1 else 1.0)
+            before = model["b"].weight.detach().clone()
+            with amp.scale_loss(loss, opt) as s:
+                s.backward()
+            opt.step()
+            moved.append(not torch.equal(before, model["b"].weight))
+        return moved, _weights(model)
+    ours = run(FUSED["FusedSGD"])
+    if zero == "none":
+        theirs = run(TORCH["SGD"])
+        assert all(torch.isfinite(w).all() for w in theirs[1])
+        _assert_bitwise(ours[1], theirs[1])
+        assert ours[0] == theirs[0] == [True, False, True, False, True]
+    else:  # (step 1 skipped; b unreached at step 3 steps on its momentum)
+        assert ours[0] == [True, False, True, True, True]
+
+
 def test_fused_overflow_in_second_loss_is_still_caught():
     """Setting earlier gradients aside must not hide an overflow of the new pass."""
     a = make_mlp(1)

@@ -10,9 +10,9 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, grad_versions, own_grad,
-                                    register_owner, stepped_elsewhere, warn_bare_masters,
-                                    warn_changed_grads)
+from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, drop_left_grads, grad_versions,
+                                    grads_left, own_grad, register_owner, stepped_elsewhere,
+                                    warn_bare_masters, warn_changed_grads)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -38,7 +38,7 @@ class AmpOptimizerState:
                             and not isinstance(optimizer, torch.optim.LBFGS))
         self.sharded = any(getattr(p, "device_mesh", None) is not None  # FSDP2's DTensors
                            for group in optimizer.param_groups for p in group["params"])
-        self.found_inf = None  # device skip: the flag the next step() hands over
+        self.found_inf, self.left = None, []  # the next step()'s flag; the last step's grads
         self.pending_skip = None  # host skip: (loss_id, scaler) of an overflow
         self.in_flight: list = []  # device skip: (step, loss_id, host [flag, new scale], event)
         self.first_skip: dict = {}  # step -> [loss_id, scale] of its first overflow, or None
@@ -110,7 +110,7 @@ class AmpOptimizerState:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """After the optimizer's own ``zero_grad``: what amp keeps for the step is dropped."""
-        self.params_have_scaled_gradients, self.delayed_scale, self.stepped = False, None, False
+        self.params_have_scaled_gradients, self.delayed_scale, self.left = False, None, []
 
 
 class ScaledGradsState(AmpOptimizerState):
@@ -127,7 +127,7 @@ class ScaledGradsState(AmpOptimizerState):
         # scale)), the scaled grads handed over (grad_versions), whether the masters got fp32 grads
         # and were read without (a list then taken has none later; None: the step said so once).
         self.grad_scale = self.grad_norm = self.set_aside = self.handed = None
-        self.scale_is_one = self.master_grads_given = self.read_bare = self.stepped = False
+        self.scale_is_one = self.master_grads_given = self.read_bare = False
 
     def register_params(self, params, fp32_originals=None) -> list:
         """The params stay in the group; their fp32 weights from before the cast are the masters."""
@@ -159,8 +159,7 @@ class ScaledGradsState(AmpOptimizerState):
                 "fp32 master weights their gradients (for clipping) and no step() or zero_grad() "
                 "has used them since. Read amp.master_params once per step, after the last "
                 "scale_loss block of the step (gradient accumulation: after the last micro-batch).")
-        if self.stepped and self.grad_scale is None:  # the last step's (or skip's) gradients go,
-            self.optimizer.zero_grad(set_to_none=True)  # as a store's (an inf: charged again)
+        drop_left_grads(self.left)  # (a skipped step's inf would be charged again)
         params = [p for p in self.params if p.grad is not None]
         if self.grad_scale is None or not params:
             return
@@ -304,6 +303,7 @@ class UnscaledGradsState(AmpOptimizerState):
                 UserWarning, stacklevel=user_stacklevel())  # the script's step()
 
     def prepare_backward(self, scaler) -> None:
+        drop_left_grads(self.left)
         self.store.set_grads_aside()
 
     def run_step(self, args, found_inf):
@@ -375,14 +375,13 @@ def _step(self, closure=None):
             f"{type(self).__name__}.step(): the gradients are still scaled and unchecked: the last "
             "amp.scale_loss exit had delay_unscale=True. Exit the last micro-batch's scale_loss "
             "without delay_unscale (it unscales and checks everything accumulated), then step")
-    step_index = stash.step_count
-    stash.step_count, stash.stepped = step_index + 1, True  # (run or skipped)
+    step_index, stash.step_count = stash.step_count, stash.step_count + 1
     stash.print_reports()  # earlier steps' skips whose reports have arrived
     if stash.pending_skip is not None:
-        loss_id, scaler = stash.pending_skip
-        stash.pending_skip = stash.found_inf = None
+        (loss_id, scaler), stash.pending_skip, stash.found_inf = stash.pending_skip, None, None
         stash.print_skip(step_index, loss_id, scaler.loss_scale())
         stash.drop_pending()
+        stash.left = grads_left(stash.grad_holders) if stash.master_weights else []
         return loss
     stash.before_step()
     found_inf, stash.found_inf = stash.found_inf, None
@@ -392,6 +391,7 @@ def _step(self, closure=None):
         stash.found_inf = found_inf
         raise
     stash.print_reports()  # at once where the report needs no copy (the CPU)
+    stash.left = grads_left(stash.grad_holders) if stash.master_weights else []
     return loss if closure is not None and not args else result
 
 

@@ -1,8 +1,26 @@
 """The gradients a master-weight store takes from a backward pass: set aside while another pass
-runs, zeroed in place as torch's ``zero_grad`` does, sparse ones unscaled into their masters'."""
+runs, zeroed in place as torch's ``zero_grad`` does, sparse ones unscaled into their masters',
+dropped where a step left them."""
 from __future__ import annotations
 
+import weakref
+
 from torch import Tensor
+
+
+def grads_left(params) -> list:
+    """After a step (or its skip) under amp O2: each gradient of ``params`` it leaves, weakly,
+    with its version counter (``drop_left_grads``)."""
+    return [(p, weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None]
+
+
+def drop_left_grads(left: list) -> None:
+    """Before the next backward: a step's gradients go, as the masters' do (a skipped step's inf
+    would be added into the next step), unless zeroed or written since (``zero_grad(set_to_none=
+    False)``, a user's own): those stay, as torch keeps them."""
+    for p, ref, version in left:
+        if p.grad is not None and p.grad is ref() and p.grad._version == version:
+            p.grad = None
 
 
 def own_grad(grad: Tensor | None) -> Tensor | None:

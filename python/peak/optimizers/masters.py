@@ -15,7 +15,8 @@ from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
     wrapper_chain)
-from ._grads import own_grad, unscaled_sparse, zero_in_place  # noqa: F401 (its front doors')
+from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
+                     zero_in_place)  # (its front doors')
 from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
