@@ -95,6 +95,7 @@ class MasterWeights:
         self.had_grads: list = []  # the layout of each master's gradient at its step, or None
         self.took_grads = False  # a backward pass of this step went through take_grads
         self._grad_stash: list | None = None
+        self._had_grad: list | None = None  # (set_grads_aside: which weights had a gradient)
         self._loaded: dict | None = None
         self._versions: list[int] = []  # the weights' version counters at the last copy-back
 
@@ -198,7 +199,10 @@ class MasterWeights:
     # -- the scaled gradients: a backward pass writes the model's; the masters get them ----------
     def set_grads_aside(self) -> None:
         """Before a backward pass: the model's gradients go (the masters hold them unscaled), the
-        own params' are set aside, so that the pass's new ones can be told apart."""
+        own params' are set aside, so that the pass's new ones can be told apart. A weight that
+        had one (zeroed by the script: a step's went before) keeps its master stepped on a zero
+        gradient if the pass does not reach it, as torch steps a zeroed gradient (and Apex)."""
+        self._had_grad = [p.grad is not None for p in self.model_params]
         self._grad_stash = [own_grad(p.grad) for p in self.own_params]
         for p in self.model_params + self.own_params:
             p.grad = None
@@ -247,7 +251,10 @@ class MasterWeights:
             scaler.unscale([r[0] for r in new], [r[2] for r in new])
         if acc:
             scaler.unscale_with_stashed(*([r[i] for r in acc] for i in range(3)))
-        self._grad_stash = None
+        for m, had in zip(self.masters, self._had_grad or ()):
+            if had and m.grad is None:
+                m.grad = torch.zeros_like(m)
+        self._grad_stash = self._had_grad = None
         self.took_grads |= bool(rows) or sparse
         return bool(rows) or sparse
 
