@@ -66,6 +66,7 @@ def check_loadable(optimizer, state_dict) -> None:
         merged = dict(own, **{k: v for k, v in saved.items() if k != "params"})
         for j, (pid, p) in enumerate(zip(saved["params"], own["params"])):
             where[pid] = (p, merged, f"param_groups[{i}]['params'][{j}]")
+    via_torch = written_by_torch(saved_groups)
     for pid, entries in state_dict["state"].items():
         if pid not in where:
             raise ValueError(f"{name}.load_state_dict: the checkpoint's state has an entry for "
@@ -73,7 +74,7 @@ def check_loadable(optimizer, state_dict) -> None:
                              "entry: the state dict was edited or comes from another model)")
         p, group, label = where[pid]
         _check_entries(optimizer, name, p, group, f"state[{pid!r}] ({label})", entries,
-                       written_by_torch(saved_groups))
+                       via_torch)
 
 
 def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries,

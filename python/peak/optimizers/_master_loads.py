@@ -77,7 +77,7 @@ def weight_loaded(p: Tensor, joined_remainder: Tensor | None, check: bool, maste
     _join_on_arrival.pop(p, None)
     if joined_remainder is not None:
         _join_on_arrival[p] = joined_remainder
-    if check or master or joined_remainder is not None or p in _split_on_arrival:
+    if master or joined_remainder is not None or p in _split_on_arrival:  # (check: a master)
         note_weight(p, version=-1 if check else None)  # (-1: a version no weight has)
     elif (entry := _weight_version.get(id(p))) is not None and entry[0]() is p:
         _forget_id(id(p))
