@@ -270,8 +270,39 @@ def no_sync_accumulation(rank, delay_unscale):
     return warned, [p.grad.clone() for p in amp.master_params(opt)]
 
 
+UNSEEDED_CONFIGS = [(low, opt) for low in (torch.float16, torch.bfloat16)
+                    for opt in ("sgd", "fused_adam")] + [(torch.bfloat16, "remainders")]
+
+
+def unseeded_ranks(rank):
+    """amp O2, then DDP, over a model each rank initialized from its own seed (DDP's constructor
+    broadcasts rank 0's weights, so torch scripts need not seed alike): three steps each."""
+    import peak.optimizers
+    from peak import amp
+
+    out = {}
+    for low, opt_name in UNSEEDED_CONFIGS:
+        reset_amp()
+        model = make_model(seed=rank)
+        if opt_name == "remainders":
+            opt = peak.optimizers.FusedAdam(model.parameters(), lr=1e-2, store_param_remainders=True)
+        else:
+            opt = _optimizer(opt_name, model.parameters())
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=low,
+                                    verbosity=0)
+        ddp = DDP(model)
+        for step in range(3):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            with amp.scale_loss(torch.nn.functional.mse_loss(ddp(x).float(), y), opt) as s:
+                s.backward()
+            opt.step()
+        out[(low, opt_name)] = state_tensors(model, opt)
+    return out
+
+
 def worker(rank, world_size):
-    results = {"wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank),
+    results = {"unseeded": unseeded_ranks(rank), "wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank),
                "bucket_view": bucket_view_accumulation(rank),
                "no_sync": [no_sync_accumulation(rank, delay) for delay in (False, True)],
                "batch_norm_views": batch_norm_bucket_views(rank)}

@@ -127,3 +127,14 @@ def test_fp32_gradients_set_aside_as_bucket_views(ranks, kind):
     for r in range(WORLD_SIZE):
         default, views = ranks[r]["batch_norm_views"][kind]
         assert all(torch.equal(a, b) for a, b in zip(default, views))
+
+
+@pytest.mark.parametrize("config", ddp_worker.UNSEEDED_CONFIGS, ids=str)
+def test_ranks_initialized_differently_agree_after_ddp_broadcast(ranks, config):
+    """DDP's constructor gives every rank rank 0's (cast) weights; the masters amp O2 built before
+    it must agree too: built from each rank's own fp32 weights, rank 1's followed the broadcast
+    only where they no longer rounded to it, and the ranks stepped apart (silently)."""
+    a, b = ranks[0]["unseeded"][config], ranks[1]["unseeded"][config]
+    assert len(a) == len(b) > 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{config}: state tensor {i} differs"
