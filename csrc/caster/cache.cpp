@@ -23,6 +23,11 @@ struct MarkUsedOnBackward : torch::autograd::FunctionPreHook {
     used->store(true, std::memory_order_relaxed);
     return grads;
   }
+  // Compiled autograd asks every hook of a graph it runs for its arguments instead of calling it:
+  // that is the backward pass reaching the cast too.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const override {
+    used->store(true, std::memory_order_relaxed);
+  }
   std::shared_ptr<std::atomic<bool>> used;
 };
 

@@ -26,6 +26,15 @@ struct Rule {
   std::vector<Copy>* copies = nullptr;          // region edits record their casts
 };
 
+// copy.copy(o): a shallow copy of o's own type (a defaultdict keeps its factory).
+PyObject* shallow_copy(PyObject* o) {
+  PyObject* module = PyImport_ImportModule("copy");
+  if (!module) return nullptr;
+  PyObject* out = PyObject_CallMethod(module, "copy", "O", o);
+  Py_DECREF(module);
+  return out;
+}
+
 // Returns a new reference: `o` itself (incref'd) when nothing inside changed.
 PyObject* cast_tree(PyObject* o, const Rule& r) {
   if (THPVariable_Check(o)) {
@@ -75,27 +84,44 @@ PyObject* cast_tree(PyObject* o, const Rule& r) {
       Py_INCREF(o);
       return o;
     }
-    if (is_tuple && !PyTuple_CheckExact(o)) {  // a namedtuple (e.g. PackedSequence): rebuild it
-      PyObject* rebuilt = PyObject_Call(reinterpret_cast<PyObject*>(Py_TYPE(o)), out, nullptr);
+    if (is_tuple && !PyTuple_CheckExact(o)) {  // rebuilt as its own type
+      // A namedtuple (PackedSequence) takes its fields as arguments; other tuple types
+      // (torch.return_types, a `class X(tuple)`) take one sequence, as tuple() does.
+      const bool named = PyObject_HasAttrString(o, "_fields");
+      PyObject* rebuilt = named
+          ? PyObject_Call(reinterpret_cast<PyObject*>(Py_TYPE(o)), out, nullptr)
+          : PyObject_CallOneArg(reinterpret_cast<PyObject*>(Py_TYPE(o)), out);
       Py_DECREF(out);
       return rebuilt;
     }
     return out;
   }
   if (PyDict_Check(o)) {
-    PyObject* out = PyDict_New();
+    // NOTE: [Dicts in cast arguments] The dict itself where nothing in it is cast (a function
+    // may fill a cache dict passed to it); else a shallow copy of its own type (copy.copy keeps a
+    // defaultdict's factory, an OrderedDict's order) with the cast values set in.
+    PyObject* out = nullptr;
     PyObject *k, *v;
     Py_ssize_t pos = 0;
     while (PyDict_Next(o, &pos, &k, &v)) {
       PyObject* c = cast_tree(v, r);
-      if (!c || PyDict_SetItem(out, k, c) < 0) {
-        Py_XDECREF(c);
-        Py_DECREF(out);
+      if (!c) {
+        Py_XDECREF(out);
+        return nullptr;
+      }
+      if (c != v && !out) {
+        out = PyDict_CheckExact(o) ? PyDict_Copy(o) : shallow_copy(o);
+      }
+      if (c != v && (!out || PyObject_SetItem(out, k, c) < 0)) {
+        Py_DECREF(c);
+        Py_XDECREF(out);
         return nullptr;
       }
       Py_DECREF(c);
     }
-    return out;
+    if (out) return out;
+    Py_INCREF(o);
+    return o;
   }
   Py_INCREF(o);
   return o;
@@ -163,6 +189,8 @@ bool any_autocast_enabled() {
          at::autocast::is_autocast_enabled(c10::DeviceType::CUDA) ||
          at::autocast::is_autocast_enabled(c10::DeviceType::XPU);
 }
+}  // namespace
+
 bool in_autocast_region(PyObject* args, PyObject* kwargs) {
   if (!any_autocast_enabled()) return false;  // the common case: one TLS read per device type
   c10::DeviceType type = c10::DeviceType::CPU;
@@ -171,6 +199,8 @@ bool in_autocast_region(PyObject* args, PyObject* kwargs) {
   }
   return at::autocast::is_autocast_enabled(type);
 }
+
+namespace {
 
 PyObject* func_name(PyObject* func) {
   PyObject* n = PyObject_GetAttrString(func, "__qualname__");

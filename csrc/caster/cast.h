@@ -16,6 +16,10 @@ namespace peak::caster {
 // requires grad goes through this thread's weight-cast cache (cache.cpp).
 at::Tensor cast_tensor(const at::Tensor& t, at::ScalarType to, bool use_cache);
 
+// Whether torch's autocast is on for the device type of the first tensor in the arguments (an
+// explicit autocast region, where O1 steps aside).
+bool in_autocast_region(PyObject* args, PyObject* kwargs);
+
 // Cast the arguments as `p` says and call `func` with torch's autocast keys excluded (so
 // torch.autocast, if also on, does not re-cast this op). New reference or nullptr.
 // `g`: whose state casts (its low dtype, allow_banned; its own state may use the cache).

@@ -309,7 +309,8 @@ void register_bindings(py::module_& m) {
         if (kw && !PyDict_Check(kw)) throw py::type_error("kwargs must be a dict or None");
         PyObject* r;
         const Gate g = current_gate();
-        if (pol == Policy::kNone || !g.casting) {
+        // NOTE: [Explicit autocast regions win] for decorated functions too: called unchanged
+        if (pol == Policy::kNone || !g.casting || in_autocast_region(args.ptr(), kw)) {
           r = PyObject_Call(func.ptr(), args.ptr(), kw);
         } else {
           r = apply_policy(pol, func.ptr(), args.ptr(), kw, g);

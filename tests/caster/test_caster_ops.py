@@ -207,6 +207,91 @@ def test_nested_kwargs_and_dicts(o1):
     assert torch.cat(tensors=[r(2).to(o1), r(2)]).dtype == torch.float32
 
 
+def test_dict_arguments_of_decorated_functions_are_the_callers(o1):
+    """A dict argument with nothing to cast is passed as it is (a function may fill a cache dict),
+    as Apex passed dicts through; one with a cast value is a shallow copy of its own type, the
+    caller's untouched. They were always new plain dicts: writes lost, a defaultdict broken."""
+    import collections
+
+    @amp.half_function
+    def fill(x, cache, stats):
+        cache["k"] = x
+        stats["calls"] += 1
+        return cache, stats
+
+    cache, stats = {}, collections.defaultdict(int)
+    got_cache, got_stats = fill(r(3), cache, stats)
+    assert got_cache is cache and got_stats is stats and stats["calls"] == 1
+    assert cache["k"].dtype == o1
+
+    @amp.half_function
+    def read(d):
+        return d
+
+    held = collections.defaultdict(list, {"w": r(2), "n": 3})
+    copied = read(held)
+    assert type(copied) is collections.defaultdict and copied.default_factory is list
+    assert copied["w"].dtype == o1 and copied["n"] == 3 and held["w"].dtype == torch.float32
+    ordered = collections.OrderedDict([("b", r(2)), ("a", r(2))])
+    assert type(read(ordered)) is collections.OrderedDict and list(read(ordered)) == ["b", "a"]
+
+
+def test_tuple_arguments_keep_their_type_when_cast(o1):
+    """A namedtuple is rebuilt from its fields; other tuple types (torch.return_types, a class
+    of tuple's) from one sequence, as tuple() takes it (they raised a TypeError)."""
+    class Pair(tuple):
+        pass
+
+    a = r(4, 4)
+    assert torch.cat(Pair((a, a.to(o1)))).dtype == torch.float32  # promote: fp32
+    top = torch.topk(a, 2)
+
+    @amp.half_function
+    def values(res):
+        return res
+
+    got = values(top)
+    assert type(got) is type(top) and got.values.dtype == o1 and got.indices.dtype == torch.int64
+    assert torch.equal(got.values, top.values.to(o1)) and torch.equal(got.indices, top.indices)
+
+
+def test_decorated_functions_inside_an_explicit_autocast_region(o1):
+    """In a torch.autocast region O1 steps aside for decorated functions too (as for ops): called
+    unchanged, their body under the region's autocast. They ran with autocast off, their
+    arguments in O1's dtype."""
+    other = torch.bfloat16 if o1 == torch.float16 else torch.float16
+
+    @amp.float_function
+    def head(x, w):
+        return x.dtype, torch.is_autocast_enabled("cpu"), F.linear(x, w).dtype
+
+    x, w = r(4, 8), r(8, 8)
+    with torch.autocast("cpu", dtype=other):
+        assert head(x.to(o1), w) == (o1, True, other)
+    assert head(x.to(o1), w) == (torch.float32, False, o1)
+
+
+def test_weight_casts_under_compiled_autograd(o1):
+    """Compiled autograd runs the backward of an O1 forward (it refused the cache's hook), and a
+    cast its backward reached serves no later forward: a weight written unseen since (through
+    .data, as a kernel writes without a version bump) is cast afresh."""
+    import torch._dynamo
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(8, 8), r(4, 8)
+    eager = torch.nn.Linear(8, 8)
+    eager.load_state_dict(lin.state_dict())
+    eager(x).float().pow(2).sum().backward()
+    torch._dynamo.reset()
+    out = lin(x)
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        out.float().pow(2).sum().backward()
+    assert torch.equal(lin.weight.grad, eager.weight.grad)
+    lin.weight.data.mul_(2)
+    assert torch.equal(lin(x), F.linear(x.to(o1), lin.weight.to(o1), lin.bias.to(o1)))
+
+
 def test_banned(o1):
     p = torch.sigmoid(F.linear(r(3, 4), r(2, 4)))
     assert p.dtype == o1
