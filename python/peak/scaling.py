@@ -13,7 +13,7 @@ from . import ops
 
 __all__ = ["local_shard", "group_by_device_dtype", "OverflowFlags", "merge_flags", "LossScale",
            "unscale_grads_", "core_attribute", "optimizer_gradients", "reduce_over_meshes",
-           "agree_on_overflow"]
+           "agree_on_overflow", "skip_leaves_state_unset"]
 
 
 def local_shard(t):
@@ -253,3 +253,13 @@ def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:
             if with_owners:
                 owners.append((param, gi, pi))
     return grads, owners
+
+
+def skip_leaves_state_unset(optimizer) -> bool:
+    """torch's fused SGD before its momentum buffers exist: its first step makes them (for each
+    parameter with a gradient) with empty_like, which a skip on the device leaves uninitialised
+    (torch's GradScaler then trains on garbage): the skip is decided on the host until then."""
+    state = optimizer.state
+    return isinstance(optimizer, torch.optim.SGD) and any(
+        g.get("momentum") and p.grad is not None and "momentum_buffer" not in state.get(p, {})
+        for g in optimizer.param_groups for p in g["params"])

@@ -903,3 +903,35 @@ def test_a_setter_checks_its_own_value_alone():
     assert copy_.get_growth_factor() == 4.0
     with pytest.raises(TypeError, match="new_factor"):
         amp.GradScaler("cpu").set_growth_factor()
+
+
+def test_torch_fused_sgd_whose_first_step_overflows():
+    """torch's SGD(fused=True) makes its momentum buffers (empty_like) in its first step, which a
+    skip on the device leaves uninitialised (torch's own GradScaler then trains on garbage): until
+    they exist the skip is decided on the host, then on the device again. With a power-of-two
+    scale the run equals one that never took the overflowing step, bit for bit."""
+    def run(skip_first):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        scaler = amp.GradScaler("cpu")
+        junk = [torch.full((64, 64), 1e30) for _ in range(16)]  # freed memory empty_like may take
+        del junk
+        reads = HostReads()
+        for step in range(3 if skip_first else 2):
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step - skip_first))
+            loss = model(x).pow(2).mean() * (float("inf") if skip_first and step == 0 else 1.0)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            with reads.counting():
+                scaler.step(opt)
+            scaler.update()
+        return model.state_dict(), opt.state_dict()["state"], reads.count, scaler
+
+    (weights, state, reads, scaler), (ref_weights, ref_state, _, _) = run(True), run(False)
+    assert scaler.skipped_steps == 1
+    for name in weights:
+        assert torch.equal(weights[name], ref_weights[name]), name
+    for i in state:
+        assert torch.equal(state[i]["momentum_buffer"], ref_state[i]["momentum_buffer"])
+    assert reads == 2  # the skip and the step that made the buffers; then on the device

@@ -18,7 +18,7 @@ from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
 from .._bound import BoundMethod
 from .._stacklevel import user_stacklevel
-from ..scaling import OverflowFlags, group_by_device_dtype, unscale_grads_
+from ..scaling import OverflowFlags, group_by_device_dtype, skip_leaves_state_unset, unscale_grads_
 
 
 class AmpOptimizerState:
@@ -52,13 +52,7 @@ class AmpOptimizerState:
         self.found_inf is not None and bool(self.found_inf.any())))
 
     def skips_on_device(self) -> bool:
-        """Not torch's fused SGD before its momentum buffers exist: its first step makes them (for
-        each parameter with a gradient) with empty_like, which a skip would leave uninitialised."""
-        opt = self.optimizer
-        return self.device_skip and not (isinstance(opt, torch.optim.SGD) and any(
-            g.get("momentum") and p.grad is not None
-            and "momentum_buffer" not in opt.state.get(p, {})
-            for g in opt.param_groups for p in g["params"]))
+        return self.device_skip and not skip_leaves_state_unset(self.optimizer)
 
     def note_overflow(self, loss_id: int, scaler) -> None:
         """A ``scale_loss`` exit of a dynamic scaler (device skip): keep its flag for step(), and

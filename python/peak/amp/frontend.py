@@ -188,11 +188,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                            "O, not the number zero.")
     # Strings ("bf16", "fp16", "float32", ...) are read by the one parser every dtype argument uses.
     low_precision_dtype = _dtypes.parse_dtype(low_precision_dtype, "low_precision_dtype")
-    if isinstance(cast_model_type, str):
-        cast_model_type = _dtypes.parse_dtype(cast_model_type, "cast_model_type", _dtypes.FLOATING)
-    if isinstance(cast_model_outputs, str):
-        cast_model_outputs = _dtypes.parse_dtype(cast_model_outputs, "cast_model_outputs",
-                                                 _dtypes.FLOATING)
+    cast_model_type, cast_model_outputs = (
+        _dtypes.parse_dtype(value, name, _dtypes.FLOATING) if isinstance(value, str) else value
+        for value, name in ((cast_model_type, "cast_model_type"),
+                            (cast_model_outputs, "cast_model_outputs")))
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"num_losses must be an int >= 1 (one loss scaler per loss); found "
                          f"num_losses={num_losses!r}")

@@ -15,12 +15,10 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .. import _C
-from ..scaling import (LossScale, OverflowFlags, core_attribute, optimizer_gradients, merge_flags,
+from ..scaling import (LossScale, OverflowFlags, agree_on_overflow as _agree_on_overflow,
+                       core_attribute, merge_flags, optimizer_gradients, skip_leaves_state_unset,
                        unscale_grads_)
-from ..scaling import agree_on_overflow as _agree_on_overflow
 from .overflow_report import OverflowAttribution, OverflowReport
-
-__all__ = ["GradScaler", "OptState", "OverflowReport"]
 
 _CHUNK_SIZE = 65536
 _unscale_param_grads = _C.unscale_param_grads  # the C++ walk over param_groups (param_grads.cpp)
@@ -267,7 +265,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if (getattr(optimizer, "_step_supports_amp_scaling", False)
+                and not skip_leaves_state_unset(optimizer)):
             kwargs_ = kwargs
             has_grad_scaler_kwarg, takes_scale_kwargs, takes_norm = self._step_signature(optimizer)
             grad_norm = None
@@ -371,10 +370,6 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         return any(state["found_inf_per_device"] and self._host_found_inf.get(opt_id, 1) != 0
                    for opt_id, state in self._per_optimizer_states.items())
 
-    def _get_hysteresis_tracker(self) -> int:
-        return (self._init_hysteresis_tracker if self._hysteresis_tracker is None
-                else int(self._hysteresis_tracker.item()))
-
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker``), which ``torch.amp.GradScaler.load_state_dict``
@@ -385,7 +380,9 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
                 "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
                 "_growth_tracker": self._get_growth_tracker(), "hysteresis": self._hysteresis,
-                "_hysteresis_tracker": self._get_hysteresis_tracker(),
+                "_hysteresis_tracker": (self._init_hysteresis_tracker
+                                        if self._hysteresis_tracker is None
+                                        else int(self._hysteresis_tracker.item())),
                 "min_scale": self._min_scale, "max_scale": self._max_scale,
                 "_skipped_steps": self.skipped_steps}
 

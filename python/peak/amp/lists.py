@@ -126,9 +126,7 @@ def entries() -> dict:
     return {fn: _NAMES[code] for fn, code in _c.table()}
 
 
-def reset() -> None:
-    """Restore Apex's O1 lists, dropping every edit and ``register_*_function`` registration."""
-    _caster.reset_lists()
+reset = _caster.reset_lists
 
 
 def set_dispatch(dispatch: str) -> None:
@@ -181,16 +179,14 @@ def _register(module, name, policy: str) -> None:
     _caster.register(module, name, policy)
 
 
-def register_half_function(module, name) -> None:
-    """Before ``amp.initialize``: under O1, run ``module.name`` with low-precision arguments."""
-    _register(module, name, "lower")
+def _registration(policy: str, doc: str):
+    def register(module, name) -> None:
+        _register(module, name, policy)
+    register.__doc__ = "Before ``amp.initialize``: under O1, " + doc
+    return register
 
 
-def register_float_function(module, name) -> None:
-    """Before ``amp.initialize``: under O1, run ``module.name`` with float32 arguments."""
-    _register(module, name, "fp32")
-
-
-def register_promote_function(module, name) -> None:
-    """Before ``amp.initialize``: under O1, promote ``module.name``'s mixed-precision arguments."""
-    _register(module, name, "promote")
+register_half_function = _registration("lower", "run ``module.name`` with low-precision arguments.")
+register_float_function = _registration("fp32", "run ``module.name`` with float32 arguments.")
+register_promote_function = _registration("promote", "promote ``module.name``'s mixed-precision "
+                                          "arguments.")

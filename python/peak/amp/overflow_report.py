@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["OverflowReport"]
-
 
 @dataclass(frozen=True)
 class OverflowReport:

@@ -24,17 +24,6 @@ def _as_list(objects):
     return list(objects) if isinstance(objects, (list, tuple)) else [objects]
 
 
-class _AmpCheckpointState:
-    """What ``accelerator.save_state`` stores for amp: ``amp.state_dict()`` (the loss scalers;
-    the fp32 masters travel in the optimizer's state)."""
-
-    def state_dict(self):
-        return amp.state_dict()
-
-    def load_state_dict(self, state_dict):
-        amp.load_state_dict(state_dict)
-
-
 def initialize(accelerator, models, optimizers=None, **amp_kwargs):
     """``amp.initialize(models, optimizers, **amp_kwargs)`` in a script that uses Accelerate,
     before or after ``accelerator.prepare`` (single process): prepared optimizers
@@ -66,7 +55,7 @@ def initialize(accelerator, models, optimizers=None, **amp_kwargs):
     inner = None if optimizers is None else [unwrap_optimizer(o) for o in _as_list(optimizers)]
     amp.initialize(model_list, inner, **amp_kwargs)
     if not getattr(accelerator, "_peak_amp_state_registered", False):
-        accelerator.register_for_checkpointing(_AmpCheckpointState())
+        accelerator.register_for_checkpointing(amp)  # amp.state_dict(): the loss scalers
         accelerator._peak_amp_state_registered = True
     return models if optimizers is None else (models, optimizers)
 

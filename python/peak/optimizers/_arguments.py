@@ -81,7 +81,8 @@ def check_unique(name: str, params: list) -> None:
                          "once per entry, and deprecates that): pass each parameter once")
 
 
-def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
+def check_hyper(name, value, lo=0.0, below=None):
+    """A hyperparameter in [lo, below), or [lo, inf) without `below`."""
     if isinstance(value, bool) or not hasattr(value, "__float__"):  # (numbers, 0-d arrays)
         raise ValueError(f"Invalid {name}: {value!r} (must be a number)")
     if isinstance(value, Tensor):
@@ -89,15 +90,9 @@ def check_hyper(name, value, lo=None, hi=None, lo_open=False, hi_open=False):
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
                              f"{tuple(value.shape)}")
         value = value.item()  # checked once, at construction, as torch does
-    ok = True
-    if lo is not None:
-        ok &= value > lo if lo_open else value >= lo
-    if hi is not None:
-        ok &= value < hi if hi_open else value <= hi
-    if not ok:
-        lo_s = ("(" if lo_open else "[") + str(lo) if lo is not None else "(-inf"
-        hi_s = str(hi) + (")" if hi_open else "]") if hi is not None else "inf)"
-        raise ValueError(f"Invalid {name}: {value} (must be in {lo_s}, {hi_s})")
+    if not (value >= lo and (below is None or value < below)):
+        hi_s = f"{below})" if below is not None else "inf)"
+        raise ValueError(f"Invalid {name}: {value} (must be in [{lo}, {hi_s})")
 
 
 def check_betas(betas) -> None:
@@ -106,16 +101,16 @@ def check_betas(betas) -> None:
                          "takes bias_correction third: pass arguments by keyword, or import "
                          "apex.optimizers under peak's Apex alias for Apex's order)")
     for i in (0, 1):
-        check_hyper(f"beta parameter at index {i}", betas[i], lo=0.0, hi=1.0, hi_open=True)
+        check_hyper(f"beta parameter at index {i}", betas[i], below=1.0)
 
 
 def check_adam_hypers(lr, eps, betas, weight_decay, max_grad_norm=0.0) -> None:
     """The Adam family's ranges (FusedAdam, FusedLAMB, FusedNovoGrad), with torch's messages."""
-    check_hyper("learning rate", lr, lo=0.0)
-    check_hyper("epsilon value", eps, lo=0.0)
+    check_hyper("learning rate", lr)
+    check_hyper("epsilon value", eps)
     check_betas(betas)
-    check_hyper("weight_decay value", weight_decay, lo=0.0)
-    check_hyper("max_grad_norm", max_grad_norm, lo=0.0)
+    check_hyper("weight_decay value", weight_decay)
+    check_hyper("max_grad_norm", max_grad_norm)
 
 
 # A param group's own numbers (add_param_group, or a dict in params), in the constructors' words.
@@ -130,7 +125,7 @@ def check_group(group: dict, defaults: dict) -> None:
     in moment_rounding, a negative lr); storage dtypes given as strings become dtypes."""
     for key, value in group.items():
         if key in _GROUP_RANGES:
-            check_hyper(_GROUP_RANGES[key], value, lo=0.0)
+            check_hyper(_GROUP_RANGES[key], value)
         elif key == "betas":
             check_betas(value)
         elif key == "moment_rounding":

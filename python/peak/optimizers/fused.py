@@ -50,7 +50,7 @@ class FusedSGD(FusedOptimizer):
         _check_materialize(materialize_master_grads)
         for name, value in (("learning rate", lr), ("momentum value", momentum),
                             ("weight_decay value", weight_decay), ("max_grad_norm", max_grad_norm)):
-            check_hyper(name, value, lo=0.0)
+            check_hyper(name, value)
         check_nesterov(nesterov, momentum, dampening)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, max_grad_norm=float(max_grad_norm))
@@ -266,7 +266,7 @@ class FusedAdagrad(FusedOptimizer):
         for name, value in (("learning rate", lr), ("epsilon value", eps),
                             ("weight_decay value", weight_decay), ("lr_decay", lr_decay),
                             ("initial_accumulator_value", initial_accumulator_value)):
-            check_hyper(name, value, lo=0.0)
+            check_hyper(name, value)
         check_bool("adagrad_w_mode", adagrad_w_mode)
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
                         lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value)
