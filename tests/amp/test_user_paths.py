@@ -1173,3 +1173,38 @@ def test_a_scheduler_built_before_initialize_keeps_torchs_order_check(name):
         assert any("before `optimizer.step()`" in m for m in messages) == misordered
         assert opt.param_groups[0]["lr"] == {**TORCH, **FUSED}[name](
             [torch.zeros(1, requires_grad=True)]).param_groups[0]["lr"] * 0.5 ** (1 + misordered)
+
+
+@pytest.mark.parametrize("make_opt", list(TORCH.values()) + [FUSED["FusedAdam"]],
+                         ids=list(TORCH) + ["FusedAdam"])
+def test_a_step_interrupted_before_it_steps_can_be_retried(make_opt):
+    """An O2 step that raises before it changes anything (a step pre-hook, Ctrl-C) keeps the
+    masters' gradients: called again, it steps as the uninterrupted run. The torch path dropped
+    them, so the retry stepped nothing and the run lost that step."""
+    def run(interrupt):
+        model = make_mlp()
+        opt = make_opt(model.parameters())
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                    verbosity=0)
+        armed = [False]
+
+        def pre_hook(*_):
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+
+        opt.register_step_pre_hook(pre_hook)
+        for i in range(3):
+            x, y = data(i)
+            opt.zero_grad()
+            with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            if i == 1 and interrupt:
+                armed[0] = True
+                with pytest.raises(KeyboardInterrupt):
+                    opt.step()
+            opt.step()
+        return _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+
+    amp._amp_state.reset()
+    _assert_bitwise(run(True), run(False))

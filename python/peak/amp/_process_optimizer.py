@@ -4,6 +4,7 @@ device or the host (docs/amp_api.md, "Master weights (O2)" and "Fused optimizers
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -306,16 +307,15 @@ class UnscaledGradsState(AmpOptimizerState):
             opt.found_inf = found_inf.reshape(())
         self.store.follow_weights()
         try:
-            if self.o1:
-                with _caster.disabled():
-                    return self.orig_step(*args)
-            return self.orig_step(*args)
+            with _caster.disabled() if self.o1 else contextlib.nullcontext():
+                result = self.orig_step(*args)
         finally:
             if found_inf is not None:
                 del opt.found_inf
-            if self.store.masters:
-                self.store.copy_to_model()
-                self.store.drop_grads()
+        if self.store.masters:  # (not after a step that raised: called again, it steps them)
+            self.store.copy_to_model()
+            self.store.drop_grads()
+        return result
 
     def drop_pending(self) -> None:
         self.store.drop_grads()
