@@ -1208,3 +1208,28 @@ def test_a_step_interrupted_before_it_steps_can_be_retried(make_opt):
 
     amp._amp_state.reset()
     _assert_bitwise(run(True), run(False))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("set_grad_none", [False, True])
+def test_zero_grad_follows_the_fused_optimizers_set_grad_none(level, set_grad_none):
+    """``opt.zero_grad()`` under amp keeps the constructor's ``set_grad_none`` (Apex's option) as
+    the optimizer's own zero_grad does: False zeroes the gradients (amp made it True), so a
+    weight the next pass does not reach is still stepped on momentum, as without amp."""
+    model = make_mlp()
+    opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, set_grad_none=set_grad_none)
+    model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=torch.bfloat16,
+                                verbosity=0)
+    x, y = data(0)
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+    grads = [p.grad for p in model.parameters()]
+    if set_grad_none:
+        assert all(g is None for g in grads)
+    else:
+        assert all(g is not None and not g.any() for g in grads)
+    opt.zero_grad(set_to_none=True)  # an explicit argument still wins
+    assert all(p.grad is None for p in model.parameters())
+    amp._amp_state.reset()

@@ -182,9 +182,8 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
                     module.register_load_state_dict_post_hook(refresh_after_load_hook)
         _initialized_models.add(model)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        # NOTE: [Masters under DDP] DDP's constructor (after this) gives every rank rank 0's cast
-        # weights, and no rank can take rank 0's fp32 weights with them: every rank's masters
-        # start from its cast weights (Apex's), the same on every rank after the broadcast.
+        # NOTE: [Masters under DDP] DDP's constructor, after this, gives each rank rank 0's cast
+        # weights (not its fp32 ones): masters from the cast weights then agree on every rank.
         fp32_originals.clear()
     for optimizer in optimizers:
         inner = inner_optimizer(optimizer)

@@ -397,7 +397,8 @@ def _with_casts(closure):
     return closure_with_casts
 
 
-def _zero_grad(self, set_to_none: bool = True):
+def _zero_grad(self, set_to_none: bool | None = None):  # (None: Apex's set_grad_none, or True)
+    set_to_none = getattr(self, "set_grad_none", True) if set_to_none is None else set_to_none
     self._amp_stash.orig_zero_grad(set_to_none)
     self._amp_stash.zero_grad(set_to_none)
 
