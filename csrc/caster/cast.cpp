@@ -1,4 +1,5 @@
-// The O1 caster's casting (cast.h); the weight-cast cache is in cache.cpp. See docs/caster.md.
+// The O1 caster's casting (cast.h); argument trees are walked in tree.cpp, the weight-cast cache
+// is in cache.cpp. See docs/caster.md.
 #include "cast.h"
 
 #include <torch/csrc/Exceptions.h>
@@ -17,168 +18,6 @@
 namespace peak::caster {
 namespace {
 
-// A cast rule applied to every eligible tensor found in an argument tree.
-struct Rule {
-  at::ScalarType to;
-  bool use_cache;
-  bool any_device = true;                       // else only tensors of `device`'s type
-  c10::DeviceType device = c10::DeviceType::CPU;
-  std::vector<Copy>* copies = nullptr;          // region edits record their casts
-};
-
-// copy.copy(o): a shallow copy of o's own type (a defaultdict keeps its factory).
-PyObject* shallow_copy(PyObject* o) {
-  PyObject* module = PyImport_ImportModule("copy");
-  if (!module) return nullptr;
-  PyObject* out = PyObject_CallMethod(module, "copy", "O", o);
-  Py_DECREF(module);
-  return out;
-}
-
-// Returns a new reference: `o` itself (incref'd) when nothing inside changed.
-PyObject* cast_tree(PyObject* o, const Rule& r) {
-  if (THPVariable_Check(o)) {
-    const at::Tensor& t = THPVariable_Unpack(o);
-    if (!t.defined() || !eligible(t.scalar_type()) || t.scalar_type() == r.to ||
-        (!r.any_device && t.device().type() != r.device)) {
-      Py_INCREF(o);
-      return o;
-    }
-    at::Tensor c;
-    {  // NOTE: [Region edits under inference mode] write_back reads a copy's version counter,
-       // which inference tensors lack: the copy is made outside inference mode (grad off, as in it)
-      std::optional<c10::InferenceMode> outside;
-      std::optional<at::NoGradGuard> no_grad;
-      if (r.copies && c10::InferenceMode::is_enabled()) outside.emplace(false), no_grad.emplace();
-      c = cast_tensor(t, r.to, r.use_cache);
-    }
-    if (r.copies) r.copies->push_back({o, c, version_of(c)});
-    return THPVariable_Wrap(std::move(c));
-  }
-  const bool is_tuple = PyTuple_Check(o), is_list = PyList_Check(o);
-  if (is_tuple || is_list) {
-    const Py_ssize_t n = is_tuple ? PyTuple_GET_SIZE(o) : PyList_GET_SIZE(o);
-    PyObject* out = nullptr;  // created on the first change
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = is_tuple ? PyTuple_GET_ITEM(o, i) : PyList_GET_ITEM(o, i);
-      PyObject* c = cast_tree(item, r);
-      if (!c) {
-        Py_XDECREF(out);
-        return nullptr;
-      }
-      if (c != item && !out) {
-        out = is_tuple ? PyTuple_New(n) : PyList_New(n);
-        for (Py_ssize_t j = 0; j < i; ++j) {
-          PyObject* prev = is_tuple ? PyTuple_GET_ITEM(o, j) : PyList_GET_ITEM(o, j);
-          Py_INCREF(prev);
-          if (is_tuple) PyTuple_SET_ITEM(out, j, prev); else PyList_SET_ITEM(out, j, prev);
-        }
-      }
-      if (out) {
-        if (is_tuple) PyTuple_SET_ITEM(out, i, c); else PyList_SET_ITEM(out, i, c);
-      } else {
-        Py_DECREF(c);
-      }
-    }
-    if (!out) {
-      Py_INCREF(o);
-      return o;
-    }
-    if (is_tuple && !PyTuple_CheckExact(o)) {  // rebuilt as its own type
-      // A namedtuple (PackedSequence) takes its fields as arguments; other tuple types
-      // (torch.return_types, a `class X(tuple)`) take one sequence, as tuple() does.
-      const bool named = PyObject_HasAttrString(o, "_fields");
-      PyObject* rebuilt = named
-          ? PyObject_Call(reinterpret_cast<PyObject*>(Py_TYPE(o)), out, nullptr)
-          : PyObject_CallOneArg(reinterpret_cast<PyObject*>(Py_TYPE(o)), out);
-      Py_DECREF(out);
-      return rebuilt;
-    }
-    return out;
-  }
-  if (PyDict_Check(o)) {
-    // NOTE: [Dicts in cast arguments] The dict itself where nothing in it is cast (a function
-    // may fill a cache dict passed to it); else a shallow copy of its own type (copy.copy keeps a
-    // defaultdict's factory, an OrderedDict's order) with the cast values set in.
-    PyObject* out = nullptr;
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(o, &pos, &k, &v)) {
-      PyObject* c = cast_tree(v, r);
-      if (!c) {
-        Py_XDECREF(out);
-        return nullptr;
-      }
-      if (c != v && !out) {
-        out = PyDict_CheckExact(o) ? PyDict_Copy(o) : shallow_copy(o);
-      }
-      if (c != v && (!out || PyObject_SetItem(out, k, c) < 0)) {
-        Py_DECREF(c);
-        Py_XDECREF(out);
-        return nullptr;
-      }
-      Py_DECREF(c);
-    }
-    if (out) return out;
-    Py_INCREF(o);
-    return o;
-  }
-  Py_INCREF(o);
-  return o;
-}
-
-// Walks the tree and records which eligible floating dtypes occur (bit per dtype).
-constexpr int kHalfBit = 1, kBf16Bit = 2, kFloatBit = 4;
-void collect_dtypes(PyObject* o, int& bits) {
-  if (THPVariable_Check(o)) {
-    const at::Tensor& t = THPVariable_Unpack(o);
-    if (!t.defined()) return;
-    switch (t.scalar_type()) {
-      case at::ScalarType::Half: bits |= kHalfBit; break;
-      case at::ScalarType::BFloat16: bits |= kBf16Bit; break;
-      case at::ScalarType::Float: bits |= kFloatBit; break;
-      default: break;
-    }
-    return;
-  }
-  if (PyTuple_Check(o)) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i) collect_dtypes(PyTuple_GET_ITEM(o, i), bits);
-  } else if (PyList_Check(o)) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) collect_dtypes(PyList_GET_ITEM(o, i), bits);
-  } else if (PyDict_Check(o)) {
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(o, &pos, &k, &v)) collect_dtypes(v, bits);
-  }
-}
-inline bool mixed(int bits) { return bits != 0 && (bits & (bits - 1)) != 0; }
-
-// The device type of the first tensor in o (depth first), if any.
-bool first_device_type(PyObject* o, c10::DeviceType& out) {
-  if (THPVariable_Check(o)) {
-    const at::Tensor& t = THPVariable_Unpack(o);
-    if (!t.defined()) return false;
-    out = t.device().type();
-    return true;
-  }
-  if (PyTuple_Check(o)) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i) {
-      if (first_device_type(PyTuple_GET_ITEM(o, i), out)) return true;
-    }
-  } else if (PyList_Check(o)) {
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) {
-      if (first_device_type(PyList_GET_ITEM(o, i), out)) return true;
-    }
-  } else if (PyDict_Check(o)) {
-    PyObject *k, *v;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(o, &pos, &k, &v)) {
-      if (first_device_type(v, out)) return true;
-    }
-  }
-  return false;
-}
-
 // NOTE: [Explicit autocast regions win]
 // Code running under O1 may open its own torch.autocast (or peak.amp.autocast) region, e.g. an
 // evaluation, teacher or baseline model in the same process, with its own dtype. Inside it the
@@ -191,12 +30,13 @@ bool any_autocast_enabled() {
 }
 }  // namespace
 
-bool in_autocast_region(PyObject* args, PyObject* kwargs) {
+bool in_autocast_region(PyObject* args, PyObject* kwargs, c10::DeviceType* type_out) {
   if (!any_autocast_enabled()) return false;  // the common case: one TLS read per device type
   c10::DeviceType type = c10::DeviceType::CPU;
   if (!first_device_type(args, type) && !(kwargs && first_device_type(kwargs, type))) {
     return false;
   }
+  if (type_out) *type_out = type;
   return at::autocast::is_autocast_enabled(type);
 }
 
@@ -386,7 +226,8 @@ bool casts_nothing(Policy p, at::ScalarType low, PyObject* const* a, Py_ssize_t 
 }  // namespace
 
 // (cast.h)
-PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs, const Gate& g) {
+PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwargs, const Gate& g,
+                       bool exclude_autocast) {
   const at::ScalarType low = g.low;
   const bool own_state = g.own;
   PyObject* out = kwargs ? PyDict_GetItemString(kwargs, "out") : nullptr;  // borrowed
@@ -500,7 +341,8 @@ PyObject* apply_policy(Policy p, PyObject* func, PyObject* args, PyObject* kwarg
   }
   PyObject* result;
   {
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    std::optional<c10::impl::ExcludeDispatchKeyGuard> no_autocast;
+    if (exclude_autocast) no_autocast.emplace(c10::autocast_dispatch_keyset);
     result = PyObject_Call(func, new_args ? new_args : args, new_kwargs ? new_kwargs : kwargs);
   }
   Py_XDECREF(new_args);

@@ -308,12 +308,18 @@ void register_bindings(py::module_& m) {
         PyObject* kw = kwargs.is_none() ? nullptr : kwargs.ptr();
         if (kw && !PyDict_Check(kw)) throw py::type_error("kwargs must be a dict or None");
         PyObject* r;
-        const Gate g = current_gate();
-        // NOTE: [Explicit autocast regions win] for decorated functions too: called unchanged
-        if (pol == Policy::kNone || !g.casting || in_autocast_region(args.ptr(), kw)) {
+        Gate g = current_gate();
+        c10::DeviceType region = c10::DeviceType::CPU;
+        if (pol == Policy::kNone || !g.casting) {
           r = PyObject_Call(func.ptr(), args.ptr(), kw);
         } else {
-          r = apply_policy(pol, func.ptr(), args.ptr(), kw, g);
+          // NOTE: [Explicit autocast regions win] A decorated function is not an op: its body
+          // keeps torch's autocast (its ops step aside in a region), and in a region its
+          // arguments are cast with the region's low dtype, as custom_fwd(cast_inputs=) casts.
+          if (in_autocast_region(args.ptr(), kw, &region)) {
+            g.low = at::autocast::get_autocast_dtype(region);
+          }
+          r = apply_policy(pol, func.ptr(), args.ptr(), kw, g, /*exclude_autocast=*/false);
         }
         if (!r) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(r);

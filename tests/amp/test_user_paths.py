@@ -1233,3 +1233,27 @@ def test_zero_grad_follows_the_fused_optimizers_set_grad_none(level, set_grad_no
     opt.zero_grad(set_to_none=True)  # an explicit argument still wins
     assert all(p.grad is None for p in model.parameters())
     amp._amp_state.reset()
+
+
+@pytest.mark.parametrize("world_size", [None, "1", "2"])
+@pytest.mark.parametrize("make_opt", [TORCH["SGD"], FUSED["FusedAdam"]], ids=["SGD", "FusedAdam"])
+def test_masters_start_from_the_cast_weights_in_a_multi_rank_run(monkeypatch, world_size, make_opt):
+    """In one process O2's masters start as the exact fp32 weights; in a multi-rank run (here a
+    launcher's WORLD_SIZE, set before any process group) from the cast weights, which DDP's
+    broadcast makes the same on every rank (tests/distributed/test_ddp.py runs the ranks)."""
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    model = make_mlp()
+    fp32 = _weights(model)
+    opt = make_opt(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                verbosity=0)
+    x, y = data(0)
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+        scaled.backward()  # (a fused optimizer makes a missing master at its first step's entry)
+    masters = [m.detach().clone() for m in amp.master_params(opt)]
+    expected = [w.bfloat16().float() for w in fp32] if world_size == "2" else fp32
+    _assert_bitwise(masters, expected)
+    amp._amp_state.reset()

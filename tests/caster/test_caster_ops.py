@@ -256,19 +256,65 @@ def test_tuple_arguments_keep_their_type_when_cast(o1):
 
 
 def test_decorated_functions_inside_an_explicit_autocast_region(o1):
-    """In a torch.autocast region O1 steps aside for decorated functions too (as for ops): called
-    unchanged, their body under the region's autocast. They ran with autocast off, their
-    arguments in O1's dtype."""
+    """A decorated function is not an op: in a torch.autocast region its arguments are cast by its
+    policy with the region's dtype (as custom_fwd(cast_inputs=) casts; a kernel that needs low
+    precision still gets it), and its body runs under the region's autocast, tensors passed
+    directly or not. It ran with autocast off, its arguments in O1's dtype."""
     other = torch.bfloat16 if o1 == torch.float16 else torch.float16
 
     @amp.float_function
     def head(x, w):
         return x.dtype, torch.is_autocast_enabled("cpu"), F.linear(x, w).dtype
 
+    @amp.half_function
+    def kernel(x):
+        return x.dtype
+
+    class Holder:
+        def __init__(self, x, w):
+            self.x, self.w = x, w
+
+    @amp.float_function
+    def held(h):
+        return F.linear(h.x, h.w).dtype
+
     x, w = r(4, 8), r(8, 8)
     with torch.autocast("cpu", dtype=other):
-        assert head(x.to(o1), w) == (o1, True, other)
+        assert head(x.to(o1), w) == (torch.float32, True, other)
+        assert kernel(x) == other
+        assert held(Holder(x, w)) == other
     assert head(x.to(o1), w) == (torch.float32, False, o1)
+    assert kernel(x) == o1 and held(Holder(x, w)) == o1
+
+
+def test_dicts_that_cannot_be_copied_as_their_type_and_cyclic_arguments(o1):
+    """A dict type whose copy cannot be written (or is the dict itself) gets a plain dict, the
+    caller's untouched; a container inside itself is passed as it is there (it crashed the
+    interpreter, recursing)."""
+    class Frozen(dict):
+        def __setitem__(self, key, value):
+            raise TypeError("immutable")
+
+    class SelfCopy(dict):
+        def __copy__(self):
+            return self
+
+    @amp.half_function
+    def read(d):
+        return d
+
+    for kind in (Frozen, SelfCopy):
+        given = kind(w=r(2))
+        got = read(given)
+        assert type(got) is dict and got["w"].dtype == o1 and given["w"].dtype == torch.float32
+    cyclic = {"w": r(2)}
+    cyclic["self"] = cyclic
+    got = read(cyclic)
+    assert got["w"].dtype == o1 and got["self"] is cyclic
+    loop = [r(2)]
+    loop.append(loop)
+    assert torch.cat(loop[:1] + [r(2).to(o1)]).dtype == torch.float32  # (promote still works)
+    assert read(loop)[0].dtype == o1
 
 
 def test_weight_casts_under_compiled_autograd(o1):

@@ -63,8 +63,6 @@ def master_params(optimizer):
     """Generator over the parameters the optimizer steps: the fp32 master weights under O2,
     otherwise the model's own parameters (``requires_grad=False`` ones included, as in Apex).
     For clipping after ``scale_loss`` exits: ``clip_grad_norm_(amp.master_params(opt), 1.0)``."""
-    stash = getattr(optimizer, "_amp_stash", None)
-    if stash is not None:  # (a fused optimizer's masters get fp32 gradients for clipping here)
-        yield from stash.master_params()
-        return
-    yield from (p for group in optimizer.param_groups for p in group["params"])
+    stash = getattr(optimizer, "_amp_stash", None)  # (a fused optimizer's: fp32 grads here)
+    yield from (stash.master_params() if stash is not None
+                else (p for group in optimizer.param_groups for p in group["params"]))

@@ -54,7 +54,7 @@ def set_policies(funcs, code: int) -> None:
             _hold(funcs, counted=False)
 
 
-def reset_lists() -> None:
+def reset() -> None:
     """Back to Apex's O1 lists: every edit and registration dropped."""
     _undo_registrations()
     _pending.clear()

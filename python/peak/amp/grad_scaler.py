@@ -254,7 +254,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
 
         Optimizers with ``_step_supports_amp_scaling = True`` (torch's fused Adam/AdamW/SGD,
         peak's fused optimizers) get ``optimizer.grad_scale`` and ``optimizer.found_inf`` (device
-        tensors) and skip on the device: no host sync. Otherwise one host read decides.
+        tensors) and skip on the device: no host sync (torch's fused SGD with momentum: once its
+        buffers exist, ``scaling.skip_leaves_state_unset``). Otherwise one host read decides.
         ``*args``/``**kwargs`` go to ``optimizer.step``; a ``closure`` is not supported."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)

@@ -126,7 +126,7 @@ def entries() -> dict:
     return {fn: _NAMES[code] for fn, code in _c.table()}
 
 
-reset = _caster.reset_lists
+reset = _caster.reset
 
 
 def set_dispatch(dispatch: str) -> None:
@@ -179,14 +179,17 @@ def _register(module, name, policy: str) -> None:
     _caster.register(module, name, policy)
 
 
-def _registration(policy: str, doc: str):
+def _registration(kind: str, policy: str, doc: str):
     def register(module, name) -> None:
         _register(module, name, policy)
+    register.__name__ = register.__qualname__ = f"register_{kind}_function"
     register.__doc__ = "Before ``amp.initialize``: under O1, " + doc
     return register
 
 
-register_half_function = _registration("lower", "run ``module.name`` with low-precision arguments.")
-register_float_function = _registration("fp32", "run ``module.name`` with float32 arguments.")
-register_promote_function = _registration("promote", "promote ``module.name``'s mixed-precision "
-                                          "arguments.")
+register_half_function = _registration("half", "lower",
+                                       "run ``module.name`` with low-precision arguments.")
+register_float_function = _registration("float", "fp32",
+                                        "run ``module.name`` with float32 arguments.")
+register_promote_function = _registration("promote", "promote", "promote ``module.name``'s "
+                                          "mixed-precision arguments.")

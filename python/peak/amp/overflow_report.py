@@ -60,21 +60,17 @@ class OverflowAttribution:
         """Whether the most recent ``step()`` skipped ``optimizer.step()`` because a gradient held
         inf/NaN (False before any step and when disabled). Reading it after a fused step is a host
         read of a device flag; ``step()`` itself never waits for it."""
-        skipped = self._last_skipped
-        if isinstance(skipped, torch.Tensor):
-            skipped = bool(skipped.item() != 0)
-            self._last_skipped = skipped
-        return skipped
+        if isinstance(self._last_skipped, torch.Tensor):
+            self._last_skipped = bool(self._last_skipped.item() != 0)
+        return self._last_skipped
 
     @property
     def skipped_steps(self) -> int:
         """How many ``step()`` calls skipped ``optimizer.step()`` (one per optimizer and iteration)
         since construction or ``load_state_dict``; a host read of a device counter when fused
         optimizers were used."""
-        total = self._skipped_steps_host
-        if self._skipped_steps_device is not None:
-            total += int(self._skipped_steps_device.item())
-        return total
+        device = self._skipped_steps_device
+        return self._skipped_steps_host + (0 if device is None else int(device.item()))
 
     def register_model(self, model, *, prefix: str = "") -> "GradScaler":
         """Turn on overflow attribution and name parameters for ``overflow_report()``.
