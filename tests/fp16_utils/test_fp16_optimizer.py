@@ -247,10 +247,11 @@ def test_state_dict_is_per_group_and_inspectable():
         copy.deepcopy(opt)
 
 
-def test_loads_a_peak_0_1_checkpoint():
-    """peak 0.1 kept each group's parameters in their original order (masters in place of the
-    fp16 ones, frozen ones included) and saved a flat 'fp32_from_fp16': such a checkpoint is
-    renumbered to Apex's order (masters, then fp32) on load."""
+def test_groups_keep_their_order_and_earlier_peak_checkpoints_load():
+    """As Apex's FP16_Optimizer: masters take their parameters' places in the group (in place),
+    fp32 and frozen parameters stay where they were, so the state's ids follow the original
+    order. Checkpoints of earlier peaks load into it: 0.1's (this order, a flat
+    'fp32_from_fp16') and later ones' (each group's masters first, then fp32, frozen left out)."""
     torch.manual_seed(0)
     frozen = torch.nn.Parameter(torch.randn(3).half(), requires_grad=False)
     a, b = torch.nn.Parameter(torch.randn(4, 4).half()), torch.nn.Parameter(torch.randn(5))
@@ -258,17 +259,24 @@ def test_loads_a_peak_0_1_checkpoint():
     params = [a, frozen, b, c]  # original order: low, frozen, fp32, low
     with pytest.warns(DeprecationWarning):
         opt = FP16_Optimizer(torch.optim.Adam(params, lr=0.1), static_loss_scale=4.0)
+    group = opt.param_groups[0]["params"]
+    assert group is params or len(group) == 4
+    assert group[0] is opt.master_params[0] and group[1] is frozen and group[2] is b
+    assert group[3] is opt.master_params[1]
     loss = (a.float().sum() + b.sum() + c.float().sum()) ** 2
     opt.backward(loss)
     opt.step()
     new = copy.deepcopy(opt.state_dict())
-    # the same checkpoint in peak 0.1's layout: ids 0..3 in the original order
-    masters = new["optimizer_state_dict"]["state"]  # ids: 0 a's master, 1 c's master, 2 b
-    old = copy.deepcopy(new)
-    old["fp32_from_fp16"] = [m for group in new["fp32_from_fp16"] for m in group]
-    old["optimizer_state_dict"]["state"] = {0: masters[0], 2: masters[2], 3: masters[1]}
-    old["optimizer_state_dict"]["param_groups"][0]["params"] = [0, 1, 2, 3]
-    for sd in (new, old):
+    state = new["optimizer_state_dict"]["state"]  # ids: 0 a's master, 2 b, 3 c's master
+    assert sorted(state) == [0, 2, 3] and state[0]["exp_avg"].shape == (4, 4)
+    v01 = copy.deepcopy(new)
+    del v01["groups_in_place"]
+    v01["fp32_from_fp16"] = [m for g in new["fp32_from_fp16"] for m in g]
+    masters_first = copy.deepcopy(new)
+    del masters_first["groups_in_place"]
+    masters_first["optimizer_state_dict"]["state"] = {0: state[0], 1: state[3], 2: state[2]}
+    masters_first["optimizer_state_dict"]["param_groups"][0]["params"] = [0, 1, 2]
+    for sd in (new, v01, masters_first):
         with pytest.warns(DeprecationWarning):
             fresh = FP16_Optimizer(torch.optim.Adam([torch.nn.Parameter(p.detach().clone(),
                                                                         requires_grad=p.requires_grad)
@@ -278,13 +286,69 @@ def test_loads_a_peak_0_1_checkpoint():
         for m, ref in zip(fresh.master_params, opt.master_params):
             assert torch.equal(m, ref)
         got = fresh.optimizer.state_dict()["state"]
-        for k in masters:
-            assert torch.equal(got[k]["exp_avg"], masters[k]["exp_avg"])
+        assert sorted(got) == [0, 2, 3]
+        for k in state:
+            assert torch.equal(got[k]["exp_avg"], state[k]["exp_avg"])
 
 
-def test_parameter_frozen_after_stepping_leaves_no_state_behind():
-    """Frozen after it was stepped (fine-tuning: state loaded, then layers frozen): left out of
-    the groups with its state, so state_dict() works (torch's would not find it)."""
+def test_lbfgs_steps_the_masters():
+    """LBFGS keeps its group's parameter list from construction: the masters must be put into
+    that list (as Apex does), else it steps the fp16 weights' stale list and never trains."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1).half()
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5),
+                             static_loss_scale=8.0)
+    assert opt.optimizer._params[0] is opt.master_params[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.half()).float(), y)
+        opt.backward(loss)
+        return loss
+
+    losses = [float(opt.step(closure)) for _ in range(4)]
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def test_a_parameter_unfrozen_after_construction_is_stepped_through_a_master():
+    """Frozen when FP16_Optimizer was built, then unfrozen (gradual unfreezing): it gets a master
+    in its place at its first gradient and steps as if it had been trainable from the start.
+    It was left out of the groups, never stepped, and nothing said so."""
+    def run(freeze):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).half()
+        offset = torch.nn.Parameter(torch.full((1,), 0.5))  # an fp32 one too
+        params = [model[0].weight, offset, model[0].bias, model[1].weight, model[1].bias]
+        if freeze:
+            model[0].weight.requires_grad_(False)
+            offset.requires_grad_(False)
+        with pytest.warns(DeprecationWarning):
+            opt = FP16_Optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                                 static_loss_scale=16.0)
+        model[0].weight.requires_grad_(True)
+        offset.requires_grad_(True)
+        for step in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            out = (model(x.half()).float() + offset).pow(2).mean()
+            opt.backward(out)
+            opt.step()
+        return [p.detach().clone() for p in params], opt
+
+    (unfrozen, opt), (ref, ref_opt) = run(True), run(False)
+    for x, y in zip(unfrozen, ref):
+        assert torch.equal(x, y)
+    for group, ref_group in zip(opt.fp32_from_fp16_groups, ref_opt.fp32_from_fp16_groups):
+        assert len(group) == len(ref_group) and all(map(torch.equal, group, ref_group))
+    for group, ref_group in zip(opt.param_groups, ref_opt.param_groups):
+        assert all(map(torch.equal, group["params"], ref_group["params"]))  # (same places)
+
+
+def test_parameter_frozen_after_stepping_keeps_its_place_and_state():
+    """Frozen after it was stepped (fine-tuning: state loaded, then layers frozen): it stays in
+    its group with its state, as in Apex, so state_dict() works and a fresh optimizer loads it."""
     a = torch.nn.Parameter(torch.randn(3).half())
     b = torch.nn.Parameter(torch.randn(3).half())
     inner = torch.optim.Adam([a, b], lr=0.1)
@@ -293,8 +357,17 @@ def test_parameter_frozen_after_stepping_leaves_no_state_behind():
     b.requires_grad_(False)
     with pytest.warns(DeprecationWarning):
         opt = FP16_Optimizer(inner, static_loss_scale=2.0)
+    assert opt.param_groups[0]["params"][1] is b
     sd = opt.state_dict()
-    assert list(sd["optimizer_state_dict"]["state"]) == [0]
+    assert sorted(sd["optimizer_state_dict"]["state"]) == [0, 1]
+    with pytest.warns(DeprecationWarning):
+        fresh = FP16_Optimizer(torch.optim.Adam([torch.nn.Parameter(a.detach().clone()),
+                                                 torch.nn.Parameter(b.detach().clone(),
+                                                                    requires_grad=False)],
+                                                lr=0.1), static_loss_scale=2.0)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.optimizer.state_dict()["state"][1]["exp_avg"],
+                       sd["optimizer_state_dict"]["state"][1]["exp_avg"])
 
 
 @pytest.mark.parametrize("update_between", [True, False])
@@ -441,3 +514,16 @@ def test_sparse_embedding_gradients_step_as_dense_ones(dtype):
     for a, b in zip(weights + masters, weights_d + masters_d):
         assert torch.equal(a, b)
     assert not torch.equal(masters[0], masters[0].new_zeros(()).expand_as(masters[0]))
+
+
+def test_clip_master_grads_returns_the_norm_as_a_tensor_as_apex():
+    """Apex returns clip_grad_norm_'s result (a tensor): scripts call .item() on it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).half()
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=8.0)
+    opt.backward(model(torch.randn(4, 6).half()).float().pow(2).sum())
+    expected = torch.cat([m.grad.double().flatten() for m in opt.master_params]).norm()
+    norm = opt.clip_master_grads(1e9)
+    assert isinstance(norm, torch.Tensor)
+    torch.testing.assert_close(norm.double().item(), expected.item(), rtol=1e-6, atol=0)

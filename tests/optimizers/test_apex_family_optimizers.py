@@ -333,11 +333,12 @@ def test_grad_scaler_skips_overflow_and_unscales(family, scaler_kind):
     assert scaler.get_scale() == 2.0 ** 7  # one backoff
 
 
-@pytest.mark.parametrize("positional", [False, True], ids=["keyword", "positional"])
-def test_mixed_precision_lamb_takes_apex_grad_scaler_argument(positional):
+@pytest.mark.parametrize("how", ["keyword", "positional", "closure"])
+def test_mixed_precision_lamb_takes_apex_grad_scaler_argument(how):
     """Apex's contract: optimizer.step(grad_scaler=scaler), or step(None, scaler) as Apex's
     signature step(closure=None, grad_scaler=None) allows, asks the scaler for its scale and
-    inf/NaN check (Apex's scripts call it so)."""
+    inf/NaN check (Apex's scripts call it so); step(closure, scaler) checks the gradients the
+    closure made (the check ran first, on the previous ones: an overflow stepped, or raised)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3).to(torch.bfloat16)
     ref = copy.deepcopy(model)
@@ -348,13 +349,20 @@ def test_mixed_precision_lamb_takes_apex_grad_scaler_argument(positional):
     x = torch.randn(4, 5, dtype=torch.bfloat16)
 
     def step(i, poison):
-        opt.zero_grad()
-        loss = model(x).float().square().mean() * (float("inf") if poison else 1.0)
-        scaler.scale(loss).backward()
-        if positional:
-            opt.step(None, scaler)
+        def closure():
+            opt.zero_grad()
+            loss = model(x).float().square().mean() * (float("inf") if poison else 1.0)
+            scaler.scale(loss).backward()
+            return loss
+
+        if how == "closure":
+            assert opt.step(closure, scaler) is not None  # (the closure's loss)
         else:
-            opt.step(grad_scaler=scaler)
+            closure()
+            if how == "positional":
+                opt.step(None, scaler)
+            else:
+                opt.step(grad_scaler=scaler)
         scaler.update()
 
     def reference_step(i):
@@ -714,6 +722,20 @@ def test_larc_matches_float64_reference(clip, inner):
     expected = larc_reference(start, low_grads(ours), STEPS, lr, 0.9, wd, 0.02, clip, 1e-8)
     for p, e in zip(ours, expected):
         torch.testing.assert_close(p.detach().double(), e, rtol=1e-5, atol=1e-6)
+
+
+def test_larc_steps_float64_parameters_in_float64():
+    """As Apex's LARC (torch.norm): float64 parameters work, their norms in float64 (the norms
+    were asked for in float32, which torch refuses for float64 input)."""
+    ours = make_params(torch.float64, "cpu")
+    start = [p.detach().clone() for p in ours]
+    opt = LARC(torch.optim.SGD(ours, lr=0.1, momentum=0.9, weight_decay=1e-3),
+               trust_coefficient=0.02, clip=True)
+    run(opt, ours, STEPS)
+    expected = larc_reference(start, low_grads(ours), STEPS, 0.1, 0.9, 1e-3, 0.02, True, 1e-8)
+    for p, e in zip(ours, expected):
+        assert p.dtype == torch.float64
+        torch.testing.assert_close(p.detach(), e, rtol=1e-12, atol=1e-12)
 
 
 def test_larc_leaves_zero_norm_gradients_alone_and_checks_arguments():

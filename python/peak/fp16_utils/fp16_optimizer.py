@@ -48,35 +48,22 @@ class FP16_Optimizer:
         # The masters' one owner (peak.optimizers.masters); the groups above are Apex's views.
         self._store = MasterWeights()
         self._store.attach(self, hooks=False)
-        # Where each parameter went (kind, index within its kind, per group), to read
-        # checkpoints of peak 0.1, whose groups kept the parameters in their original order.
-        self._legacy_layout: list[list[tuple[str, int]]] = []
+        # NOTE: [FP16_Optimizer's groups] As Apex's: each fp16/bf16 parameter's master takes its
+        # place in its group's list, in place (LBFGS keeps that list), the others stay where they
+        # are, frozen ones included (a master when first given a gradient). `_layout`: what each
+        # place holds, (kind, index within its kind), to read peak's earlier layouts.
+        self._layout: list[list[list]] = []
         for group in self.optimizer.param_groups:
-            low, masters, fp32, layout = [], [], [], []
-            for p in group["params"]:
-                if not p.requires_grad:  # frozen: nothing to step (Apex leaves them out too)
-                    layout.append(("frozen", -1))
-                    # with their state: torch's state_dict() would not find them in a group
-                    self.optimizer.state.pop(p, None)
-                    continue
-                if p.dtype in LOW_DTYPES:
-                    layout.append(("master", len(masters)))
-                    master = self._store.add(p)
-                    if p in self.optimizer.state:
-                        self.optimizer.state[master] = self.optimizer.state.pop(p)
-                    low.append(p)
-                    masters.append(master)
-                elif p.dtype == torch.float32:
-                    layout.append(("fp32", len(fp32)))
-                    fp32.append(p)
-                else:
+            self.fp16_groups.append([])
+            self.fp32_from_fp16_groups.append([])
+            self.fp32_from_fp32_groups.append([])
+            self._layout.append([["frozen", -1] for _ in group["params"]])
+            for i, p in enumerate(group["params"]):
+                if p.requires_grad and p.dtype not in LOW_DTYPES and p.dtype != torch.float32:
                     raise TypeError(f"FP16_Optimizer wraps float16, bfloat16 and float32 "
                                     f"parameters; got a {p.dtype} parameter")
-            group["params"] = masters + fp32  # Apex's order
-            self._legacy_layout.append(layout)
-            self.fp16_groups.append(low)
-            self.fp32_from_fp16_groups.append(masters)
-            self.fp32_from_fp32_groups.append(fp32)
+                if p.requires_grad:
+                    self._take(len(self._layout) - 1, i)
         if not self.model_params:
             raise ValueError("FP16_Optimizer found no float16/bfloat16 parameters in the "
                              "optimizer: convert the model with .half() first, or better, use "
@@ -103,6 +90,24 @@ class FP16_Optimizer:
         # (unscaled again, they would be divided twice) and adds them back once it is unscaled.
         self._fp32_unscaled = False
         self._fp32_set_aside: list | None = None
+
+    def _take(self, g: int, i: int) -> None:
+        """Place ``i`` of group ``g`` is stepped from now on: a master in place of an fp16/bf16
+        parameter (with its state), an fp32 one as it is; the kinds' lists keep group order."""
+        params, layout = self.optimizer.param_groups[g]["params"], self._layout[g]
+        p, kind = params[i], "master" if params[i].dtype in LOW_DTYPES else "fp32"
+        k = sum(entry[0] == kind for entry in layout[:i])
+        for entry in layout[i + 1:]:
+            entry[1] += entry[0] == kind
+        layout[i] = [kind, k]
+        if kind == "master":
+            params[i] = master = self._store.add(p)
+            if p in self.optimizer.state:
+                self.optimizer.state[master] = self.optimizer.state.pop(p)
+            self.fp16_groups[g].insert(k, p)
+            self.fp32_from_fp16_groups[g].insert(k, master)
+        else:
+            self.fp32_from_fp32_groups[g].insert(k, p)
 
     @property
     def model_params(self) -> list[torch.Tensor]:
@@ -151,6 +156,10 @@ class FP16_Optimizer:
         ``.grad``, fp32 ones in place), checked for inf/NaN in one pass per (device, dtype)."""
         if not self._fp32_unscaled:  # (a later backward of the step: earlier overflows stand)
             self._core.found_inf.zero_()
+        for g, (group, layout) in enumerate(zip(self.optimizer.param_groups, self._layout)):
+            for i, (p, entry) in enumerate(zip(group["params"], layout)):
+                if entry[0] == "frozen" and p.grad is not None:  # unfrozen since
+                    self._take(g, i)
         self._store.follow_weights()
         ins, outs = [], []
         for p, m in zip(self.model_params, self.master_params):
@@ -191,7 +200,7 @@ class FP16_Optimizer:
         if self.overflow:
             return -1
         fp32 = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return torch.nn.utils.clip_grad_norm_(fp32, max_norm, norm_type).item()
+        return torch.nn.utils.clip_grad_norm_(fp32, max_norm, norm_type)  # (a tensor, as Apex's)
 
     def step(self, closure=None):
         """Skip on overflow (backing the scale off), else step the masters and copy them into
@@ -240,7 +249,7 @@ class FP16_Optimizer:
             if p.grad is None:
                 p.grad = g
         self._fp32_unscaled, self._fp32_set_aside = False, None
-        for p in self.model_params + self.master_params + sum(self.fp32_from_fp32_groups, []):
+        for p in self.model_params + [p for g in self.optimizer.param_groups for p in g["params"]]:
             if set_grads_to_None:
                 p.grad = None
             elif p.grad is not None:
@@ -253,50 +262,57 @@ class FP16_Optimizer:
             "dynamic_loss_scale": self.dynamic_loss_scale, "overflow": self.overflow,
             "first_closure_call_this_step": self.first_closure_call_this_step,
             "optimizer_state_dict": self.optimizer.state_dict(),
-            # One list per parameter group, as Apex.
+            # One list per parameter group, as Apex, whose group order the optimizer's state
+            # keeps too (NOTE: [FP16_Optimizer's groups]); the key marks it for peak's loader.
             "fp32_from_fp16": [[m.detach().clone() for m in g] for g in self.fp32_from_fp16_groups],
+            "groups_in_place": True,
         }
 
-    def _from_legacy(self, state_dict):
-        """A peak 0.1 checkpoint: 'fp32_from_fp16' a flat list, and the wrapped optimizer's
-        state in the original parameter order (frozen parameters included). Returns the masters
-        per group and the optimizer state dict renumbered to Apex's order."""
-        flat = list(state_dict["fp32_from_fp16"])
-        opt_sd = state_dict["optimizer_state_dict"]
-        old_sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
-        sizes = [len(layout) for layout in self._legacy_layout]
-        if old_sizes != sizes:
-            raise ValueError(f"checkpoint (written by peak 0.1) has parameter groups of sizes "
-                             f"{old_sizes}, this optimizer was built on groups of sizes {sizes}: "
-                             f"not the same model and optimizer")
-        saved, renumber, new_groups, start = [], {}, [], 0
-        for layout, old_group, masters in zip(self._legacy_layout, opt_sd["param_groups"],
-                                              self.fp32_from_fp16_groups):
-            n_masters = len(masters)
-            saved.append(flat[:n_masters])
-            flat = flat[n_masters:]
-            for (kind, index), old_id in zip(layout, old_group["params"]):
+    def _in_place(self, state_dict):
+        """The masters per group and the optimizer's state dict, in the groups' own order.
+        Earlier peak layouts are read too: 0.1 saved a flat 'fp32_from_fp16' (the order was this
+        one); later ones, until the 'groups_in_place' mark, put each group's masters first, then
+        its fp32 parameters, and left frozen ones out: renumbered here."""
+        saved, opt_sd = state_dict["fp32_from_fp16"], state_dict["optimizer_state_dict"]
+        if saved and isinstance(saved[0], torch.Tensor):  # peak 0.1
+            flat, saved = list(saved), []
+            for group in self.fp32_from_fp16_groups:
+                saved.append(flat[:len(group)])
+                flat = flat[len(group):]
+            return saved, opt_sd
+        if state_dict.get("groups_in_place") or not isinstance(state_dict["loss_scaler"], dict):
+            return saved, opt_sd  # (peak's, or Apex's: its LossScaler object)
+        sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
+        stepped = [sum(kind != "frozen" for kind, _ in layout) for layout in self._layout]
+        if sizes != stepped:
+            raise ValueError(f"checkpoint (written by an earlier peak) steps parameter groups of "
+                             f"sizes {sizes}, this optimizer {stepped}: not the same model and "
+                             "optimizer (or parameters frozen differently)")
+        renumber, groups, start, old_start = {}, [], 0, 0
+        for layout, old_group, masters in zip(self._layout, opt_sd["param_groups"], saved):
+            for i, (kind, k) in enumerate(layout):
                 if kind != "frozen":
-                    renumber[old_id] = start + (index if kind == "master" else n_masters + index)
-            size = sum(kind != "frozen" for kind, _ in layout)
-            new_groups.append(dict(old_group, params=list(range(start, start + size))))
-            start += size
+                    renumber[old_group["params"][k if kind == "master" else len(masters) + k]] = \
+                        start + i
+            groups.append(dict(old_group, params=list(range(start, start + len(layout)))))
+            start += len(layout)
         state = {renumber[k]: v for k, v in opt_sd["state"].items() if k in renumber}
-        return saved, {"state": state, "param_groups": new_groups}
+        return saved, {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
-        saved = state_dict["fp32_from_fp16"]
-        opt_sd = state_dict["optimizer_state_dict"]
-        if saved and isinstance(saved[0], torch.Tensor):  # peak 0.1's layout
-            saved, opt_sd = self._from_legacy(state_dict)
+        saved, opt_sd = self._in_place(state_dict)
         shapes = [len(g) for g in saved]
         mine = [len(g) for g in self.fp32_from_fp16_groups]
         if shapes != mine:
             raise ValueError(f"checkpoint has fp32 master weights for groups of sizes {shapes}, "
                              f"this optimizer has {mine}: not the same model and optimizer")
+        scaler = state_dict["loss_scaler"]
+        if not isinstance(scaler, dict):  # (Apex's LossScaler object)
+            scaler = {"loss_scale": float(scaler.loss_scale()),
+                      "growth_tracker": int(getattr(scaler, "_unskipped", 0))}
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
-        self._core.scale.fill_(state_dict["loss_scaler"]["loss_scale"])
-        self._core.growth_tracker.fill_(state_dict["loss_scaler"].get("growth_tracker", 0))
+        self._core.scale.fill_(scaler["loss_scale"])
+        self._core.growth_tracker.fill_(scaler.get("growth_tracker", 0))
         self.overflow = state_dict["overflow"]
         self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
         self.optimizer.load_state_dict(opt_sd)

@@ -450,6 +450,11 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         if apex_kwargs:
             raise TypeError(f"FusedMixedPrecisionLamb.step() got unexpected keyword arguments "
                             f"{sorted(apex_kwargs)}")
+        loss = None
+        if closure is not None and grad_scaler is not None:  # (Apex: the closure's gradients
+            with torch.enable_grad():                          # are the ones checked)
+                loss = closure()
+            closure = None
         if grad_scaler is not None and getattr(grad_scaler, "_enabled", True):
             if grad_scale is not None or found_inf is not None:
                 raise ValueError("pass either grad_scaler or grad_scale/found_inf, not both")
@@ -457,5 +462,6 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             grad_scale = grad_scaler._get_scale_async()
             if per_device:
                 found_inf = merge_flags(per_device.values(), grad_scale.device)
-        return super().step(closure, grad_scale=grad_scale, found_inf=found_inf,
-                            grad_norm=grad_norm)
+        result = super().step(closure, grad_scale=grad_scale, found_inf=found_inf,
+                              grad_norm=grad_norm)
+        return result if loss is None else loss

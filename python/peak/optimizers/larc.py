@@ -125,13 +125,13 @@ class LARC(torch.optim.Optimizer):
     def _scale_grad(self, p, lr, weight_decay) -> None:
         """Apex's local rate on the device (no host sync): where a norm is 0 the gradient is
         left as it is, else ``grad = (grad + weight_decay * w) * local_lr``."""
-        grad = p.grad
-        param_norm = torch.linalg.vector_norm(p.detach(), dtype=torch.float32)
-        grad_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        grad, acc = p.grad, torch.promote_types(p.dtype, torch.float32)  # (float64 stays)
+        param_norm = torch.linalg.vector_norm(p.detach(), dtype=acc)
+        grad_norm = torch.linalg.vector_norm(grad, dtype=acc)
         adaptive_lr = self.trust_coefficient * param_norm / (
             grad_norm + param_norm * weight_decay + self.eps)
         if self.clip:
             adaptive_lr = torch.clamp(adaptive_lr / lr, max=1.0)
         active = (param_norm != 0) & (grad_norm != 0)
-        new_grad = (grad.float() + weight_decay * p.detach().float()) * adaptive_lr
-        grad.copy_(torch.where(active, new_grad, grad.float()))
+        new_grad = (grad.to(acc) + weight_decay * p.detach().to(acc)) * adaptive_lr
+        grad.copy_(torch.where(active, new_grad, grad.to(acc)))
