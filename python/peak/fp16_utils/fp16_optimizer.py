@@ -307,9 +307,8 @@ class FP16_Optimizer:
             raise ValueError(f"checkpoint has fp32 master weights for groups of sizes {shapes}, "
                              f"this optimizer has {mine}: not the same model and optimizer")
         scaler = state_dict["loss_scaler"]
-        if not isinstance(scaler, dict):  # (Apex's LossScaler object)
-            scaler = {"loss_scale": float(scaler.loss_scale()),
-                      "growth_tracker": int(getattr(scaler, "_unskipped", 0))}
+        if not isinstance(scaler, dict):  # (Apex's LossScaler object: its scale, a fresh window)
+            scaler = {"loss_scale": float(scaler.loss_scale())}
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
         self._core.scale.fill_(scaler["loss_scale"])
         self._core.growth_tracker.fill_(scaler.get("growth_tracker", 0))
