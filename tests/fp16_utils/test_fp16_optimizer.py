@@ -527,3 +527,31 @@ def test_clip_master_grads_returns_the_norm_as_a_tensor_as_apex():
     norm = opt.clip_master_grads(1e9)
     assert isinstance(norm, torch.Tensor)
     torch.testing.assert_close(norm.double().item(), expected.item(), rtol=1e-6, atol=0)
+
+
+def test_loads_an_apex_checkpoint_with_its_loss_scaler_object():
+    """Apex's state_dict stores its LossScaler object under 'loss_scaler' (and its groups in
+    their own order, which is this optimizer's): its scale is read through loss_scale()."""
+    from peak.amp import LossScaler
+
+    torch.manual_seed(0)
+    low, fp32 = torch.nn.Parameter(torch.randn(3).half()), torch.nn.Parameter(torch.randn(2))
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.SGD([fp32, low], lr=0.1, momentum=0.9),
+                             dynamic_loss_scale=True)
+    opt.backward((low.float().sum() + fp32.sum()) ** 2)
+    opt.step()
+    sd = opt.state_dict()
+    apex = dict(sd, loss_scaler=LossScaler("dynamic", init_scale=512.0))
+    del apex["groups_in_place"]
+    with pytest.warns(DeprecationWarning):
+        fresh = FP16_Optimizer(torch.optim.SGD([torch.nn.Parameter(fp32.detach().clone()),
+                                                torch.nn.Parameter(low.detach().clone())],
+                                               lr=0.1, momentum=0.9), dynamic_loss_scale=True)
+    fresh.load_state_dict(apex)
+    assert fresh.loss_scale == 512.0
+    got, want = fresh.optimizer.state_dict()["state"], sd["optimizer_state_dict"]["state"]
+    assert sorted(got) == sorted(want) == [0, 1]
+    for k in want:  # fp32 first, as given: the ids are the groups' own order
+        assert torch.equal(got[k]["momentum_buffer"], want[k]["momentum_buffer"])
+    assert torch.equal(fresh.master_params[0], opt.master_params[0])
