@@ -538,7 +538,7 @@ def test_loads_an_apex_checkpoint_with_its_loss_scaler_object():
     low, fp32 = torch.nn.Parameter(torch.randn(3).half()), torch.nn.Parameter(torch.randn(2))
     with pytest.warns(DeprecationWarning):
         opt = FP16_Optimizer(torch.optim.SGD([fp32, low], lr=0.1, momentum=0.9),
-                             dynamic_loss_scale=True)
+                             dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 16.0})
     opt.backward((low.float().sum() + fp32.sum()) ** 2)
     opt.step()
     sd = opt.state_dict()
