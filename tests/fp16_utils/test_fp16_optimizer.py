@@ -555,3 +555,106 @@ def test_loads_an_apex_checkpoint_with_its_loss_scaler_object():
     for k in want:  # fp32 first, as given: the ids are the groups' own order
         assert torch.equal(got[k]["momentum_buffer"], want[k]["momentum_buffer"])
     assert torch.equal(fresh.master_params[0], opt.master_params[0])
+
+
+def _gradual_unfreezing(steps_frozen, steps_after, opt=None, model=None):
+    """A model whose first layer is frozen when FP16_Optimizer is built and unfrozen later."""
+    if model is None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).half()
+        model[0].weight.requires_grad_(False)
+    if opt is None:
+        with pytest.warns(DeprecationWarning):
+            opt = FP16_Optimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                 static_loss_scale=16.0)
+    for step in range(steps_frozen + steps_after):
+        if step == steps_frozen:
+            model[0].weight.requires_grad_(True)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        opt.backward(model(x.half()).float().pow(2).mean())
+        opt.step()
+    return model, opt
+
+
+def test_a_run_that_unfroze_resumes_into_an_optimizer_built_frozen():
+    """A gradual-unfreezing script resumes by building the optimizer with the layer frozen
+    again: the checkpoint's layout (which places were stepped) takes those places, so it loads
+    and continues bit for bit as the uninterrupted run."""
+    model, opt = _gradual_unfreezing(1, 2)
+    sd, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    full, _ = _gradual_unfreezing(0, 2, opt, model)  # the uninterrupted run, two more steps
+    torch.manual_seed(1)
+    again = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).half()
+    again.load_state_dict(weights)
+    again[0].weight.requires_grad_(False)  # as the script builds it
+    with pytest.warns(DeprecationWarning):
+        resumed = FP16_Optimizer(torch.optim.Adam(again.parameters(), lr=1e-2),
+                                 static_loss_scale=16.0)
+    resumed.load_state_dict(sd)
+    again[0].weight.requires_grad_(True)
+    _gradual_unfreezing(0, 2, resumed, again)
+    for a, b in zip(again.parameters(), full.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_fp16_state_moved_onto_a_master_is_fp32():
+    """State the wrapped optimizer holds in fp16 (loaded into the fp16 weights) moves onto the
+    master in fp32 (Apex recasts it): Adam raised on the mixed dtypes at the next step."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4).half())
+    inner = torch.optim.Adam([w], lr=1e-2)
+    inner.load_state_dict({"state": {0: {"step": torch.tensor(3.0),
+                                         "exp_avg": torch.full((4,), 0.5),
+                                         "exp_avg_sq": torch.full((4,), 0.25)}},
+                           "param_groups": [dict(inner.state_dict()["param_groups"][0])]})
+    assert inner.state[w]["exp_avg"].dtype == torch.float16  # (torch casts it to the weight's)
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(inner, static_loss_scale=4.0)
+    opt.backward((w.float() ** 2).sum())
+    opt.step()
+    state = opt.optimizer.state[opt.master_params[0]]
+    assert state["exp_avg"].dtype == torch.float32 and torch.isfinite(w).all()
+
+
+def test_a_group_added_to_the_wrapped_optimizer_gets_masters():
+    """A group added to the wrapped optimizer after construction (Apex offers no way) is stepped
+    through masters from its first gradient, as the others: it was stepped with the scaled
+    gradient (a weight of 1.0 went to -101 at scale 1024)."""
+    torch.manual_seed(0)
+    first, added = torch.nn.Parameter(torch.ones(2).half()), torch.nn.Parameter(torch.ones(2).half())
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.SGD([first], lr=0.1), static_loss_scale=1024.0)
+    opt.optimizer.add_param_group({"params": [added]})
+    opt.backward((first.float().sum() + added.float().sum()))
+    opt.step()
+    assert torch.equal(added, torch.full((2,), 0.9).half())
+    assert opt.fp16_groups[1] == [added] and opt.param_groups[1]["params"][0] is opt.master_params[1]
+
+
+def test_a_wrongly_read_layout_is_refused_not_loaded():
+    """A checkpoint whose state would land on parameters of another shape (a masters-first
+    checkpoint without its mark, a different model) is refused; it was loaded silently."""
+    torch.manual_seed(0)
+    b, a = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3).half())
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.SGD([b, a], lr=0.1, momentum=0.9), static_loss_scale=2.0)
+    opt.backward(b.sum() ** 2 + a.float().sum() ** 2)
+    opt.step()
+    sd = opt.state_dict()
+    del sd["groups_in_place"]  # now read as masters first: a's state would land on b
+    with pytest.raises(ValueError, match="do not fit"):
+        opt.load_state_dict(sd)
+
+
+def test_an_optimizer_whose_fp16_weights_are_all_frozen_at_first_is_accepted():
+    """Only an fp32 head trains at first (Apex accepts it); the fp16 body gets its masters when
+    unfrozen."""
+    body, head = torch.nn.Parameter(torch.ones(2).half(), requires_grad=False), \
+        torch.nn.Parameter(torch.ones(2))
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.SGD([body, head], lr=0.1), static_loss_scale=8.0)
+    body.requires_grad_(True)
+    opt.backward(body.float().sum() + head.sum())
+    opt.step()
+    assert torch.equal(body, torch.full((2,), 0.9).half()) and opt.fp16_groups == [[body]]

@@ -12,6 +12,10 @@ from ..optimizers.masters import (LOW_DTYPES, MasterWeights, check_one_master_ea
 from ..scaling import LossScale, core_attribute
 
 
+# Optimizer state keys shaped as their parameter (torch's and peak's optimizers).
+_PER_ELEMENT = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "sum")
+
+
 class FP16_Optimizer:
     """Apex's ``FP16_Optimizer(init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
     dynamic_loss_args=None, verbose=True)``, deprecated: ``amp.initialize(model, optimizer,
@@ -53,18 +57,9 @@ class FP16_Optimizer:
         # are, frozen ones included (a master when first given a gradient). `_layout`: what each
         # place holds, (kind, index within its kind), to read peak's earlier layouts.
         self._layout: list[list[list]] = []
-        for group in self.optimizer.param_groups:
-            self.fp16_groups.append([])
-            self.fp32_from_fp16_groups.append([])
-            self.fp32_from_fp32_groups.append([])
-            self._layout.append([["frozen", -1] for _ in group["params"]])
-            for i, p in enumerate(group["params"]):
-                if p.requires_grad and p.dtype not in LOW_DTYPES and p.dtype != torch.float32:
-                    raise TypeError(f"FP16_Optimizer wraps float16, bfloat16 and float32 "
-                                    f"parameters; got a {p.dtype} parameter")
-                if p.requires_grad:
-                    self._take(len(self._layout) - 1, i)
-        if not self.model_params:
+        self._take_new(lambda p: p.requires_grad)
+        if not self.model_params and not any(p.dtype in LOW_DTYPES for g in self.param_groups
+                                             for p in g["params"]):
             raise ValueError("FP16_Optimizer found no float16/bfloat16 parameters in the "
                              "optimizer: convert the model with .half() first, or better, use "
                              "peak.amp.initialize(opt_level='O2') which does it for you")
@@ -83,7 +78,8 @@ class FP16_Optimizer:
         self._core = LossScale(init, growth_factor=scale_factor, backoff_factor=1.0 / scale_factor,
                                growth_interval=int(args["scale_window"]),
                                min_scale=float(args["min_loss_scale"] or 0.0), max_scale=max_scale,
-                               device=self.model_params[0].device)
+                               device=next(p.device for g in self.param_groups
+                                           for p in g["params"]))
         self.overflow = False
         self.first_closure_call_this_step = True
         # fp32 gradients are unscaled in place: a later backward of the same step sets them aside
@@ -91,19 +87,39 @@ class FP16_Optimizer:
         self._fp32_unscaled = False
         self._fp32_set_aside: list | None = None
 
+    def _take_new(self, wanted) -> None:
+        """The places not stepped yet (groups added since included) that ``wanted`` picks:
+        trainable ones at construction, ones with a gradient later (unfrozen, or in a group added
+        to the wrapped optimizer)."""
+        for g, group in enumerate(self.optimizer.param_groups):
+            if g == len(self._layout):
+                self._layout.append([["frozen", -1] for _ in group["params"]])
+                for lists in (self.fp16_groups, self.fp32_from_fp16_groups,
+                              self.fp32_from_fp32_groups):
+                    lists.append([])
+            for i, (p, entry) in enumerate(zip(group["params"], self._layout[g])):
+                if entry[0] == "frozen" and wanted(p):
+                    self._take(g, i)
+
     def _take(self, g: int, i: int) -> None:
         """Place ``i`` of group ``g`` is stepped from now on: a master in place of an fp16/bf16
-        parameter (with its state), an fp32 one as it is; the kinds' lists keep group order."""
+        parameter (with its state, in fp32), an fp32 one as it is; the kinds' lists keep group
+        order."""
         params, layout = self.optimizer.param_groups[g]["params"], self._layout[g]
         p, kind = params[i], "master" if params[i].dtype in LOW_DTYPES else "fp32"
+        if p.dtype not in LOW_DTYPES and p.dtype != torch.float32:
+            raise TypeError(f"FP16_Optimizer wraps float16, bfloat16 and float32 parameters; got "
+                            f"a {p.dtype} parameter (param_groups[{g}][{i}])")
         k = sum(entry[0] == kind for entry in layout[:i])
         for entry in layout[i + 1:]:
             entry[1] += entry[0] == kind
         layout[i] = [kind, k]
         if kind == "master":
             params[i] = master = self._store.add(p)
-            if p in self.optimizer.state:
-                self.optimizer.state[master] = self.optimizer.state.pop(p)
+            if p in self.optimizer.state:  # (fp16 moments, e.g. loaded into the fp16 weight)
+                self.optimizer.state[master] = {
+                    key: v.float() if isinstance(v, torch.Tensor) and v.dtype in LOW_DTYPES else v
+                    for key, v in self.optimizer.state.pop(p).items()}
             self.fp16_groups[g].insert(k, p)
             self.fp32_from_fp16_groups[g].insert(k, master)
         else:
@@ -156,10 +172,7 @@ class FP16_Optimizer:
         ``.grad``, fp32 ones in place), checked for inf/NaN in one pass per (device, dtype)."""
         if not self._fp32_unscaled:  # (a later backward of the step: earlier overflows stand)
             self._core.found_inf.zero_()
-        for g, (group, layout) in enumerate(zip(self.optimizer.param_groups, self._layout)):
-            for i, (p, entry) in enumerate(zip(group["params"], layout)):
-                if entry[0] == "frozen" and p.grad is not None:  # unfrozen since
-                    self._take(g, i)
+        self._take_new(lambda p: p.grad is not None)  # (unfrozen since, or a group added)
         self._store.follow_weights()
         ins, outs = [], []
         for p, m in zip(self.model_params, self.master_params):
@@ -265,7 +278,7 @@ class FP16_Optimizer:
             # One list per parameter group, as Apex, whose group order the optimizer's state
             # keeps too (NOTE: [FP16_Optimizer's groups]); the key marks it for peak's loader.
             "fp32_from_fp16": [[m.detach().clone() for m in g] for g in self.fp32_from_fp16_groups],
-            "groups_in_place": True,
+            "groups_in_place": [[kind for kind, _ in layout] for layout in self._layout],
         }
 
     def _in_place(self, state_dict):
@@ -275,12 +288,22 @@ class FP16_Optimizer:
         its fp32 parameters, and left frozen ones out: renumbered here."""
         saved, opt_sd = state_dict["fp32_from_fp16"], state_dict["optimizer_state_dict"]
         if saved and isinstance(saved[0], torch.Tensor):  # peak 0.1
+            if len(saved) != len(self.master_params):
+                raise ValueError(f"checkpoint (written by peak 0.1) has {len(saved)} fp32 master "
+                                 f"weights, this optimizer {len(self.master_params)}: not the "
+                                 "same model and optimizer (or parameters frozen differently)")
             flat, saved = list(saved), []
             for group in self.fp32_from_fp16_groups:
                 saved.append(flat[:len(group)])
                 flat = flat[len(group):]
             return saved, opt_sd
-        if state_dict.get("groups_in_place") or not isinstance(state_dict["loss_scaler"], dict):
+        kinds = state_dict.get("groups_in_place")
+        if isinstance(kinds, list):  # places stepped when it was saved are stepped from now on
+            for g, group_kinds in enumerate(kinds[:len(self._layout)]):
+                for i, kind in enumerate(group_kinds[:len(self._layout[g])]):
+                    if kind != "frozen" and self._layout[g][i][0] == "frozen":
+                        self._take(g, i)
+        if kinds or not isinstance(state_dict["loss_scaler"], dict):
             return saved, opt_sd  # (peak's, or Apex's: its LossScaler object)
         sizes = [len(g["params"]) for g in opt_sd["param_groups"]]
         stepped = [sum(kind != "frozen" for kind, _ in layout) for layout in self._layout]
@@ -288,7 +311,11 @@ class FP16_Optimizer:
             raise ValueError(f"checkpoint (written by an earlier peak) steps parameter groups of "
                              f"sizes {sizes}, this optimizer {stepped}: not the same model and "
                              "optimizer (or parameters frozen differently)")
-        renumber, groups, start, old_start = {}, [], 0, 0
+        if [len(g) for g in saved] != [len(g) for g in self.fp32_from_fp16_groups]:
+            raise ValueError("checkpoint (written by an earlier peak) has fp32 master weights for "
+                             f"groups of sizes {[len(g) for g in saved]}, this optimizer "
+                             f"{[len(g) for g in self.fp32_from_fp16_groups]}: not the same model")
+        renumber, groups, start = {}, [], 0
         for layout, old_group, masters in zip(self._layout, opt_sd["param_groups"], saved):
             for i, (kind, k) in enumerate(layout):
                 if kind != "frozen":
@@ -305,7 +332,18 @@ class FP16_Optimizer:
         mine = [len(g) for g in self.fp32_from_fp16_groups]
         if shapes != mine:
             raise ValueError(f"checkpoint has fp32 master weights for groups of sizes {shapes}, "
-                             f"this optimizer has {mine}: not the same model and optimizer")
+                             f"this optimizer has {mine}: not the same model and optimizer (or "
+                             "parameters frozen differently)")
+        # A state that fits another place (a layout read wrongly) is refused, not loaded.
+        flat = [p for g in self.param_groups for p in g["params"]]
+        bad = [i for i, st in opt_sd["state"].items() if isinstance(i, int) and any(
+            isinstance(st.get(key), torch.Tensor) and st[key].dim() > 0
+            and (i >= len(flat) or st[key].shape != flat[i].shape) for key in _PER_ELEMENT)]
+        if bad or any(m.shape != s.shape for g, sg in zip(self.fp32_from_fp16_groups, saved)
+                      for m, s in zip(g, sg)):
+            raise ValueError(f"checkpoint's optimizer state (parameters {bad}) or masters do not "
+                             "fit this optimizer's parameters in shape: not the same model and "
+                             "optimizer")
         scaler = state_dict["loss_scaler"]
         if not isinstance(scaler, dict):  # (Apex's LossScaler object: its scale, a fresh window)
             scaler = {"loss_scale": float(scaler.loss_scale())}

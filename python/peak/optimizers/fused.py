@@ -450,14 +450,15 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         if apex_kwargs:
             raise TypeError(f"FusedMixedPrecisionLamb.step() got unexpected keyword arguments "
                             f"{sorted(apex_kwargs)}")
+        scaling = grad_scaler is not None and getattr(grad_scaler, "_enabled", True)
+        if scaling and (grad_scale is not None or found_inf is not None):
+            raise ValueError("pass either grad_scaler or grad_scale/found_inf, not both")
         loss = None
         if closure is not None and grad_scaler is not None:  # (Apex: the closure's gradients
             with torch.enable_grad():                          # are the ones checked)
                 loss = closure()
             closure = None
-        if grad_scaler is not None and getattr(grad_scaler, "_enabled", True):
-            if grad_scale is not None or found_inf is not None:
-                raise ValueError("pass either grad_scaler or grad_scale/found_inf, not both")
+        if scaling:
             per_device = grad_scaler._check_inf_per_device(self)
             grad_scale = grad_scaler._get_scale_async()
             if per_device:
