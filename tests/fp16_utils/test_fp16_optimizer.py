@@ -658,3 +658,35 @@ def test_an_optimizer_whose_fp16_weights_are_all_frozen_at_first_is_accepted():
     opt.backward(body.float().sum() + head.sum())
     opt.step()
     assert torch.equal(body, torch.full((2,), 0.9).half()) and opt.fp16_groups == [[body]]
+
+
+def test_a_run_that_added_a_group_resumes_with_the_group_added_again():
+    """A layer unfrozen through add_param_group on the wrapped optimizer: the resumed script
+    adds the group again before loading, and continues bit for bit (the added group was unknown
+    to the load until its first gradient, and the load was refused)."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).half()
+        with pytest.warns(DeprecationWarning):
+            opt = FP16_Optimizer(torch.optim.Adam(model[1].parameters(), lr=1e-2),
+                                 static_loss_scale=16.0)
+        opt.optimizer.add_param_group({"params": list(model[0].parameters()), "lr": 5e-3})
+        return model, opt
+
+    def train(model, opt, steps):
+        for step in steps:
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            opt.backward(model(x.half()).float().pow(2).mean())
+            opt.step()
+
+    model, opt = build()
+    train(model, opt, range(2))
+    sd, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    train(model, opt, range(2, 4))
+    again, resumed = build()
+    again.load_state_dict(weights)
+    resumed.load_state_dict(sd)
+    train(again, resumed, range(2, 4))
+    for a, b in zip(again.parameters(), model.parameters()):
+        assert torch.equal(a, b)

@@ -36,8 +36,8 @@ class FP16_Optimizer:
     def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
                  dynamic_loss_args=None, verbose=True):
         warnings.warn("FP16_Optimizer is deprecated: use peak.amp.initialize(model, optimizer, "
-                      "opt_level='O2') and amp.scale_loss (see docs/amp_api.md)",
-                      DeprecationWarning, stacklevel=2)
+                      "opt_level='O2') and amp.scale_loss (see docs/migrating.md, 'From "
+                      "FP16_Optimizer')", DeprecationWarning, stacklevel=2)
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(f"init_optimizer must be a torch.optim.Optimizer, got "
                             f"{type(init_optimizer).__name__}")
@@ -287,6 +287,7 @@ class FP16_Optimizer:
         one); later ones, until the 'groups_in_place' mark, put each group's masters first, then
         its fp32 parameters, and left frozen ones out: renumbered here."""
         saved, opt_sd = state_dict["fp32_from_fp16"], state_dict["optimizer_state_dict"]
+        self._take_new(lambda p: False)  # (groups added to the wrapped optimizer since: known)
         if saved and isinstance(saved[0], torch.Tensor):  # peak 0.1
             if len(saved) != len(self.master_params):
                 raise ValueError(f"checkpoint (written by peak 0.1) has {len(saved)} fp32 master "
