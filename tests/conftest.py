@@ -34,3 +34,11 @@ def pytest_report_header(config):
     how = "forced by PEAK_CPU_LEVEL" if levels["forced"] else "the default"
     return [f"peak CPU level: {levels['active']} ({how}; compiled: {','.join(levels['compiled'])})",
             f"peak from {os.path.dirname(os.path.dirname(peak.__file__))}"]
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch):
+    # A launcher's WORLD_SIZE makes amp O2 start masters from the cast weights (NOTE: [Masters
+    # under DDP]): the suite runs as one process wherever it is started; tests that want the
+    # multi-rank rule set it themselves (the distributed tests spawn real ranks).
+    monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -1257,3 +1257,40 @@ def test_masters_start_from_the_cast_weights_in_a_multi_rank_run(monkeypatch, wo
     expected = [w.bfloat16().float() for w in fp32] if world_size == "2" else fp32
     _assert_bitwise(masters, expected)
     amp._amp_state.reset()
+
+
+@pytest.mark.parametrize("make_opt", list(TORCH.values()) + [FUSED["FusedAdam"]],
+                         ids=list(TORCH) + ["FusedAdam"])
+def test_a_step_interrupted_after_it_stepped_leaves_the_model_with_its_masters(make_opt):
+    """An O2 step that raises after it wrote the masters (a step post-hook, Ctrl-C at its end)
+    still leaves the model with the masters' rounding, as an fp32 model would have the step:
+    training that goes on (no retry) equals the uninterrupted run. The model was left behind,
+    and a checkpoint saved then lost the step's masters on resume."""
+    def run(interrupt):
+        model = make_mlp()
+        opt = make_opt(model.parameters())
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                    verbosity=0)
+        armed = [False]
+
+        def post_hook(*_):
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+
+        opt.register_step_post_hook(post_hook)
+        for i in range(3):
+            x, y = data(i)
+            opt.zero_grad()
+            with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            if i == 1 and interrupt:
+                armed[0] = True
+                with pytest.raises(KeyboardInterrupt):
+                    opt.step()
+            else:
+                opt.step()
+        return _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+
+    amp._amp_state.reset()
+    _assert_bitwise(run(True), run(False))

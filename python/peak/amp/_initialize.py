@@ -182,8 +182,9 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
                     module.register_load_state_dict_pre_hook(note_load_hook)
                     module.register_load_state_dict_post_hook(refresh_after_load_hook)
         _initialized_models.add(model)
+    world = os.environ.get("WORLD_SIZE", "1").strip()  # (a launcher's, before any process group)
     if (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            or os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1")):  # (a launcher's)
+            or world.isdigit() and int(world) > 1):
         # NOTE: [Masters under DDP] DDP's constructor, after this, gives each rank rank 0's cast
         # weights (not its fp32 ones): masters from the cast weights then agree on every rank.
         fp32_originals.clear()

@@ -312,8 +312,9 @@ class UnscaledGradsState(AmpOptimizerState):
         finally:
             if found_inf is not None:
                 del opt.found_inf
-        if self.store.masters:  # (not after a step that raised: called again, it steps them)
-            self.store.copy_to_model()
+            if self.store.masters:  # (the model follows what a step wrote, raised or not)
+                self.store.copy_to_model()
+        if self.store.masters:  # (kept after a step that raised: called again, it steps them)
             self.store.drop_grads()
         return result
 

@@ -102,11 +102,9 @@ class LossScaler:
         unscale_grads_(list(grads), 1.0, self._core.found_inf, check_only=True)
 
     def _inv_scale(self, scale_override=None):
-        if scale_override is not None:
-            return 1.0 / float(scale_override)
-        if self._static_value is not None:
-            return 1.0 / self._static_value
-        return self._core.inv_scale()
+        if scale_override is None and self._static_value is None:
+            return self._core.inv_scale()
+        return 1.0 / float(self._static_value if scale_override is None else scale_override)
 
     def unscale(self, model_grads: Sequence[torch.Tensor], master_grads: Sequence[torch.Tensor],
                 scale_override=None) -> None:

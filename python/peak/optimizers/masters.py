@@ -429,6 +429,11 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
         if p is None:
             continue
         value, changed, before = _loading.pop(p, (None, False, None))
+        owner = _owner_of_param[p]() if p in _owner_of_param else None
+        if (owner is not None and value is not None and value.dtype == torch.float32
+                and p.requires_grad and owner.wants_master(p)
+                and not {MASTER_KEY, REMAINDER_KEY} & owner.state.get(p, {}).keys()):
+            owner.set_master(p, value)  # (none yet: amp made none from fp32 weights, multi-rank)
         master = master_of_param(p)
         finer = (value is not None and (master is not None or p in _frozen_in_store)  # (than p)
                  and not torch.equal(value.to(p.dtype).to(value.dtype), value))
@@ -440,7 +445,6 @@ def refresh_after_load_hook(module, incompatible_keys) -> None:
             master.copy_(value if finer else weight_wins(master, p))
         if value is not None and (p in _master_of_param or p in _frozen_in_store):
             _arrived[p] = finer  # (a store's weight: checked at its optimizer's next load)
-        owner = _owner_of_param[p]() if p in _owner_of_param else None
         state = owner.state.get(p, {}) if owner is not None else {}
         if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
             _split_on_arrival.pop(p, None)  # (the master it waited for is ``before``)
