@@ -102,3 +102,23 @@ def test_zero_grad_drops_the_sums():
     opt.accumulate_grads()
     opt.step()
     assert torch.equal(p.detach(), torch.full_like(p, -1.0))
+
+
+def test_grad_norm_reads_the_fp32_sums():
+    """After accumulate_grads() the gradients live in fp32 sums, not in .grad (where
+    clip_grad_norm_ finds nothing): grad_norm() is the norm of what the step will step, the sum
+    plus a gradient since. It returned None, and clipping by it was a silent no-op."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4).to(torch.bfloat16)
+    opt = FusedSGD(model.parameters(), lr=0.1)
+    total = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
+    for i in range(4):
+        model(torch.randn(8, 16, dtype=torch.bfloat16) * 10).float().pow(2).mean().backward()
+        for t, p in zip(total, model.parameters()):
+            t += p.grad.double()
+        if i < 3:
+            opt.accumulate_grads()
+    expected = torch.cat([t.flatten() for t in total]).norm()
+    got = opt.grad_norm()
+    assert got is not None
+    torch.testing.assert_close(got.double().item(), expected.item(), rtol=1e-6, atol=0)

@@ -484,3 +484,27 @@ def test_opcheck_8bit_variants():
              st["steps"], lr, 0.9, 0.999, 1e-8, 0.0, False, True, False, True, gs, fi),
             kwargs={"moment_rounding_seed": seed, "exp_avg_scales": st["ms"],
                     "exp_avg_sq_scales": st["vs"], "chunk_size": 512})
+
+
+def test_an_8bit_checkpoint_that_went_through_a_torch_optimizer_is_refused_saying_so():
+    """torch.optim.AdamW's load casts 8-bit codes to numbers (0..255) and trains on them; its
+    checkpoint coming back is refused with that reason and the export that serves torch (the
+    message blamed torch.distributed.checkpoint and advised what the user had done)."""
+    from peak.optimizers import FusedAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    opt = FusedAdamW(model.parameters(), lr=1e-3, store_param_remainders=True,
+                     exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit")
+    model(torch.randn(8, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    other = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    via_torch = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    via_torch.load_state_dict(opt.state_dict())
+    assert via_torch.state[other.weight]["exp_avg"].float().abs().max() > 1  # (codes as numbers)
+    before = [t.clone() for t in opt.state[model.weight].values() if torch.is_tensor(t)]
+    with pytest.raises(ValueError, match="a torch optimizer loaded this checkpoint.*"
+                                         "export_fp32_optimizer_state_dict"):
+        opt.load_state_dict(via_torch.state_dict())
+    after = [t for t in opt.state[model.weight].values() if torch.is_tensor(t)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing was loaded

@@ -260,9 +260,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         return any(g.get("max_grad_norm", 0.0) > 0 for g in self.param_groups)
 
     def _grad_read(self, p: Tensor) -> Tensor:
-        """Its master's fp32 gradient from ``give_master_grads`` (``_step_masters``), or p.grad."""
-        state = self.state.get(p)
+        """What the step reads: a master's fp32 gradient, an accumulate_grads sum, or p.grad."""
+        state, total = self.state.get(p), self.__dict__.get("_fp32_grad_sums", {}).get(p)
         master = state.get(MASTER_KEY) if state else None
+        if total is not None:
+            return total if p.grad is None else total + p.grad
         return master.grad if master is not None and master.grad is not None else p.grad
 
     @torch.no_grad()
@@ -270,8 +272,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         """The L2 norm of every gradient of the optimizer (all groups and dtypes) as they are
         (scaled, if a scaler scaled them): one read pass per (device, dtype), combined on the
         first gradient's device, no host sync. inf/NaN in any gradient makes it non-finite."""
+        sums = self.__dict__.get("_fp32_grad_sums", {})
         params = [p for group in self.param_groups for p in group["params"]
-                  if p.grad is not None and not p.grad.is_sparse]
+                  if p in sums or p.grad is not None and not p.grad.is_sparse]
         if not params:
             return None
         grads = [(local(self._grad_read(p)), is_sharded(p)) for p in params]

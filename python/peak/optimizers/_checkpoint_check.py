@@ -169,6 +169,11 @@ def _check_entries(optimizer, name, p: Tensor, group: dict, label: str, entries,
         layout = group.get(EIGHT_BIT_LAYOUT)
         if layout is not None and str(group.get(STORAGE_KEYS.get(key))).endswith("uint8"):
             saved = torch.uint8 if layout == "flat" or whole_block_rows(p) else torch.bfloat16
+            if value.dtype != saved and via_torch:
+                refuse(f"'{key}' was saved as 8-bit codes but arrives as {value.dtype}: a torch "
+                       "optimizer loaded this checkpoint, cast the codes as numbers and trained "
+                       "on them (its moments are not Adam's). Give a torch optimizer "
+                       "export_fp32_optimizer_state_dict(optimizer) instead of state_dict()")
             if value.dtype != saved:
                 refuse(f"'{key}' was saved as {str(saved).replace('torch.', '')} ({layout} "
                        f"8-bit layout) but arrives as {value.dtype}: a loader cast it "
