@@ -253,12 +253,19 @@ inline void fill_optimizer_scalars(OptimizerScalars& s, const OptimizerArgs& a) 
 }
 
 // Steps count up before the kernel (it reads the new count for bias correction) and back down
-// by found_inf after it, on the device: a skipped step leaves them as they were, with no sync.
-// Every argument is validated before the first count moves.
+// after it when the step was skipped, on the device: a skipped step leaves them as they were,
+// with no sync. Every argument is validated before the first count moves.
 inline void bump_steps(at::TensorList steps) { at::_foreach_add_(steps, 1); }
 
+// NOTE: [Any nonzero found_inf skips] The kernels skip on found_inf != 0, so the count goes back
+// by exactly that predicate, never by the flag's value: torch's GradScaler hands a model on two
+// devices the sum of their flags (2), a SUM all-reduce over ranks gives up to world size, and a
+// flag computed from a NaN norm is NaN. Undoing by the value sent counts below zero (Adam's bias
+// correction then divides by zero) or to NaN.
 inline void undo_skipped_steps(at::TensorList steps, const std::optional<at::Tensor>& found_inf) {
-  if (found_inf) at::_foreach_add_(steps, found_inf->reshape({}), -1);
+  if (found_inf && !steps.empty()) {
+    at::_foreach_add_(steps, found_inf->reshape({}).ne(0).to(steps[0].scalar_type()), -1);
+  }
 }
 
 inline std::vector<const float*> float_ptrs(at::TensorList list) {

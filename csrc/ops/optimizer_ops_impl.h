@@ -350,11 +350,11 @@ void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
   for (size_t i = 0; i < exp_avg_sqs.size(); ++i) {
     check_scalar_tensor(a.name, "exp_avg_sqs[i]", exp_avg_sqs[i], at::kFloat, device);
   }
-  bump_steps(a.steps);
 
   // This step's per-tensor gradient norms (accumulated in fp32), unscaled: a norm scales with
   // its tensor. ATen's foreach norm on every backend, so that the emulated grid and the CPU
-  // see the same norms and the element pass is compared bit for bit.
+  // see the same norms and the element pass is compared bit for bit. An empty gradient's norm
+  // is 0 (ATen refuses the infinity norm of an empty tensor: it stands in as one zero).
   // On shards the caller reduces them over the mesh and passes them (grad_norms).
   const double ord = norm_type == 2 ? 2.0 : INFINITY;
   if (grad_norms) {
@@ -365,9 +365,14 @@ void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                 a.params.size(), ") on ", device, ", got ", grad_norms->scalar_type(), " of shape ",
                 grad_norms->sizes(), " on ", grad_norms->device());
   }
+  std::vector<at::Tensor> normed(a.grads.begin(), a.grads.end());
+  for (at::Tensor& g : normed) {
+    if (g.numel() == 0) g = at::zeros({1}, g.options());
+  }
   at::Tensor norms = grad_norms ? *grad_norms
-                                : at::stack(at::_foreach_norm(a.grads, ord, at::kFloat)).reshape({-1});
+                                : at::stack(at::_foreach_norm(normed, ord, at::kFloat)).reshape({-1});
   if (a.grad_scale) norms = norms / *a.grad_scale;
+  bump_steps(a.steps);  // (after everything that can refuse the call)
   std::vector<at::Tensor> old_list;
   old_list.reserve(exp_avg_sqs.size());
   for (const at::Tensor& t : exp_avg_sqs) old_list.push_back(t.reshape(c10::IntArrayRef{}));

@@ -4,7 +4,9 @@ Every op works on lists of float32 / float16 / bfloat16 tensors on one device (g
 device and dtype first), does its math in float32, and is one pass over memory. The overflow flag
 ``found_inf`` is a float32 tensor of one element on the tensors' device, set to 1.0 by an op that
 sees inf/NaN and never cleared by one: zero it yourself (``found_inf.zero_()``) when a new step
-begins. Scales may be device tensors so that nothing waits for the host."""
+begins. Scales may be device tensors so that nothing waits for the host. Writes bump no autograd
+version counter (as Apex's amp_C and torch's fused optimizer kernels): autograd cannot see that
+a tensor it saved was written, so write none that a backward still to come needs."""
 from __future__ import annotations
 
 import math
@@ -158,7 +160,12 @@ def update_scale_(scale: Tensor, growth_tracker: Tensor, found_inf: Tensor | Seq
 # default when it calls a Python fake kernel.
 
 def _writes_inputs_only(*args, **kwargs):
-    return None
+    # A meta tensor among real ones sends the call here, where nothing would be written.
+    devices = {t.device.type for t in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(t, Tensor)}
+    if "meta" in devices and len(devices) > 1:
+        raise RuntimeError(f"peak: a meta tensor was passed with tensors on {devices - {'meta'}}; "
+                           "nothing would be computed: put every tensor argument on one device")
 
 
 for _op in ("multi_tensor_scale_", "multi_tensor_axpby_", "multi_tensor_check_finite_",

@@ -159,3 +159,11 @@ def test_partial_overlap_between_output_and_input_is_an_error():
         ops.multi_tensor_scale_([buf[:10]], [buf[5:15]], 2.0, flag())
     with pytest.raises(RuntimeError, match=r"outputs\[0\] partially overlaps ys\[0\]"):
         ops.multi_tensor_axpby_([torch.ones(10)], [buf[:10]], [buf[1:11]], 1, 1, flag())
+
+
+def test_a_meta_tensor_among_real_ones_is_refused():
+    # The dispatcher sends such a call to the fake kernel, which computes nothing.
+    x = [torch.ones(3)]
+    with pytest.raises(RuntimeError, match="a meta tensor was passed with tensors on"):
+        ops.multi_tensor_scale_(x, x, 2.0, torch.zeros(1, device="meta"))
+    assert torch.equal(x[0], torch.ones(3))

@@ -260,7 +260,8 @@ MAKERS = {
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32] + LOW, ids=dtype_id)
 @pytest.mark.parametrize("family", list(MAKERS))
-def test_overflow_skips_everything_bit_for_bit(device, dtype, family):
+@pytest.mark.parametrize("flag", [1.0, 3.0, float("nan")], ids=["one", "sum", "nan"])
+def test_overflow_skips_everything_bit_for_bit(device, dtype, family, flag):
     params = make_params(dtype, device)
     opt = MAKERS[family](params)
     run(opt, params, 3)
@@ -270,7 +271,7 @@ def test_overflow_skips_everything_bit_for_bit(device, dtype, family):
     params[1].grad[5] = float("inf")
     params[2].grad[0, 0, 0] = float("nan")
     opt.step(grad_scale=torch.full((1,), 1024.0, device=device),
-             found_inf=torch.ones(1, device=device))
+             found_inf=torch.full((1,), flag, device=device))  # (any nonzero flag skips)
     for p, b in zip(params, before_params):
         assert torch.equal(p.detach(), b)
     for p in params:
@@ -906,3 +907,29 @@ def test_apex_checkpoint_with_group_steps_continues_where_it_stopped(family):
         results.append([q.detach().clone() for q in qs])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("norm_type", [2, 0], ids=["l2", "inf"])
+def test_novograd_steps_past_an_empty_parameter(norm_type):
+    # An empty gradient's norm is 0 (ATen refuses the infinity norm of an empty tensor): the
+    # others step as without it, and a refused call moves no step count.
+    torch.manual_seed(0)
+    start = torch.randn(5)
+    with_empty = [torch.nn.Parameter(start.clone()), torch.nn.Parameter(torch.randn(0))]
+    alone = [torch.nn.Parameter(start.clone())]
+    opts = [FusedNovoGrad(ps, lr=1e-2, norm_type=norm_type) for ps in (with_empty, alone)]
+    for _ in range(3):
+        g = torch.randn(5)
+        with_empty[0].grad, with_empty[1].grad, alone[0].grad = g.clone(), torch.zeros(0), g
+        for opt in opts:
+            opt.step()
+    assert_bitwise_equal(with_empty[0], alone[0])
+    assert [opts[0].state[p]["step"].item() for p in with_empty] == [3.0, 3.0]
+    steps = [torch.zeros(())]
+    with pytest.raises(RuntimeError, match="grad_norms must be a float32 vector"):
+        ops.fused_novograd_([torch.randn(3)], [torch.randn(3)], [], [torch.zeros(3)],
+                            [torch.zeros(())], steps, lr=torch.tensor([1e-2]), beta1=0.9,
+                            beta2=0.99, eps=1e-8, weight_decay=0.0, grad_averaging=True,
+                            reg_inside_moment=False, bias_correction=True, norm_type=norm_type,
+                            grad_norms=torch.zeros(2))
+    assert steps[0].item() == 0.0

@@ -156,7 +156,10 @@ def snapshot(opt, params):
     lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
     lambda ps: FusedAdam(ps, lr=1e-2, amsgrad=True),
     lambda ps: FusedLAMB(ps, lr=1e-2)], ids=["sgd", "adam", "lamb"])
-def test_overflow_skips_everything_bit_for_bit(device, dtype, make):
+# Any nonzero flag skips: torch's GradScaler hands a model on two devices the sum of their flags,
+# a SUM all-reduce gives up to the world size, a flag from a NaN norm is NaN.
+@pytest.mark.parametrize("flag", [1.0, 3.0, float("nan")], ids=["one", "sum", "nan"])
+def test_overflow_skips_everything_bit_for_bit(device, dtype, make, flag):
     params = make_params(dtype, device)
     opt = make(params)
     run(opt, params, 3)  # state exists and is non-trivial
@@ -164,7 +167,7 @@ def test_overflow_skips_everything_bit_for_bit(device, dtype, make):
     for p, g in zip(params, grads_for(7, params)):
         p.grad = g
     params[1].grad[5] = float("inf")
-    found = torch.ones(1, device=device)
+    found = torch.full((1,), flag, device=device)
     opt.step(grad_scale=torch.full((1,), 1024.0, device=device), found_inf=found)
     for p, b in zip(params, before_params):
         assert torch.equal(p.detach(), b)
@@ -172,8 +175,11 @@ def test_overflow_skips_everything_bit_for_bit(device, dtype, make):
         for k, v in opt.state[p].items():
             assert torch.equal(v, before_state[id(p)][k]), k
     # and the next clean step proceeds from there, counting from the old step
+    for p, g in zip(params, grads_for(8, params)):
+        p.grad = g
     opt.step(found_inf=torch.zeros(1, device=device))
     assert all(opt.state[p]["step"].item() == 4 for p in params)
+    assert all(torch.isfinite(p).all() for p in params)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -49,8 +49,9 @@ def count_empty_steps(states: list[dict], found_inf: Tensor | None) -> None:
     """A rank whose shard of a parameter is empty still counts the step (skipped or not), so
     that every rank's step count -- and the checkpoint's -- agrees."""
     for st in states:
-        skip = 0 if found_inf is None else found_inf.to(st["step"].device).reshape(()).clamp(max=1)
-        st["step"].add_(1 - skip)
+        # (any nonzero flag skips: NOTE: [Any nonzero found_inf skips] in optimizer_launch.h)
+        st["step"].add_(1 if found_inf is None
+                        else found_inf.to(st["step"].device).reshape(()).eq(0).float())
 
 
 def whole_tensor_norms(shard_lists: list[list[Tensor]], params, ord: float = 2.0) -> Tensor:
