@@ -173,6 +173,44 @@ def test_loading_new_model_weights_refreshes_masters():
     assert torch.allclose(model[0].weight.float(), other[0].weight, atol=0.2)
 
 
+@pytest.mark.parametrize("low,opt_name", [
+    *[pytest.param(d, name, id=f"{n}-{name}") for n, d in H.DTYPES.items()
+      for name in ("SGD", "FusedSGD", "FusedAdam")],
+    pytest.param(torch.bfloat16, "FusedAdam_remainders", id="bf16-FusedAdam_remainders")])
+def test_a_write_through_data_before_the_first_step_is_trained_from(low, opt_name):
+    """Apex makes its masters at the first scale_loss, so weights set through ``.data`` after
+    initialize (pretrained vectors, a custom init) are what trains: the same run as with those
+    weights set before initialize, bit for bit (a remainder joins the written weight with its
+    old low bits: within an ulp of it)."""
+    from peak.optimizers import FusedAdam, FusedSGD
+
+    make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+            "FusedSGD": lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9),
+            "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-3),
+            "FusedAdam_remainders": lambda ps: FusedAdam(ps, lr=1e-3,
+                                                         store_param_remainders=True)}[opt_name]
+    pretrained = torch.randn_like(H.make_cnn(0)[0].weight).to(low).float()  # (representable)
+    runs = []
+    for before in (True, False):
+        model = H.make_cnn(0)
+        if before:
+            model[0].weight.data.copy_(pretrained)
+        opt = make(model.parameters())
+        amp.initialize(model, opt, opt_level="O2", cast_model_type=low, verbosity=0)
+        if not before:
+            model[0].weight.data.copy_(pretrained)
+        for step in range(3):
+            _step(model, opt, step)
+        runs.append(H.snapshot(model, opt) if opt_name != "FusedAdam_remainders"
+                    else [p.detach().float() for p in model.parameters()])
+    if opt_name == "FusedAdam_remainders":
+        for a, b in zip(*runs):
+            # (an Adam step moves an element by at most about lr, whatever its gradient)
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=3e-3)
+    else:
+        H.assert_bitwise_equal(*runs)
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_clears_model_and_master_grads(set_to_none):
     model, opt = _o2(torch.float16)

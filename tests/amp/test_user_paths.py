@@ -1262,3 +1262,34 @@ def test_masters_start_from_the_cast_weights_in_a_multi_rank_run(monkeypatch, wo
     expected = [w.bfloat16().float() for w in fp32] if world_size == "2" else fp32
     _assert_bitwise(masters, expected)
     amp._amp_state.reset()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("low", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("opt_name", ["SGD", "FusedAdam"])
+def test_a_second_initialize_with_the_same_options_leaves_the_first_training(level, low,
+                                                                            opt_name):
+    """Apex's own checkpoint test trains a restored model beside the first after a second
+    ``initialize`` (and scripts initialize an EMA or eval copy later): with the same options
+    the first model and optimizer keep training, bit for bit as without the second call (which
+    gives the run new loss scalers, as Apex's: at their initial scale here, as the first's)."""
+    make = {**TORCH, **FUSED}[opt_name]
+    runs = []
+    for second in (False, True):
+        model = make_mlp(0)
+        opt = make(model.parameters())
+        amp.initialize(model, opt, opt_level=level, low_precision_dtype=low, num_losses=2,
+                       verbosity=0)
+        for step in range(4):
+            if second and step == 2:
+                other = make_mlp(1)
+                amp.initialize(other, make(other.parameters()), opt_level=level,
+                               low_precision_dtype=low, num_losses=2, verbosity=0)
+            x, y = data(step)
+            opt.zero_grad()
+            with amp.scale_loss(F.cross_entropy(model(x), y), opt, loss_id=0) as scaled:
+                scaled.backward()
+            opt.step()
+        runs.append(_weights(model))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

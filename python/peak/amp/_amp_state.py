@@ -27,8 +27,7 @@ class AmpState:
         self.min_loss_scale = None
         self.max_loss_scale = 2.0**24
         self.handle = None
-        # Bumped on every initialize: optimizers from an earlier one (a re-run notebook cell) are
-        # recognised as stale by the generation they were processed in.
+        # An earlier initialize's optimizers are stale by theirs (unless it kept it: frontend).
         self.generation = getattr(self, "generation", 0) + 1
 
     initialized = property(lambda self: hasattr(self, "opt_properties"))

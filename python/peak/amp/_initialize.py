@@ -100,8 +100,8 @@ def check_inputs(models, optimizers):
                         f"optimizers[{i}] ({type(opt).__name__}), param_groups[{g}], holds a "
                         f"parameter of shape {tuple(p.shape)} that is not a parameter of any model "
                         "passed to amp.initialize. Pass every model whose parameters the "
-                        "optimizer updates, e.g. amp.initialize([model_a, model_b], optimizer, "
-                        "...), and build the optimizer from model.parameters().")
+                        "optimizer updates (amp.initialize([model_a, model_b], optimizer, ...)); "
+                        "a tensor outside any module: make it a model's nn.Parameter attribute.")
     return models_list, optimizers_list
 
 

@@ -17,9 +17,6 @@ from . import _caster, _initialize
 from ._amp_state import LOW_DTYPES, _amp_state, maybe_print, warn_or_err
 from .handle import AmpHandle, LossScaler, NoOpHandle
 
-_OPTION_NAMES = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
-                 "keep_batchnorm_fp32", "master_weights", "loss_scale")
-
 
 def _parse_bool(name: str, value):
     """Booleans, or the strings "True"/"False" (argparse-style scripts pass those)."""
@@ -60,7 +57,7 @@ class Properties:
                 self.__dict__[name] = value
                 return
             raise AttributeError(f"'Properties' has no option '{name}'; valid options are: "
-                                 f"{', '.join(_OPTION_NAMES)}")
+                                 f"{', '.join(options)}")
         o1 = options["opt_level"] == "O1"
         if name == "cast_model_type":
             if not (value is None or value is False
@@ -226,7 +223,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     # Validate the models and optimizers completely before changing anything.
     models_list, optimizers_list = _initialize.check_inputs(models, optimizers)
     _initialize.check_sharded_optimizers(optimizers_list, properties, models_list)
+    previous, generation = getattr(_amp_state, "opt_properties", None), _amp_state.generation
     _reset_global_state()
+    if previous is not None and vars(previous) == vars(properties):  # (docs/advanced.md)
+        _amp_state.generation = generation  # the same options: earlier objects train on (Apex)
     _amp_state.opt_properties = properties
     _amp_state.min_loss_scale = min_loss_scale
     _amp_state.max_loss_scale = max_loss_scale

@@ -180,8 +180,8 @@ def _check_optimizers(optimizers) -> list:
         if stash.generation != _amp_state.generation:
             raise RuntimeError(
                 f"amp.scale_loss: optimizer {name} was passed through an earlier amp.initialize "
-                "call, whose state has been replaced; use the optimizer (and model) passed to the "
-                "latest amp.initialize.")
+                "call with other options than the latest amp.initialize, which replaced them; to "
+                "train both, pass every model and optimizer to one call (or use the same options).")
     return optimizers
 
 

@@ -139,7 +139,7 @@ class MasterWeights:
         master = torch.nn.Parameter(new_master(p, original), requires_grad=True)
         self.model_params.append(p)
         self.masters.append(master)
-        self._versions.append(p._version)
+        self._versions.append(-1)  # (compared at the first step: see note_new_master)
         _master_of_param[p] = master
         return master
 
@@ -167,8 +167,9 @@ class MasterWeights:
     def follow_weights(self) -> None:
         """After a backward pass and before a step: a master follows its weight where it was
         written since (``weight.copy_`` under no_grad, nn.Embedding's max_norm), as a fused
-        optimizer's do (NOTE: [Masters after a model reload]); not through ``.data`` (unseen, as
-        in Apex). After the backward: before the script edits the masters (clipping, decay)."""
+        optimizer's do (NOTE: [Masters after a model reload]); through ``.data`` only before the
+        first step (unseen after, as in Apex). After the backward: before the script edits the
+        masters (clipping, decay)."""
         for i, (p, master, seen) in enumerate(zip(self.model_params, self.masters, self._versions)):
             if p._version != seen:
                 master.copy_(weight_wins(master, p))
@@ -464,6 +465,14 @@ def note_weight(p: Tensor, checksum: Tensor | None = None, version: int | None =
     if entry is None or entry[0]() is not p:  # (a plain dict by id: a step reads it per param)
         entry = (weakref.ref(p, lambda _, key=key: _forget_id(key)),)
     _weight_version[key] = (entry[0], p._version if version is None else version, checksum)
+
+
+def note_new_master(p: Tensor, state: dict) -> None:
+    """A master just made from p's fp32 weights (amp O2): the first step compares the two element
+    by element (-1 is no weight's version), so that a write before that step, even through
+    ``.data``, is followed, as Apex made its masters at the first ``scale_loss``. (A remainder
+    follows any weight it is joined with.)"""
+    note_weight(p, version=-1 if MASTER_KEY in state else None)
 
 
 def rounds_to(master: Tensor, p: Tensor) -> bool:
