@@ -727,3 +727,17 @@ def test_a_remainder_joined_with_another_weight_stays_finite(case):
         assert torch.isfinite(resumed_opt.master_of(p)).all()
     _grad_step(resumed, resumed_opt, 3)
     assert all(torch.isfinite(p).all() for p in resumed.parameters())
+
+
+def test_the_first_step_keeps_a_master_whose_tie_its_weight_rounds_away():
+    """The first step compares every fp32 master with its weight (a write through ``.data``
+    before it is followed); a bf16 weight that is its master's tie rounded away from zero (a
+    remainder checkpoint's, joined) is the master's rounding too, and keeps it."""
+    tie = torch.tensor([1 + 2 ** -8, -(1 + 2 ** -8), 3.0])  # two ties of bf16, one exact value
+    low = torch.nn.Parameter(torch.tensor([1 + 2 ** -7, -(1 + 2 ** -7), 3.0]).to(torch.bfloat16))
+    store = MasterWeights()
+    opt = torch.optim.SGD(store.register([low], True, {id(low): tie.clone()}), lr=0.1)
+    store.attach(opt, hooks=False)
+    low.data[2] = 5.0  # (no version bump) no rounding of the master: followed
+    store.follow_weights()
+    assert_bitwise_equal(store.masters[0].detach(), torch.tensor([tie[0], tie[1], 5.0]))

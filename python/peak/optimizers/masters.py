@@ -475,18 +475,22 @@ def note_new_master(p: Tensor, state: dict) -> None:
     note_weight(p, version=-1 if MASTER_KEY in state else None)
 
 
-def rounds_to(master: Tensor, p: Tensor) -> bool:
-    """``master`` rounds to p's weight everywhere: to nearest even (torch's cast) or, for bf16,
-    ties away from zero (a remainder's weight: a tie's two roundings are both the master's)."""
+def _rounds(master: Tensor, p: Tensor) -> Tensor:
+    """Where ``master`` rounds to p's weight: to nearest even (torch's cast) or, for bf16, ties
+    away from zero (a remainder's weight: a tie's two roundings are both the master's)."""
     near = master.to(p.dtype) == p.detach()
     if p.dtype == torch.bfloat16:
         near |= split_master(master)[0].view(p.shape) == p.detach()
-    return bool(near.all())
+    return near
+
+
+def rounds_to(master: Tensor, p: Tensor) -> bool:
+    return bool(_rounds(master, p).all())
 
 
 def weight_wins(master: Tensor, p: Tensor) -> Tensor:
     """``master`` where it rounds to p's weight, the weight where not (written since)."""
-    return torch.where(master.to(p.dtype) == p.detach(), master, p.detach().to(torch.float32))
+    return torch.where(_rounds(master, p), master, p.detach().to(torch.float32))
 
 
 def _checksum(p: Tensor) -> Tensor:
