@@ -690,3 +690,28 @@ def test_a_run_that_added_a_group_resumes_with_the_group_added_again():
     train(again, resumed, range(2, 4))
     for a, b in zip(again.parameters(), model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
+def test_masters_loaded_into_an_unrestored_model_win_at_the_step(dtype):
+    """Apex's FP16_Optimizer makes its masters at construction: an optimizer checkpoint loaded
+    into a model whose weights were not restored gives its masters to the model at the next
+    step (lr 0 here: the step changes no master)."""
+    model, _, data = model_and_data(dtype)
+    opt = make(model, static_loss_scale=128.0)
+    for x, y in data[:3]:
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y))
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    other, _, _ = model_and_data(dtype, seed=9)
+    opt2 = make(other, static_loss_scale=128.0)
+    opt2.load_state_dict(saved)
+    for group in opt2.param_groups:
+        group["lr"] = 0.0
+    x, y = data[3]
+    opt2.zero_grad()
+    opt2.backward(torch.nn.functional.mse_loss(other(x.to(dtype)).float(), y))
+    opt2.step()
+    for m, s, p in zip(opt2.master_params, opt.master_params, other.parameters()):
+        assert torch.equal(m, s) and torch.equal(p, s.to(dtype))

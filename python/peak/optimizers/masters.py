@@ -107,6 +107,7 @@ class MasterWeights:
         for p in params:
             if with_masters and p.requires_grad and p.dtype in LOW_DTYPES:
                 out.append(self.add(p, originals.pop(id(p), None) if originals else None))
+                self._versions[-1] = -1  # amp's: compared at the first step (note_new_master)
             else:
                 if p.requires_grad or not with_masters:
                     self.own_params.append(p)
@@ -139,7 +140,7 @@ class MasterWeights:
         master = torch.nn.Parameter(new_master(p, original), requires_grad=True)
         self.model_params.append(p)
         self.masters.append(master)
-        self._versions.append(-1)  # (compared at the first step: see note_new_master)
+        self._versions.append(p._version)
         _master_of_param[p] = master
         return master
 
