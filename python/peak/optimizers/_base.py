@@ -27,7 +27,7 @@ from ._fp32_sums import accumulate_fp32, check_fp32_sums, take_fp32_sums
 from ._master_loads import (kept_master, load_master, masters_before_load, masters_loaded,
                             masters_to_save, take_fp32_masters)
 from .masters import (MASTER_KEY, REMAINDER_KEY, as_followed, copy_to_model, follow_weight,
-                      join_remainder, master_in_state, note_new_master, note_stepped, settle_loads,
+                      join_remainder, master_in_state, note_master_made, note_stepped, settle_loads,
                       store_of, weights_settled)
 
 
@@ -199,7 +199,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def set_master(self, p: Tensor, master: Tensor) -> None:
         """Make the fp32 ``master`` p's master (amp O2: the weights from before its cast)."""
         master_in_state(self, p, self.state[p], original=master)
-        note_new_master(p, self.state[p])
+        note_master_made(p, self.state[p])
 
     def master_of(self, p: Tensor) -> Tensor | None:
         """p's exact fp32 master (a remainder joined with its weight), or None."""

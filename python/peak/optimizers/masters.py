@@ -107,7 +107,7 @@ class MasterWeights:
         for p in params:
             if with_masters and p.requires_grad and p.dtype in LOW_DTYPES:
                 out.append(self.add(p, originals.pop(id(p), None) if originals else None))
-                self._versions[-1] = -1  # amp's: compared at the first step (note_new_master)
+                self._versions[-1] = -1  # amp's: compared at the first step (note_master_made)
             else:
                 if p.requires_grad or not with_masters:
                     self.own_params.append(p)
@@ -468,7 +468,7 @@ def note_weight(p: Tensor, checksum: Tensor | None = None, version: int | None =
     _weight_version[key] = (entry[0], p._version if version is None else version, checksum)
 
 
-def note_new_master(p: Tensor, state: dict) -> None:
+def note_master_made(p: Tensor, state: dict) -> None:
     """A master just made from p's fp32 weights (amp O2): the first step compares the two element
     by element (-1 is no weight's version), so that a write before that step, even through
     ``.data``, is followed, as Apex made its masters at the first ``scale_loss``. (A remainder
