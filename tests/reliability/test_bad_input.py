@@ -129,7 +129,7 @@ def stale_optimizer_after_reinitialize():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     new = _model()
-    amp.initialize(new, torch.optim.SGD(new.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    amp.initialize(new, torch.optim.SGD(new.parameters(), lr=0.1), opt_level="O1", verbosity=0)
     with amp.scale_loss(_loss(model), opt) as s:
         s.backward()
 
