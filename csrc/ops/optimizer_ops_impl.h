@@ -365,12 +365,16 @@ void fused_novograd(Exec& exec, const OptimizerArgs& a, at::TensorList exp_avgs,
                 a.params.size(), ") on ", device, ", got ", grad_norms->scalar_type(), " of shape ",
                 grad_norms->sizes(), " on ", grad_norms->device());
   }
-  std::vector<at::Tensor> normed(a.grads.begin(), a.grads.end());
-  for (at::Tensor& g : normed) {
-    if (g.numel() == 0) g = at::zeros({1}, g.options());
+  at::Tensor norms;
+  if (grad_norms) {
+    norms = *grad_norms;
+  } else {
+    std::vector<at::Tensor> normed(a.grads.begin(), a.grads.end());
+    for (at::Tensor& g : normed) {
+      if (g.numel() == 0) g = at::zeros({1}, g.options());
+    }
+    norms = at::stack(at::_foreach_norm(normed, ord, at::kFloat)).reshape({-1});
   }
-  at::Tensor norms = grad_norms ? *grad_norms
-                                : at::stack(at::_foreach_norm(normed, ord, at::kFloat)).reshape({-1});
   if (a.grad_scale) norms = norms / *a.grad_scale;
   bump_steps(a.steps);  // (after everything that can refuse the call)
   std::vector<at::Tensor> old_list;

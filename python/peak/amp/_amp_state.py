@@ -27,7 +27,7 @@ class AmpState:
         self.min_loss_scale = None
         self.max_loss_scale = 2.0**24
         self.handle = None
-        # An earlier initialize's optimizers are stale by theirs (unless it kept it: frontend).
+        # Optimizers of an earlier generation are stale (initialize keeps it for the same options).
         self.generation = getattr(self, "generation", 0) + 1
 
     initialized = property(lambda self: hasattr(self, "opt_properties"))
