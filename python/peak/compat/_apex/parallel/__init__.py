@@ -1,25 +1,102 @@
-"""``apex.parallel`` under peak's Apex alias: ``apex.parallel.LARC`` only. Apex's
-DistributedDataParallel and SyncBatchNorm have torch counterparts (see docs/distributed.md)."""
+"""``apex.parallel`` under peak's Apex alias: ``LARC``; ``DistributedDataParallel``,
+``SyncBatchNorm`` and ``convert_syncbn_model`` over torch's own (docs/migrating.md)."""
 import dis
 import sys
 
-_TORCH_COUNTERPARTS = {
-    "DistributedDataParallel": "torch.nn.parallel.DistributedDataParallel",
-    "Reducer": "torch.nn.parallel.DistributedDataParallel (gradient all-reduce)",
-    "SyncBatchNorm": "torch.nn.SyncBatchNorm",
-    "convert_syncbn_model": "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
-}
+import torch
+import torch.distributed as dist
+
 _IMPORT_FROM = dis.opmap["IMPORT_FROM"]
 
 
+def _apex_all_reduce(options, bucket):
+    """Apex's gradient all-reduce, as its ``allreduce_bucket``: in fp32 if asked, divided by the
+    predivide factor before the sum and by world size / factor after it (bit for bit Apex's)."""
+    group, factor, average, fp32 = options
+    grads = bucket.buffer()
+    summed = grads.float() if fp32 else grads
+    if factor != 1.0:
+        summed.mul_(1.0 / factor)
+    world = dist.get_world_size(group)
+
+    def done(fut):
+        out = fut.value()[0]
+        if average:
+            out.mul_(factor / world)
+        return grads.copy_(out) if out is not grads else grads
+    return dist.all_reduce(summed, group=group, async_op=True).get_future().then(done)
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    """Apex's DistributedDataParallel (its arguments) as torch's: parameters broadcast from rank
+    0, gradients all-reduced in backward and averaged as Apex does it. ``message_size`` sets the
+    bucket size; ``delay_allreduce=True`` lets parameters go without gradients (torch's
+    ``find_unused_parameters``); the stream and trigger options only tuned when Apex ran the
+    all-reduce and are accepted. Buffers are not broadcast at each forward, as in Apex."""
+
+    def __init__(self, module, message_size=10000000, delay_allreduce=False, shared_param=None,
+                 allreduce_trigger_params=None, retain_allreduce_buffers=False,
+                 allreduce_always_fp32=False, num_allreduce_streams=1,
+                 allreduce_communicators=None, gradient_average=True,
+                 gradient_predivide_factor=1.0, gradient_average_split_factor=None, prof=False):
+        if retain_allreduce_buffers:
+            raise ValueError("apex.parallel.DistributedDataParallel(retain_allreduce_buffers=True)"
+                             " is not provided by peak's Apex alias: the all-reduced gradients "
+                             "are in each parameter's .grad")
+        if gradient_average_split_factor is not None:  # (Apex's older name of the factor)
+            gradient_predivide_factor = gradient_average_split_factor
+        super().__init__(module, broadcast_buffers=False, find_unused_parameters=delay_allreduce,
+                         bucket_cap_mb=message_size * 4 / 2**20)
+        self.register_comm_hook((self.process_group, float(gradient_predivide_factor),
+                                 bool(gradient_average), bool(allreduce_always_fp32)),
+                                _apex_all_reduce)
+
+    def disable_allreduce(self):
+        """Apex's: gradients accumulate locally until ``enable_allreduce()`` (torch's no_sync)."""
+        self.require_backward_grad_sync = False
+
+    def enable_allreduce(self):
+        self.require_backward_grad_sync = True
+
+
+def _refuse_apex_only(channel_last=False, fuse_relu=False):
+    if channel_last or fuse_relu:
+        raise ValueError("apex.parallel's channel_last and fuse_relu (its NHWC CUDA kernel) are not "
+                         "provided by peak's Apex alias: pass channels_last tensors in NCHW shape "
+                         "and apply the ReLU after the batch norm")
+
+
+class SyncBatchNorm(torch.nn.SyncBatchNorm):
+    """Apex's SyncBatchNorm (its arguments) as ``torch.nn.SyncBatchNorm``."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, process_group=None, channel_last=False,
+                 fuse_relu=False):
+        _refuse_apex_only(channel_last, fuse_relu)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group)
+
+    def forward(self, input, z=None):
+        if z is not None:
+            raise ValueError("apex.parallel.SyncBatchNorm's z (a residual added in its fused "
+                             "kernel) is not provided by peak's Apex alias: add it to the output")
+        return super().forward(input)
+
+
+def convert_syncbn_model(module, process_group=None, channel_last=False):
+    """Apex's: every batch norm of ``module`` made a synchronized one (torch's
+    ``SyncBatchNorm.convert_sync_batchnorm``)."""
+    _refuse_apex_only(channel_last)
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+
+
 def __getattr__(name):
-    if name in _TORCH_COUNTERPARTS:
-        message = (f"apex.parallel.{name} is not provided by peak's Apex alias: use "
-                   f"{_TORCH_COUNTERPARTS[name]} (see docs/distributed.md)")
-        # `from apex.parallel import name`: Python turns an AttributeError raised there into its
-        # own ImportError, which names this module's internal path instead of the torch class to
-        # use; an ImportError of ours is kept. An attribute access keeps AttributeError, so that
-        # hasattr() answers False.
+    if name == "Reducer":
+        message = ("apex.parallel.Reducer is not provided by peak's Apex alias: use "
+                   "torch.nn.parallel.DistributedDataParallel (see docs/distributed.md)")
+        # `from apex.parallel import Reducer`: Python turns an AttributeError raised there into
+        # its own ImportError, which names this module's internal path instead of the torch class
+        # to use; an ImportError of ours is kept. An attribute access keeps AttributeError, so
+        # that hasattr() answers False.
         frame = sys._getframe(1)
         code = frame.f_code.co_code
         by_import = 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM

@@ -1,0 +1,54 @@
+"""The rank side of tests/distributed/test_apex_parallel.py: Apex's DistributedDataParallel through
+peak's Apex alias, under amp O2 (fp16 and bf16 gradients) and in fp32, with Apex's options. Each
+rank records its own gradients (before any all-reduce) and what the wrapper left in ``.grad``."""
+
+from __future__ import annotations
+
+import torch
+
+from dist_helpers import batch, make_model, reset_amp
+
+# name -> (opt_level or None for fp32, low dtype, Apex DDP keyword arguments)
+CONFIGS = {
+    "fp32": (None, None, {}),
+    "fp32-predivide-4": (None, None, {"gradient_predivide_factor": 4.0}),
+    "fp32-sum": (None, None, {"gradient_average": False}),
+    "O2-f16": ("O2", torch.float16, {}),
+    "O2-f16-fp32-reduce": ("O2", torch.float16, {"allreduce_always_fp32": True}),
+    "O2-bf16-delayed": ("O2", torch.bfloat16, {"delay_allreduce": True}),
+}
+
+
+def grads_after_backward(rank, name, wrap):
+    import peak.compat
+    from peak import amp
+
+    level, low, options = CONFIGS[name]
+    reset_amp()
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=low,
+                                    loss_scale=1.0, verbosity=0)
+    if wrap:
+        peak.compat.install_apex_alias()
+        from apex.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, **options)
+    x, y = batch(0, rank)
+    torch.nn.functional.mse_loss(model(x).float(), y).backward()
+    return [p.grad.clone() for p in (model.module if wrap else model).parameters()]
+
+
+def worker(rank, world_size):
+    out = {name: {"local": grads_after_backward(rank, name, False),
+                  "wrapped": grads_after_backward(rank, name, True)} for name in CONFIGS}
+    # disable_allreduce: the gradients stay each rank's own
+    import peak.compat
+    peak.compat.install_apex_alias()
+    from apex.parallel import DistributedDataParallel
+    model = DistributedDataParallel(make_model(0))
+    model.disable_allreduce()
+    x, y = batch(0, rank)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    out["disabled"] = [p.grad.clone() for p in model.module.parameters()]
+    return out
