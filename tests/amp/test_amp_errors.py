@@ -58,6 +58,21 @@ def test_same_model_twice():
     _backward_step(model, opt)  # the first initialize's state is intact
 
 
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_a_copy_of_an_initialized_model_is_refused_and_usable_as_it_is(level):
+    """A deepcopy (an EMA) keeps the cast parameters and the patched forward: initializing it
+    again wrapped the forward twice (O0/O1: unbounded recursion at its first call) or blamed
+    .half() (O2/O3)."""
+    model, opt = _pair()
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    ema = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="or copied from one that was.*ready to use as it is"):
+        amp.initialize(ema, opt_level=level, verbosity=0)
+    x = torch.randn(3, 6)
+    assert torch.equal(ema(x), model(x))  # the same weights, cast and fed alike
+    _backward_step(model, opt)
+
+
 def test_same_optimizer_twice():
     model, opt = _pair()
     amp.initialize(model, opt, opt_level="O1", verbosity=0)

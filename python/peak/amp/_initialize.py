@@ -64,12 +64,13 @@ def check_inputs(models, optimizers):
             if models_list[j] is model:
                 raise ValueError(f"models[{i}] is the same object as models[{j}]; pass each model "
                                  "once.")
-        if model in _initialized_models:
+        if model in _initialized_models or "_amp_forward_config" in vars(model):  # (a deepcopy)
             raise RuntimeError(
                 f"Model {type(model).__name__} (models[{i}]) was already passed through "
-                "amp.initialize, which casts its parameters and patches its forward. A given model "
-                "should only be passed through amp.initialize once: build a fresh model (e.g. "
-                "re-run the cell that creates it) and pass that.")
+                "amp.initialize (or copied from one that was), which casts its parameters and "
+                "patches its forward. A given model should only be passed through amp.initialize "
+                "once: build a fresh model (e.g. re-run the cell that creates it) and pass that; "
+                "a copy.deepcopy of an initialized model (an EMA) is ready to use as it is.")
     for i, opt in enumerate(optimizers_list):
         inner = inner_optimizer(opt)
         for j in range(i):
