@@ -66,10 +66,13 @@ def test_a_copy_of_an_initialized_model_is_refused_and_usable_as_it_is(level):
     model, opt = _pair()
     amp.initialize(model, opt, opt_level=level, verbosity=0)
     ema = copy.deepcopy(model)
-    with pytest.raises(RuntimeError, match="or copied from one that was.*ready to use as it is"):
+    with pytest.raises(RuntimeError, match="or copied from one.*copy the model before amp"):
         amp.initialize(ema, opt_level=level, verbosity=0)
     x = torch.randn(3, 6)
     assert torch.equal(ema(x), model(x))  # the same weights, cast and fed alike
+    with torch.no_grad():
+        next(ema.parameters()).mul_(2)
+    assert not torch.equal(ema(x), model(x))  # and its forward runs its own weights
     _backward_step(model, opt)
 
 

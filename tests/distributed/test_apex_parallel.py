@@ -37,12 +37,18 @@ def test_gradients_are_apexs_all_reduce(ranks, name):
         expected = _apex_reduced([r[name]["local"][i] for r in ranks], options)
         for r in ranks:
             assert torch.equal(r[name]["wrapped"][i], expected), (name, i)
+            assert torch.equal(r[name]["copied"][i], expected), (name, i, "deepcopy")
     assert not torch.equal(ranks[0][name]["local"][0], ranks[1][name]["local"][0])
 
 
 def test_disable_allreduce_keeps_each_ranks_gradients(ranks):
     for r in ranks:
         assert all(torch.equal(a, b) for a, b in zip(r["disabled"], r["fp32"]["local"]))
+
+
+def test_a_parameter_without_gradient_names_delay_allreduce(ranks):
+    for r in ranks:
+        assert "pass delay_allreduce=True" in r["unused"], r["unused"]
 
 
 def test_apex_only_options_are_refused_with_the_way_out():
@@ -55,6 +61,8 @@ def test_apex_only_options_are_refused_with_the_way_out():
             SyncBatchNorm(4, channel_last=True)
         with pytest.raises(ValueError, match="apply the ReLU after"):
             convert_syncbn_model(torch.nn.BatchNorm2d(4), channel_last=True)
+        with pytest.raises(ValueError, match="shared_param is no longer supported"):
+            DistributedDataParallel(torch.nn.Linear(2, 2), shared_param=True)
         with pytest.raises(ValueError, match="in each parameter's .grad"):
             DistributedDataParallel(torch.nn.Linear(2, 2), retain_allreduce_buffers=True)
         converted = convert_syncbn_model(torch.nn.Sequential(torch.nn.BatchNorm2d(4)))

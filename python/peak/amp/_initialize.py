@@ -67,10 +67,10 @@ def check_inputs(models, optimizers):
         if model in _initialized_models or "_amp_forward_config" in vars(model):  # (a deepcopy)
             raise RuntimeError(
                 f"Model {type(model).__name__} (models[{i}]) was already passed through "
-                "amp.initialize (or copied from one that was), which casts its parameters and "
-                "patches its forward. A given model should only be passed through amp.initialize "
-                "once: build a fresh model (e.g. re-run the cell that creates it) and pass that; "
-                "a copy.deepcopy of an initialized model (an EMA) is ready to use as it is.")
+                "amp.initialize (or copied from one: deepcopy, torch.load), which casts its "
+                "parameters and patches its forward: build a fresh model and pass it once (load "
+                "its state_dict to resume); an EMA: copy the model before amp.initialize (fp32: "
+                "low-precision weights round small EMA updates away), used without initialize.")
     for i, opt in enumerate(optimizers_list):
         inner = inner_optimizer(opt)
         for j in range(i):

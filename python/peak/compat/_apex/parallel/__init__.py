@@ -39,17 +39,34 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
                  allreduce_always_fp32=False, num_allreduce_streams=1,
                  allreduce_communicators=None, gradient_average=True,
                  gradient_predivide_factor=1.0, gradient_average_split_factor=None, prof=False):
+        if shared_param is not None:
+            raise ValueError("shared_param is no longer supported as an option (as in Apex): use "
+                             "delay_allreduce=True for parameters used more than once or not at all")
         if retain_allreduce_buffers:
             raise ValueError("apex.parallel.DistributedDataParallel(retain_allreduce_buffers=True)"
                              " is not provided by peak's Apex alias: the all-reduced gradients "
                              "are in each parameter's .grad")
-        if gradient_average_split_factor is not None:  # (Apex's older name of the factor)
-            gradient_predivide_factor = gradient_average_split_factor
+        # (gradient_average_split_factor: unused by Apex too)
         super().__init__(module, broadcast_buffers=False, find_unused_parameters=delay_allreduce,
                          bucket_cap_mb=message_size * 4 / 2**20)
-        self.register_comm_hook((self.process_group, float(gradient_predivide_factor),
-                                 bool(gradient_average), bool(allreduce_always_fp32)),
-                                _apex_all_reduce)
+        # (the default group, as Apex's: None keeps the wrapper deep-copyable and picklable)
+        self.register_comm_hook((None, float(gradient_predivide_factor), bool(gradient_average),
+                                 bool(allreduce_always_fp32)), _apex_all_reduce)
+
+    def __setstate__(self, state):  # (a deepcopy, an unpickling: torch's new reducer has no hook)
+        super().__setstate__(state)
+        hooks, self._comm_hooks = self._comm_hooks, []
+        for hook, options in hooks:
+            self.register_comm_hook(options, hook)
+
+    def forward(self, *inputs, **kwargs):
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as e:
+            if "find_unused_parameters" not in str(e):
+                raise
+            raise RuntimeError(f"{e}\n(apex.parallel.DistributedDataParallel: pass "
+                               "delay_allreduce=True, Apex's way to this)") from None
 
     def disable_allreduce(self):
         """Apex's: gradients accumulate locally until ``enable_allreduce()`` (torch's no_sync)."""
