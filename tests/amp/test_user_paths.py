@@ -1293,3 +1293,55 @@ def test_a_second_initialize_with_the_same_options_leaves_the_first_training(lev
         runs.append(_weights(model))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises (an out-of-memory micro-batch) before any gradient of the
+    layers below it is accumulated."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated out of memory")
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+@pytest.mark.parametrize("where", ["before_backward", "in_backward"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("make_opt", list(TORCH.values()) + [FUSED["FusedAdam"]],
+                         ids=list(TORCH) + ["FusedAdam"])
+def test_a_micro_batch_that_raises_inside_scale_loss_leaves_the_accumulated_ones(make_opt, level,
+                                                                                  where, failing):
+    """Gradient accumulation where one micro-batch raises inside its scale_loss block (a caught
+    out-of-memory, skipped): the step then equals the run that never had that micro-batch, bit
+    for bit, weights, masters and loss scale."""
+    def run(fail):
+        model = make_mlp()
+        opt = make_opt(model.parameters())
+        model, opt = amp.initialize(model, opt, opt_level=level, low_precision_dtype=torch.float16,
+                                    verbosity=0)
+        for step in range(2):
+            opt.zero_grad()
+            for micro in range(3):
+                if micro == failing and not fail:
+                    continue
+                x, y = data(10 * step + micro)
+                try:
+                    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+                        if micro == failing and where == "before_backward":
+                            raise RuntimeError("simulated out of memory")
+                        if micro == failing:
+                            scaled = _FailingBackward.apply(scaled)
+                        scaled.backward()
+                except RuntimeError as error:
+                    assert micro == failing and "simulated out of memory" in str(error)
+            opt.step()
+        scale = amp._amp_state.loss_scalers[0].loss_scale()
+        return _weights(model) + [m.detach().clone() for m in amp.master_params(opt)], scale
+
+    amp._amp_state.reset()
+    (weights, scale), (expected, expected_scale) = run(True), run(False)
+    _assert_bitwise(weights, expected)
+    assert scale == expected_scale
