@@ -1345,3 +1345,55 @@ def test_a_micro_batch_that_raises_inside_scale_loss_leaves_the_accumulated_ones
     (weights, scale), (expected, expected_scale) = run(True), run(False)
     _assert_bitwise(weights, expected)
     assert scale == expected_scale
+
+
+class _Scale4d(nn.Module):
+    """A 4-d weight used elementwise: its values (and gradients) do not depend on its memory
+    layout, so a run that changes the layout can be compared bit for bit with one that does not."""
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 48).reshape(1, 3, 4, 4))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+TORCH_CHANNELS_LAST = {"SGD": TORCH["SGD"], "Adam": TORCH["Adam"],
+                       "Adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)}
+
+
+@pytest.mark.parametrize("when", ["before_the_first_step", "between_micro_batches"])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("make_opt", list(TORCH_CHANNELS_LAST.values()),
+                         ids=list(TORCH_CHANNELS_LAST))
+def test_o2_masters_follow_a_channels_last_conversion_after_initialize(make_opt, dtype, when):
+    """``model.to(memory_format=torch.channels_last)`` after ``amp.initialize`` (the masters were
+    made in the old layout): O2 with a torch optimizer trains as the run without the conversion,
+    bit for bit (the scale_loss exit raised: the masters' layout differed from the gradients')."""
+    def run(convert):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Scale4d(), nn.Flatten(), nn.Linear(48, 3))
+        opt = make_opt(model.parameters())
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=dtype,
+                                    verbosity=0)
+        if convert and when == "before_the_first_step":
+            model.to(memory_format=torch.channels_last)
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(2):
+                if convert and when == "between_micro_batches" and (step, micro) == (1, 1):
+                    model.to(memory_format=torch.channels_last)
+                g = torch.Generator().manual_seed(10 * step + micro)
+                x = torch.randn(8, 3, 4, 4, generator=g)
+                y = torch.randint(0, 3, (8,), generator=g)
+                with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+                    scaled.backward()
+            opt.step()
+        weight, master = model[0].weight, amp.master_params(opt).__iter__().__next__()
+        assert master.stride() == weight.stride() and master.shape == weight.shape
+        return _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+
+    amp._amp_state.reset()
+    converted, expected = run(True), run(False)
+    assert not converted[0].is_contiguous()
+    _assert_bitwise([t.contiguous() for t in converted], [t.contiguous() for t in expected])

@@ -18,8 +18,8 @@ from ._arguments import (LEAN_KEYS, check_bool, check_group, check_lean, check_s
                          check_unique)
 from ._checkpoint_check import (EIGHT_BIT_LAYOUT, FP32_STATE_KEYS, MOMENT_KEYS, SCALE_KEYS,
                                 STORAGE_KEYS, check_loadable, written_by_torch)
-from ._layout import (LayoutWatch, check_steppable, follow_layout, follow_storage,
-                      note_storage, storage_changes)
+from ._layout import LayoutWatch, check_steppable, follow_storage, note_storage, storage_changes
+from ._memory_layout import follow_layout
 from ._quant import load_moment, new_state, scale_key, whole_block_rows
 from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local,
                        local_states, reduce_over_meshes)

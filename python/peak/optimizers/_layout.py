@@ -8,43 +8,13 @@ from torch import Tensor
 
 from ._arguments import LEAN_KEYS, check_group, check_storage
 from ._checkpoint_check import MOMENT_KEYS
-from ._quant import dequantize, load_moment, scale_key
+from ._memory_layout import dense, follow_layout
+from ._quant import load_moment, scale_key
 from ._sharded import is_sharded
 from ._master_loads import load_master
 from .masters import MASTER_KEY, REMAINDER_KEY, follow_weight, join_remainder
 
 _STORAGE_OPTIONS = LEAN_KEYS + ("amsgrad",)  # (amsgrad keeps a moment more, in fp32)
-
-
-def dense(t: Tensor) -> bool:
-    """Its elements fill its memory without gaps or overlaps, in some order (transposed,
-    channels_last): what the kernels can walk as one block."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def follow_layout(p: Tensor, state: dict) -> bool:
-    """The kernels walk a parameter and its state in one memory order: state made before the
-    model's layout changed (``model.to(memory_format=torch.channels_last)``) takes the new layout,
-    8-bit moments re-coded per block (their blocks follow memory order). Returns whether p is
-    strided (not contiguous)."""
-    stride = p.stride()
-    for key, t in list(state.items()):
-        if not isinstance(t, Tensor) or t.shape != p.shape or t.stride() == stride:
-            continue
-        if t.dtype == torch.uint8:
-            moment = torch.empty_like(p, dtype=torch.float32)
-            load_moment(state, key, moment.copy_(dequantize(t, state[scale_key(key)], key)), None,
-                        torch.uint8, p)
-            continue
-        state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
-        if t.grad is not None:  # (an fp32 master's gradient from give_master_grads)
-            state[key].grad = torch.empty_like(p, dtype=t.dtype).copy_(t.grad)
-    return not p.is_contiguous()
 
 
 def check_steppable(optimizer) -> None:

@@ -15,6 +15,7 @@ from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
     wrapper_chain)
+from ._memory_layout import follow_master_layout
 from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
                      zero_in_place)  # (its front doors')
 from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
@@ -121,10 +122,9 @@ class MasterWeights:
         """Register frozen parameters (unfrozen since, or with masters in a checkpoint): a master
         in place of a low-precision one in its group, an fp32 one as its own master."""
         self.frozen = [p for p in self.frozen if not any(p is q for q in unfrozen)]
-        for p in unfrozen:
-            _frozen_in_store.pop(p, None)
         optimizer = self._optimizer_ref() if self._optimizer_ref is not None else None
         for p in unfrozen:
+            _frozen_in_store.pop(p, None)
             if p.dtype in LOW_DTYPES and optimizer is not None:
                 master = self.add(p)
                 for group in optimizer.param_groups:
@@ -170,8 +170,10 @@ class MasterWeights:
         written since (``weight.copy_`` under no_grad, nn.Embedding's max_norm), as a fused
         optimizer's do (NOTE: [Masters after a model reload]); through ``.data`` only before the
         first step (unseen after, as in Apex). After the backward: before the script edits the
-        masters (clipping, decay)."""
+        masters (clipping, decay). A new memory layout (no version bump) is followed too."""
         for i, (p, master, seen) in enumerate(zip(self.model_params, self.masters, self._versions)):
+            if master.stride() != p.stride():  # (model.to(memory_format=torch.channels_last))
+                follow_master_layout(master, p, self._optimizer_ref)
             if p._version != seen:
                 master.copy_(weight_wins(master, p))
                 self._versions[i] = p._version
@@ -211,9 +213,8 @@ class MasterWeights:
 
     def restore_grads(self) -> None:
         """Undo ``set_grads_aside`` (the backward pass raised)."""
-        if self._grad_stash is not None:
-            for p, g in zip(self.own_params, self._grad_stash):
-                p.grad = g
+        for p, g in zip(self.own_params, self._grad_stash or ()):
+            p.grad = g
         for p in self.model_params:
             p.grad = None
         self._grad_stash = None

@@ -1,0 +1,50 @@
+"""A parameter's memory layout and the tensors walked with it: the kernels (peak's, torch's fused
+ones) walk a parameter, its gradient, its master and its state as blocks of memory in one order."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._quant import dequantize, load_moment, scale_key
+
+
+def dense(t: Tensor) -> bool:
+    """Its elements fill its memory without gaps or overlaps, in some order (transposed,
+    channels_last): what the kernels can walk as one block."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def follow_layout(p: Tensor, state: dict) -> bool:
+    """The kernels walk a parameter and its state in one memory order: state made before the
+    model's layout changed (``model.to(memory_format=torch.channels_last)``) takes the new layout,
+    8-bit moments re-coded per block (their blocks follow memory order). Returns whether p is
+    strided (not contiguous)."""
+    stride = p.stride()
+    for key, t in list(state.items()):
+        if not isinstance(t, Tensor) or t.shape != p.shape or t.stride() == stride:
+            continue
+        if t.dtype == torch.uint8:
+            moment = torch.empty_like(p, dtype=torch.float32)
+            load_moment(state, key, moment.copy_(dequantize(t, state[scale_key(key)], key)), None,
+                        torch.uint8, p)
+            continue
+        state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
+        if t.grad is not None:  # (an fp32 master's gradient from give_master_grads)
+            state[key].grad = torch.empty_like(p, dtype=t.dtype).copy_(t.grad)
+    return not p.is_contiguous()
+
+
+def follow_master_layout(master: torch.nn.Parameter, p: Tensor, optimizer_ref) -> None:
+    """A master standing in for p in a torch optimizer's groups (kept: its data re-laid), its
+    gradient and its state in that optimizer (``optimizer_ref``: a weak reference, or None) in
+    p's new layout (``model.to(memory_format=...)``)."""
+    master.data = torch.empty_like(p, dtype=master.dtype).copy_(master)
+    if master.grad is not None and not master.grad.is_sparse:
+        master.grad = torch.empty_like(master).copy_(master.grad)
+    optimizer = optimizer_ref() if optimizer_ref is not None else None
+    follow_layout(master, optimizer.state.get(master, {}) if optimizer is not None else {})
