@@ -22,9 +22,12 @@ const char* policy_name(Policy p) {
 namespace {
 
 // ---- Apex's lists (apex/amp/lists/{functional,torch,tensor}_overrides.py)
+// scaled_dot_product_attention beside Apex's list (it came after Apex): rotary embeddings (Llama)
+// promote q and k to fp32 through `mul` with fp32 cos/sin while v stays low, and the op refuses
+// mixed dtypes; torch.autocast lowers it too.
 const char* const kFunctionalFp16[] = {"conv1d", "conv2d", "conv3d", "conv_transpose1d",
                                        "conv_transpose2d", "conv_transpose3d", "conv_tbc",
-                                       "linear"};
+                                       "linear", "scaled_dot_product_attention"};
 const char* const kFunctionalFp32[] = {
     "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu",
     "layer_norm", "group_norm", "local_response_norm", "normalize", "cosine_similarity",

@@ -197,3 +197,37 @@ def test_deepcopy_of_patched_model_is_independent():
     assert torch.all(twin(x) == 0)
     assert not torch.all(model(x) == 0)
     assert twin.seen == torch.float16 and model.seen == torch.float16
+
+
+class _RotaryAttention(nn.Module):
+    """Llama's attention in small: q and k rotated by fp32 cos/sin (`mul` promotes them to fp32
+    under O1) while v comes straight from a lowered linear."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        angles = torch.arange(5.0)[:, None] * torch.linspace(0.1, 1.0, dim)[None]
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def forward(self, x):
+        def rotate(t):
+            return t * self.cos + torch.flip(t, dims=[-1]) * self.sin
+        q, k, v = rotate(self.q(x)), rotate(self.k(x)), self.v(x)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("low", H.LOW)
+def test_o1_runs_rotary_attention_as_torch_autocast(low):
+    """O1 lowers scaled_dot_product_attention (beside Apex's lists, as torch.autocast does): with
+    q and k promoted to fp32 and v low it raised for mixed dtypes (every Llama-like model)."""
+    torch.manual_seed(0)
+    model = _RotaryAttention()
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=low):
+        expected = model(x)
+    o1_model = amp.initialize(copy.deepcopy(model), opt_level="O1", low_precision_dtype=low,
+                              verbosity=0)
+    out = o1_model(x)
+    assert out.dtype == expected.dtype == low
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

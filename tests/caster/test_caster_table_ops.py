@@ -135,6 +135,7 @@ BUILDERS = {
     "conv_transpose3d": lambda: (r(1, 2, 3, 3, 3), r(2, 3, 2, 2, 2), r(3)),
     "conv_tbc": lambda: (r(5, 2, 3), r(3, 3, 4), r(4), 1),  # (T, B, Cin), (k, Cin, Cout), bias, pad
     "linear": lambda: (r(3, 4), r(5, 4), r(5)),
+    "scaled_dot_product_attention": lambda: (r(2, 3, 4), r(2, 5, 4), r(2, 5, 4)),
     "prelu": lambda: (r(2, 3, 4), rp(3)),
     "addmm": lambda: ((r(3, 5), r(3, 4), r(4, 5)), {"beta": 0.5, "alpha": 2.0}),
     "addmv": lambda: (r(3), r(3, 4), r(4)),
