@@ -89,9 +89,12 @@ def test_init_disabled_returns_noop_handle():
     assert not handle.is_active()
 
 
-def test_init_wrap_optimizer_points_to_new_api():
+@pytest.mark.parametrize("enabled", [True, False])
+def test_init_wrap_optimizer_points_to_new_api(enabled):
+    """Enabled or not (a script's fp32 branch: the disabled handle returned the bare optimizer,
+    whose missing scale_loss raised an AttributeError)."""
     with pytest.warns(DeprecationWarning):
-        handle = amp.init()
+        handle = amp.init(enabled=enabled)
     with pytest.raises(NotImplementedError, match="num_losses=N"):
         handle.wrap_optimizer(torch.optim.SGD(H.make_mlp().parameters(), lr=0.1), num_loss=2)
 

@@ -491,3 +491,78 @@ def test_amp_c_sgd_with_fp32_master_grads_and_low_copies(alias, low):
     for m, c, r in zip(masters, copies, ref):
         torch.testing.assert_close(m.double(), r, rtol=1e-6, atol=1e-7)
         assert torch.equal(c, m.to(low))
+
+
+# An Apex install's apex.amp.scaler as far as a pickle sees it: the class and Apex's attributes.
+_APEX_SCALER_MODULE = """
+class LossScaler:
+    def __init__(self, scale, unskipped, window):
+        self.dynamic, self._loss_scale, self._unskipped = True, scale, unskipped
+        self._scale_seq_len, self._min_loss_scale, self._max_loss_scale = window, None, 2.0 ** 24
+        self._has_overflow = False
+"""
+
+_FP16_OPTIMIZER_RUN = """
+import sys, warnings
+import torch
+from peak.fp16_utils import FP16_Optimizer
+warnings.simplefilter("ignore", DeprecationWarning)
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                         dynamic_loss_scale=True,
+                         dynamic_loss_args={"init_scale": 2.0 ** 10, "scale_window": 3})
+    return model, opt
+
+
+def train(model, opt, steps):
+    for step in steps:
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step)).half()
+        opt.zero_grad()
+        opt.backward(model(x).float().pow(2).mean())
+        opt.step()
+"""
+
+
+def test_an_apex_fp16_optimizer_checkpoint_loads_under_the_alias(tmp_path, alias):
+    """Apex's FP16_Optimizer.state_dict() pickles its apex.amp.scaler.LossScaler object: under the
+    alias torch.load finds that name (it raised ModuleNotFoundError) and the resumed run is the
+    uninterrupted one, bit for bit, the scale's window included (it restarted: the scale grew a
+    step late)."""
+    fake = tmp_path / "apex_site"
+    (fake / "apex" / "amp").mkdir(parents=True)
+    (fake / "apex" / "__init__.py").write_text("")
+    (fake / "apex" / "amp" / "__init__.py").write_text("")
+    (fake / "apex" / "amp" / "scaler.py").write_text(_APEX_SCALER_MODULE)
+    writer = _write(tmp_path, "writer", _FP16_OPTIMIZER_RUN + textwrap.dedent("""
+        from apex.amp.scaler import LossScaler
+        model, opt = build()
+        train(model, opt, range(4))
+        sd = opt.state_dict()  # as Apex's: its LossScaler object, no peak-only entries
+        assert sd["loss_scaler"]["growth_tracker"] == 1, sd["loss_scaler"]
+        sd = dict(sd, loss_scaler=LossScaler(opt.loss_scale, 1, 3))
+        del sd["groups_in_place"]
+        torch.save({"model": model.state_dict(), "optimizer": sd}, sys.argv[1])
+        train(model, opt, range(4, 9))
+        torch.save({"model": model.state_dict(), "scale": opt.loss_scale}, sys.argv[2])
+        """))
+    ckpt, final = tmp_path / "apex_ckpt.pt", tmp_path / "final.pt"
+    out = _run([str(writer), str(ckpt), str(final)], env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(fake)] + os.environ.get("PYTHONPATH", "").split(os.pathsep))))
+    assert out.returncode == 0, out.stderr
+    namespace = {}
+    exec(_FP16_OPTIMIZER_RUN, namespace)
+    checkpoint = torch.load(ckpt, weights_only=False)
+    from apex.amp.scaler import LossScaler
+    assert isinstance(checkpoint["optimizer"]["loss_scaler"], LossScaler)
+    model, opt = namespace["build"]()
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optimizer"])
+    namespace["train"](model, opt, range(4, 9))
+    expected = torch.load(final)
+    assert opt.loss_scale == expected["scale"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected["model"][key]), key

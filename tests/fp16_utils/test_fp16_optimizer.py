@@ -237,12 +237,17 @@ def test_state_dict_is_per_group_and_inspectable():
     assert [len(g) for g in opt.fp32_from_fp32_groups] == [0, 2]
     sd = opt.state_dict()
     assert [len(g) for g in sd["fp32_from_fp16"]] == [2, 0]  # Apex's layout: a list per group
+    x = torch.randn(3, 4)
+    ref_low, ref_high = copy.deepcopy(low), copy.deepcopy(high)
+    mixed_loss(ref_low, ref_high, x).backward()  # unscaled: the scale 4 is exact
     opt.zero_grad()
-    opt.backward(mixed_loss(low, high, torch.randn(3, 4)))
-    grads = opt.inspect_master_grad_data()
-    assert [len(g) for g in grads] == [2, 0]
-    for g, p in zip(grads[0], opt.fp16_groups[0]):
-        assert torch.equal(g, p.grad.float() / 4.0)
+    opt.backward(mixed_loss(low, high, x))
+    grads = opt.inspect_master_grad_data()  # as Apex's: every parameter the step reads
+    assert [len(g) for g in grads] == [2, 2]
+    for g, p in zip(grads[0], ref_low.parameters()):
+        assert torch.equal(g, p.grad.float())
+    for g, p in zip(grads[1], ref_high.parameters()):  # fp32 parameters: their own gradients
+        assert g.dtype == torch.float32 and torch.equal(g, p.grad)
     with pytest.raises(RuntimeError, match="serialized using state_dict"):
         copy.deepcopy(opt)
 

@@ -357,5 +357,5 @@ class NoOpHandle:
     _disable_casts = staticmethod(contextlib.nullcontext)
     is_active = staticmethod(lambda: False)
     _clear_cache = _deactivate = staticmethod(lambda: None)
-    wrap_optimizer = staticmethod(lambda optimizer, num_loss=1: optimizer)
+    wrap_optimizer = AmpHandle.wrap_optimizer  # (the optimizer itself lacked scale_loss)
     scale_loss = staticmethod(lambda loss, optimizer, loss_id=0: contextlib.nullcontext(loss))

@@ -25,6 +25,7 @@ import warnings
 ALIASES = {
     "apex": "peak.compat._apex",
     "apex.amp": "peak.amp",
+    "apex.amp.scaler": "peak.compat._apex.amp_scaler",  # (unpickles Apex's checkpoints)
     "apex.amp.*": "peak.amp",
     "apex.optimizers": "peak.compat._apex.optimizers",
     "apex.optimizers.*": "peak.compat._apex.optimizers",

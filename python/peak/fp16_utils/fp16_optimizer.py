@@ -198,14 +198,15 @@ class FP16_Optimizer:
         self.overflow = self.dynamic_loss_scale and self._core.found_inf.any_()
 
     def inspect_master_grad_data(self):
-        """The masters' fp32 gradients, one list per parameter group (None while in an overflow
-        state: the gradients are then invalid)."""
+        """The fp32 gradients the step reads, one list per parameter group in the group's order
+        (masters and fp32 parameters, None where a parameter has none), as Apex's; None while in
+        an overflow state (the gradients are then invalid)."""
         if self.overflow:
             warnings.warn("inspect_master_grad_data: the last gradients overflowed; they are "
                           "invalid (inf, NaN or stale). Returning None.", stacklevel=2)
             return None
-        return [[None if m.grad is None else m.grad.data for m in group]
-                for group in self.fp32_from_fp16_groups]
+        return [[None if p.grad is None else p.grad.data for p in group["params"]]
+                for group in self.optimizer.param_groups]
 
     def clip_master_grads(self, max_norm, norm_type=2):
         """Clip the gradients of every fp32 weight the optimizer steps (masters and fp32
@@ -346,8 +347,9 @@ class FP16_Optimizer:
                              "fit this optimizer's parameters in shape: not the same model and "
                              "optimizer")
         scaler = state_dict["loss_scaler"]
-        if not isinstance(scaler, dict):  # (Apex's LossScaler object: its scale, a fresh window)
-            scaler = {"loss_scale": float(scaler.loss_scale())}
+        if not isinstance(scaler, dict):  # (a LossScaler object: Apex's, unpickled under the
+            scaler = {"loss_scale": float(scaler.loss_scale()),  # alias with its window)
+                      "growth_tracker": int(getattr(scaler, "growth_tracker", 0))}
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
         self._core.scale.fill_(scaler["loss_scale"])
         self._core.growth_tracker.fill_(scaler.get("growth_tracker", 0))
