@@ -11,8 +11,8 @@ import torch
 
 import peak
 from peak import amp
-from peak.optimizers import (FusedAdam, FusedLAMB, FusedSGD, export_fp32_state_dict,
-                             join_remainder, memory_report, split_master)
+from peak.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedSGD,
+                             export_fp32_state_dict, join_remainder, memory_report, split_master)
 from peak_testing import (opcheck_op, assert_grad_scaler_skips_bit_for_bit,
                           assert_state_dict_resumes_bit_for_bit, train_steps)
 
@@ -496,6 +496,12 @@ def test_memory_report_bytes_per_param():
     topt = torch.optim.AdamW(ref.parameters())
     train_steps(ref, topt, 1)
     assert 16 <= memory_report(ref, topt).total_per_param <= 16.01
+    for make in (torch.optim.Adagrad, torch.optim.RMSprop, FusedAdagrad):  # (sum, square_avg)
+        other = _model(torch.float32)
+        opt = make(other.parameters(), lr=1e-2)
+        train_steps(other, opt, 1)
+        rep = memory_report(other, opt)
+        assert rep.per_param["moments"] == 4 and rep.per_param["other"] <= 0.01, make
 
 
 def test_opcheck_lean_variants():

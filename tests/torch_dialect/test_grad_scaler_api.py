@@ -935,3 +935,21 @@ def test_torch_fused_sgd_whose_first_step_overflows():
     for i in state:
         assert torch.equal(state[i]["momentum_buffer"], ref_state[i]["momentum_buffer"])
     assert reads == 2  # the skip and the step that made the buffers; then on the device
+
+
+def test_a_state_dict_with_one_element_tensors_loads_as_torchs_does():
+    """torch's load_state_dict fills its tensors from what the dict holds, so a converted or
+    hand-made dict with tensor entries loads there: it loads here too, to the same state."""
+    plain = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5,
+             "_growth_tracker": 3}
+    tensors = {**plain, "scale": torch.tensor(8.0),
+               "_growth_tracker": torch.tensor(3, dtype=torch.int32)}
+    theirs = torch.amp.GradScaler("cpu")
+    theirs.load_state_dict(tensors)
+    for state in (plain, tensors):
+        ours = amp.GradScaler("cpu")
+        ours.load_state_dict(state)
+        assert ours.state_dict()["_growth_tracker"] == theirs.state_dict()["_growth_tracker"] == 3
+        assert ours.get_scale() == theirs.get_scale() == 8.0
+    with pytest.raises(TypeError, match="_growth_tracker must be an int, got Tensor"):
+        amp.GradScaler("cpu").load_state_dict({**plain, "_growth_tracker": torch.tensor(3.0)})

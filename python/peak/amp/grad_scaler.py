@@ -34,10 +34,10 @@ class _ConfigError(ValueError, AssertionError):
 
 
 def _number(kind: type, name: str, value):
-    """``value`` as a ``kind`` (a float may be a one-element floating tensor, as torch takes)."""
-    if (kind is float and isinstance(value, torch.Tensor) and value.numel() == 1
-            and value.is_floating_point()):
-        return float(value)
+    """``value`` as a ``kind``, or a one-element tensor of that kind (as torch's scaler takes)."""
+    if (isinstance(value, torch.Tensor) and value.numel() == 1
+            and value.is_floating_point() == (kind is float)):
+        return kind(value)
     if isinstance(value, bool) or not isinstance(
             value, numbers.Real if kind is float else numbers.Integral):
         raise TypeError(f"GradScaler: {name} must be {'a float' if kind is float else 'an int'}, "

@@ -48,7 +48,8 @@ def memory_report(model: torch.nn.Module, optimizer, *, print_report: bool = Fal
     - ``grads``: their gradients, as the step reads them (a parameter without ``.grad`` yet is
       counted at its own dtype: the backward pass will give it one);
     - ``masters``: fp32 master weights, or 16-bit remainders (NOTE: [Remainder masters]);
-    - ``moments``: the optimizer's moments / momentum buffers (8-bit ones: their uint8 codes);
+    - ``moments``: the optimizer's moments / momentum buffers (8-bit ones: their uint8 codes)
+      and any other state shaped as its parameter (Adagrad's ``sum``, RMSprop's ``square_avg``);
     - ``scales``: the per-block fp32 scales of 8-bit moments (``exp_avg_scale``...);
     - ``other``: step counts and anything else in the optimizer state.
 
@@ -66,14 +67,15 @@ def memory_report(model: torch.nn.Module, optimizer, *, print_report: bool = Fal
         if p.requires_grad:
             parts["grads"] += _nbytes(p.grad) if p.grad is not None else _nbytes(p)
     counted: set[int] = set()
-    for state in optimizer.state.values():
+    for p, state in optimizer.state.items():
         for key, value in state.items():
             if not isinstance(value, Tensor) or id(value) in counted:
                 continue
             counted.add(id(value))
             part = ("masters" if key in (MASTER_KEY, REMAINDER_KEY)
                     else "moments" if key in MOMENT_KEYS
-                    else "scales" if key.endswith(("_scale", "_scales")) else "other")
+                    else "scales" if key.endswith(("_scale", "_scales"))
+                    else "moments" if value.shape == p.shape and value.numel() > 1 else "other")
             parts[part] += _nbytes(value)
     report = MemoryReport(params=n, bytes=parts)
     if print_report:

@@ -19,6 +19,11 @@ def dense(t: Tensor) -> bool:
     return True
 
 
+def in_layout_of(p: Tensor, t: Tensor) -> Tensor:
+    """A copy of t (p's shape) laid out in memory as p is, in t's dtype."""
+    return torch.empty_like(p, dtype=t.dtype).copy_(t)
+
+
 def follow_layout(p: Tensor, state: dict) -> bool:
     """The kernels walk a parameter and its state in one memory order: state made before the
     model's layout changed (``model.to(memory_format=torch.channels_last)``) takes the new layout,
@@ -33,9 +38,9 @@ def follow_layout(p: Tensor, state: dict) -> bool:
             load_moment(state, key, moment.copy_(dequantize(t, state[scale_key(key)], key)), None,
                         torch.uint8, p)
             continue
-        state[key] = torch.empty_like(p, dtype=t.dtype).copy_(t)
+        state[key] = in_layout_of(p, t)
         if t.grad is not None:  # (an fp32 master's gradient from give_master_grads)
-            state[key].grad = torch.empty_like(p, dtype=t.dtype).copy_(t.grad)
+            state[key].grad = in_layout_of(p, t.grad)
     return not p.is_contiguous()
 
 
@@ -43,8 +48,8 @@ def follow_master_layout(master: torch.nn.Parameter, p: Tensor, optimizer_ref) -
     """A master standing in for p in a torch optimizer's groups (kept: its data re-laid), its
     gradient and its state in that optimizer (``optimizer_ref``: a weak reference, or None) in
     p's new layout (``model.to(memory_format=...)``)."""
-    master.data = torch.empty_like(p, dtype=master.dtype).copy_(master)
+    master.data = in_layout_of(p, master)
     if master.grad is not None and not master.grad.is_sparse:
-        master.grad = torch.empty_like(master).copy_(master.grad)
+        master.grad = in_layout_of(p, master.grad)
     optimizer = optimizer_ref() if optimizer_ref is not None else None
     follow_layout(master, optimizer.state.get(master, {}) if optimizer is not None else {})
