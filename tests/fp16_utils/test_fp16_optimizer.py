@@ -720,3 +720,24 @@ def test_masters_loaded_into_an_unrestored_model_win_at_the_step(dtype):
     opt2.step()
     for m, s, p in zip(opt2.master_params, opt.master_params, other.parameters()):
         assert torch.equal(m, s) and torch.equal(p, s.to(dtype))
+
+
+def test_apex_flat_views_and_clip_grad_norm_attribute():
+    """Apex's FP16_Optimizer attributes scripts read: the flat lists of its groups and
+    clip_grad_norm (fp16util's function), which clips the masters as clip_master_grads does."""
+    low, high = mixed_model()
+    params = [{"params": low.parameters()}, {"params": high.parameters(), "lr": 0.01}]
+    with pytest.warns(DeprecationWarning):
+        opt = FP16_Optimizer(torch.optim.SGD(params, lr=0.1), static_loss_scale=4.0)
+    assert opt.all_fp16_params == list(low.parameters())
+    assert opt.all_fp32_from_fp32_params == list(high.parameters())
+    masters = opt.all_fp32_from_fp16_params
+    assert [m.dtype for m in masters] == [torch.float32] * 2
+    assert all(m is q for m, q in zip(masters, opt.optimizer.param_groups[0]["params"]))
+    opt.backward(mixed_loss(low, high, torch.randn(3, 4)))
+    fp32 = masters + opt.all_fp32_from_fp32_params
+    expected = torch.cat([p.grad.double().flatten() for p in fp32]).norm()
+    norm = opt.clip_grad_norm(fp32, 1e-3)
+    torch.testing.assert_close(float(norm), expected.item(), rtol=1e-6, atol=0)
+    clipped = torch.cat([p.grad.double().flatten() for p in fp32]).norm()
+    torch.testing.assert_close(clipped.item(), 1e-3, rtol=1e-4, atol=0)

@@ -10,6 +10,7 @@ import torch
 from ..optimizers.masters import (LOW_DTYPES, MasterWeights, check_one_master_each, own_grad,
                                   unscaled_sparse, zero_in_place)
 from ..scaling import LossScale, core_attribute
+from .fp16util import clip_grad_norm
 
 
 # Optimizer state keys shaped as their parameter (torch's and peak's optimizers).
@@ -364,3 +365,10 @@ class FP16_Optimizer:
     # Apex exposes the wrapped optimizer's param_groups and state, both settable.
     param_groups = core_attribute("param_groups", "optimizer")
     state = core_attribute("state", "optimizer")
+    # Apex's flat views of the groups (lists it built once; here what the groups hold now).
+    all_fp16_params = property(lambda self: [p for g in self.fp16_groups for p in g])
+    all_fp32_from_fp16_params = property(lambda self: [p for g in self.fp32_from_fp16_groups
+                                                       for p in g])
+    all_fp32_from_fp32_params = property(lambda self: [p for g in self.fp32_from_fp32_groups
+                                                       for p in g])
+    clip_grad_norm = staticmethod(clip_grad_norm)  # (Apex's attribute: fp16util's function)
