@@ -1362,23 +1362,33 @@ TORCH_CHANNELS_LAST = {"SGD": TORCH["SGD"], "Adam": TORCH["Adam"],
                        "Adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True)}
 
 
-@pytest.mark.parametrize("when", ["before_the_first_step", "between_micro_batches"])
+@pytest.mark.parametrize("when", ["before_the_first_step", "between_micro_batches",
+                                  "then_a_resume"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("make_opt", list(TORCH_CHANNELS_LAST.values()),
                          ids=list(TORCH_CHANNELS_LAST))
 def test_o2_masters_follow_a_channels_last_conversion_after_initialize(make_opt, dtype, when):
     """``model.to(memory_format=torch.channels_last)`` after ``amp.initialize`` (the masters were
     made in the old layout): O2 with a torch optimizer trains as the run without the conversion,
-    bit for bit (the scale_loss exit raised: the masters' layout differed from the gradients')."""
-    def run(convert):
+    bit for bit (the scale_loss exit raised: the masters' layout differed from the gradients'),
+    also when a checkpoint is loaded into the converted model (the load's copy-back raised)."""
+    def build():
         torch.manual_seed(0)
         model = nn.Sequential(_Scale4d(), nn.Flatten(), nn.Linear(48, 3))
         opt = make_opt(model.parameters())
-        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=dtype,
-                                    verbosity=0)
+        return amp.initialize(model, opt, opt_level="O2", low_precision_dtype=dtype, verbosity=0)
+
+    def run(convert):
+        model, opt = build()
         if convert and when == "before_the_first_step":
             model.to(memory_format=torch.channels_last)
         for step in range(3):
+            if convert and when == "then_a_resume" and step == 2:
+                checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict()))
+                model, opt = build()
+                model.to(memory_format=torch.channels_last)
+                model.load_state_dict(checkpoint[0])
+                opt.load_state_dict(checkpoint[1])
             opt.zero_grad()
             for micro in range(2):
                 if convert and when == "between_micro_batches" and (step, micro) == (1, 1):
@@ -1397,3 +1407,55 @@ def test_o2_masters_follow_a_channels_last_conversion_after_initialize(make_opt,
     converted, expected = run(True), run(False)
     assert not converted[0].is_contiguous()
     _assert_bitwise([t.contiguous() for t in converted], [t.contiguous() for t in expected])
+
+
+class _OwnEightBitSGD(torch.optim.SGD):
+    """An optimizer with 8-bit state of its own (as bitsandbytes' keep theirs: blocks in memory
+    order, which a layout change would scramble)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("codes", torch.zeros_like(p, dtype=torch.uint8))
+        return super().step(closure)
+
+
+def test_a_layout_change_with_another_optimizers_8bit_state_is_refused_by_name():
+    model = nn.Sequential(_Scale4d(), nn.Flatten(), nn.Linear(48, 3))
+    opt = _OwnEightBitSGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                verbosity=0)
+    x, y = torch.randn(8, 3, 4, 4), torch.randint(0, 3, (8,))
+    with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    model.to(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match=r"_OwnEightBitSGD keeps 8-bit state of its own "
+                       r"\(\['codes'\]\).*Change the memory format before amp.initialize"):
+        with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+
+
+def test_a_master_of_a_parameter_with_gaps_is_laid_out_once():
+    """FP16_Optimizer over a slice (a parameter with gaps, which no dense master can mirror): its
+    master keeps one dense layout (it was copied at every call), and the steps equal those over
+    a contiguous copy of the parameter, bit for bit."""
+    from peak.fp16_utils import FP16_Optimizer
+
+    def run(gapped):
+        base = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)).half()
+        weight = nn.Parameter(base[:, ::2] if gapped else base[:, ::2].contiguous())
+        with pytest.warns(DeprecationWarning):
+            opt = FP16_Optimizer(torch.optim.Adam([weight], lr=1e-2), static_loss_scale=8.0)
+        master, pointers = opt.fp32_from_fp16_groups[0][0], set()
+        for step in range(3):
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)).half()
+            opt.zero_grad()
+            opt.backward((x @ weight).float().pow(2).mean())
+            opt.step()
+            pointers.add(master.data_ptr())
+        assert len(pointers) == 1 and weight.is_contiguous() != gapped
+        return [weight.detach().clone(), master.detach().clone()]
+
+    _assert_bitwise(run(True), run(False))

@@ -479,6 +479,17 @@ def test_bad_lean_arguments():
                                    maximize=False, bias_correction=True)
 
 
+class _ScaledOutput(torch.nn.Module):
+    """A model with a 1-element parameter (whose per-element state is 1 element too)."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body, self.one = body, torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.body(x) * self.one
+
+
 def test_memory_report_bytes_per_param():
     model = _model()
     opt = FusedAdam(model.parameters(), lr=1e-2, **LEAN_ADAM)
@@ -497,7 +508,7 @@ def test_memory_report_bytes_per_param():
     train_steps(ref, topt, 1)
     assert 16 <= memory_report(ref, topt).total_per_param <= 16.01
     for make in (torch.optim.Adagrad, torch.optim.RMSprop, FusedAdagrad):  # (sum, square_avg)
-        other = _model(torch.float32)
+        other = _ScaledOutput(_model(torch.float32))
         opt = make(other.parameters(), lr=1e-2)
         train_steps(other, opt, 1)
         rep = memory_report(other, opt)

@@ -942,7 +942,7 @@ def test_a_state_dict_with_one_element_tensors_loads_as_torchs_does():
     hand-made dict with tensor entries loads there: it loads here too, to the same state."""
     plain = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5,
              "_growth_tracker": 3}
-    tensors = {**plain, "scale": torch.tensor(8.0),
+    tensors = {**plain, "scale": torch.tensor(8), "growth_factor": torch.tensor(2.0),
                "_growth_tracker": torch.tensor(3, dtype=torch.int32)}
     theirs = torch.amp.GradScaler("cpu")
     theirs.load_state_dict(tensors)
@@ -951,5 +951,6 @@ def test_a_state_dict_with_one_element_tensors_loads_as_torchs_does():
         ours.load_state_dict(state)
         assert ours.state_dict()["_growth_tracker"] == theirs.state_dict()["_growth_tracker"] == 3
         assert ours.get_scale() == theirs.get_scale() == 8.0
-    with pytest.raises(TypeError, match="_growth_tracker must be an int, got Tensor"):
-        amp.GradScaler("cpu").load_state_dict({**plain, "_growth_tracker": torch.tensor(3.0)})
+    for bad in (torch.tensor(3.5), torch.tensor(True)):  # (an int of a float or bool: refused)
+        with pytest.raises(TypeError, match="_growth_tracker must be an int, got Tensor"):
+            amp.GradScaler("cpu").load_state_dict({**plain, "_growth_tracker": bad})

@@ -35,8 +35,8 @@ class _ConfigError(ValueError, AssertionError):
 
 def _number(kind: type, name: str, value):
     """``value`` as a ``kind``, or a one-element tensor of that kind (as torch's scaler takes)."""
-    if (isinstance(value, torch.Tensor) and value.numel() == 1
-            and value.is_floating_point() == (kind is float)):
+    if (isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool
+            and (kind is float or not value.is_floating_point())):
         return kind(value)
     if isinstance(value, bool) or not isinstance(
             value, numbers.Real if kind is float else numbers.Integral):

@@ -75,7 +75,7 @@ def memory_report(model: torch.nn.Module, optimizer, *, print_report: bool = Fal
             part = ("masters" if key in (MASTER_KEY, REMAINDER_KEY)
                     else "moments" if key in MOMENT_KEYS
                     else "scales" if key.endswith(("_scale", "_scales"))
-                    else "moments" if value.shape == p.shape and value.numel() > 1 else "other")
+                    else "moments" if value.dim() and value.shape == p.shape else "other")
             parts[part] += _nbytes(value)
     report = MemoryReport(params=n, bytes=parts)
     if print_report:

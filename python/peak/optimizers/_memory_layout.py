@@ -44,12 +44,25 @@ def follow_layout(p: Tensor, state: dict) -> bool:
     return not p.is_contiguous()
 
 
-def follow_master_layout(master: torch.nn.Parameter, p: Tensor, optimizer_ref) -> None:
-    """A master standing in for p in a torch optimizer's groups (kept: its data re-laid), its
-    gradient and its state in that optimizer (``optimizer_ref``: a weak reference, or None) in
-    p's new layout (``model.to(memory_format=...)``)."""
-    master.data = in_layout_of(p, master)
-    if master.grad is not None and not master.grad.is_sparse:
-        master.grad = in_layout_of(p, master.grad)
+def follow_master_layouts(masters: list, params: list, optimizer_ref) -> None:
+    """Masters standing in for ``params`` in a torch optimizer's groups (kept: their data re-laid),
+    their gradients and their state in that optimizer (``optimizer_ref``: a weak reference, or
+    None) take their parameter's layout where it changed (``model.to(memory_format=...)``, which
+    bumps no version). A parameter with gaps (a slice) keeps a dense master: the kernels stage it."""
     optimizer = optimizer_ref() if optimizer_ref is not None else None
-    follow_layout(master, optimizer.state.get(master, {}) if optimizer is not None else {})
+    for master, p in zip(masters, params):
+        if master.stride() == p.stride() or not dense(p):
+            continue
+        state = optimizer.state.get(master, {}) if optimizer is not None else {}
+        moved = [k for k, t in state.items() if isinstance(t, Tensor) and t.shape == p.shape]
+        if any(state[k].dtype == torch.uint8 for k in moved):  # (its blocks: in memory order)
+            raise RuntimeError(
+                f"{type(optimizer).__name__} keeps 8-bit state of its own ({moved}) for a "
+                "parameter whose memory layout changed after amp.initialize (model.to(memory_"
+                "format=...)): that state cannot follow. Change the memory format before "
+                "amp.initialize.")
+        master.data = in_layout_of(p, master)
+        if master.grad is not None and not master.grad.is_sparse:
+            master.grad = in_layout_of(p, master.grad)
+        for key in moved:
+            state[key] = in_layout_of(p, state[key])

@@ -15,7 +15,7 @@ from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
     wrapper_chain)
-from ._memory_layout import follow_master_layout
+from ._memory_layout import follow_master_layouts
 from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
                      zero_in_place)  # (its front doors')
 from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
@@ -160,6 +160,7 @@ class MasterWeights:
         return any(q is p for q in self.model_params) or any(q is p for q in self.frozen)
 
     def copy_to_model(self) -> None:
+        follow_master_layouts(self.masters, self.model_params, self._optimizer_ref)  # (a load's)
         copy_to_model(self.masters, self.model_params)
         self._versions = [p._version for p in self.model_params]  # (peak's kernels bump none)
         self._settle()
@@ -171,9 +172,8 @@ class MasterWeights:
         optimizer's do (NOTE: [Masters after a model reload]); through ``.data`` only before the
         first step (unseen after, as in Apex). After the backward: before the script edits the
         masters (clipping, decay). A new memory layout (no version bump) is followed too."""
+        follow_master_layouts(self.masters, self.model_params, self._optimizer_ref)
         for i, (p, master, seen) in enumerate(zip(self.model_params, self.masters, self._versions)):
-            if master.stride() != p.stride():  # (model.to(memory_format=torch.channels_last))
-                follow_master_layout(master, p, self._optimizer_ref)
             if p._version != seen:
                 master.copy_(weight_wins(master, p))
                 self._versions[i] = p._version
