@@ -301,8 +301,36 @@ def unseeded_ranks(rank):
     return out
 
 
+STOCHASTIC_CONFIGS = {
+    "bf16_moments": dict(store_param_remainders=True, exp_avg_dtype=torch.bfloat16,
+                         exp_avg_sq_dtype=torch.bfloat16),
+    "8bit_moments": dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit"),
+    "stochastic_weights": dict(master_weights=False, stochastic_rounding=True),
+}
+
+
+def unseeded_stochastic_rounding(rank):
+    """The torch dialect on a bf16 model whose ranks torch seeded each its own way (as launchers
+    do): DDP replicas round the same all-reduced gradients (stochastic bf16 moments, 8-bit codes,
+    bf16 weights) and must round them alike."""
+    import peak.optimizers
+
+    out = {}
+    for name, options in STOCHASTIC_CONFIGS.items():
+        torch.manual_seed(1000 + rank)
+        ddp = DDP(make_model(seed=rank).to(torch.bfloat16))
+        opt = peak.optimizers.FusedAdamW(ddp.parameters(), lr=1e-2, **options)
+        for step in range(3):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x.to(torch.bfloat16)).float(), y).backward()
+            opt.step()
+        out[name] = state_tensors(ddp.module, opt)
+    return out
+
+
 def worker(rank, world_size):
-    results = {"unseeded": unseeded_ranks(rank), "wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank),
+    results = {"unseeded": unseeded_ranks(rank), "stochastic": unseeded_stochastic_rounding(rank), "wrong_order": wrong_order(rank), "control": control_local_inf_after_all_reduce(rank),
                "bucket_view": bucket_view_accumulation(rank),
                "no_sync": [no_sync_accumulation(rank, delay) for delay in (False, True)],
                "batch_norm_views": batch_norm_bucket_views(rank)}

@@ -138,3 +138,14 @@ def test_ranks_initialized_differently_agree_after_ddp_broadcast(ranks, config):
     assert len(a) == len(b) > 0
     for i, (x, y) in enumerate(zip(a, b)):
         assert x.dtype == y.dtype and torch.equal(x, y), f"{config}: state tensor {i} differs"
+
+
+@pytest.mark.parametrize("config", list(ddp_worker.STOCHASTIC_CONFIGS))
+def test_stochastic_rounding_agrees_on_ranks_seeded_differently(ranks, config):
+    """The fused optimizers' rounding key was torch's seed, which each launched rank draws for
+    itself: replicas rounded the same all-reduced gradients apart (silently). On several ranks
+    the key is 0 unless a param group sets its own (docs/distributed.md)."""
+    a, b = ranks[0]["stochastic"][config], ranks[1]["stochastic"][config]
+    assert len(a) == len(b) > 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{config}: state tensor {i} differs"

@@ -268,3 +268,19 @@ def test_opcheck():
     opcheck_op(torch.ops.peak.fused_sgd_.default,
                           (params, grads, [], zeros(), steps, torch.tensor([1e-2]), 0.9, 0.0,
                            0.0, False, False, None, None, 65536, 5))
+
+
+def test_the_rounding_key_is_torchs_seed_in_one_process_and_0_on_several_ranks(monkeypatch):
+    """A launcher's WORLD_SIZE above 1 (torchrun sets it before the process group exists): every
+    rank must round alike (DDP replicas), however torch seeded it; a group's own key stays."""
+    w = torch.nn.Parameter(torch.ones(4, dtype=BF16))
+    torch.manual_seed(7)
+    assert FusedAdam([w]).param_groups[0]["stochastic_rounding_seed"] == 7
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for seed in (7, 8):
+        torch.manual_seed(seed)
+        opt = FusedAdam([w])
+        assert opt.param_groups[0]["stochastic_rounding_seed"] == 0
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2, dtype=BF16))],
+                         "stochastic_rounding_seed": 5})
+    assert opt.param_groups[1]["stochastic_rounding_seed"] == 5

@@ -4,7 +4,6 @@ anything), casting, the patched ``forward``, the model state-dict hooks."""
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import warnings
 import weakref
@@ -12,7 +11,6 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -23,6 +21,7 @@ from . import _caster
 from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
 from ._process_optimizer import process_optimizer
 from .._bound import BoundMethod
+from .._ranks import multi_rank_run
 from .._stacklevel import user_stacklevel
 
 # Models that went through an enabled amp.initialize (params may be cast, forward patched).
@@ -183,9 +182,7 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
                     module.register_load_state_dict_pre_hook(note_load_hook)
                     module.register_load_state_dict_post_hook(refresh_after_load_hook)
         _initialized_models.add(model)
-    world = os.environ.get("WORLD_SIZE", "1").strip()  # (a launcher's, before any process group)
-    if (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            or world.isdigit() and int(world) > 1):
+    if multi_rank_run():
         # NOTE: [Masters under DDP] DDP's constructor, after this, gives each rank rank 0's cast
         # weights (not its fp32 ones): masters from the cast weights then agree on every rank.
         fp32_originals.clear()

@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-from .. import ops
+from .. import _ranks, ops
 from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, agree_on_overflow, group_by_device_dtype, unscale_grads_
 from ._arguments import (LEAN_KEYS, check_bool, check_group, check_lean, check_storage,
@@ -63,10 +63,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.store_unscaled_grads = store_unscaled_grads
         self._step_store_grads = False  # this step's choice (set by step())
         # In param_groups, so checkpoints carry them: the rounding's hash key (NOTE: [Stochastic
-        # rounding to bf16]; from torch's seed, so torch.manual_seed repeats runs), capturable (the
-        # step never syncs either way: True is what it asks for) and the lean state's options.
+        # rounding to bf16]; torch's seed, so torch.manual_seed repeats runs; 0 on several ranks),
+        # capturable (the step never syncs either way) and the lean state's options.
         defaults = dict(defaults, stochastic_rounding=bool(stochastic_rounding),
-                        stochastic_rounding_seed=torch.initial_seed() % 2**32,
+                        stochastic_rounding_seed=_ranks.agreed_seed(),
                         capturable=capturable, **check_lean(lean, master_weights))
         super().__init__(params, defaults)
         # What a param group of ours holds (torch's __setstate__ adds 'differentiable' and others
