@@ -122,3 +122,23 @@ def test_grad_norm_reads_the_fp32_sums():
     got = opt.grad_norm()
     assert got is not None
     torch.testing.assert_close(got.double().item(), expected.item(), rtol=1e-6, atol=0)
+
+
+def test_replicated_parameters_on_several_ranks_warn_once_about_no_sync(monkeypatch, recwarn):
+    """DDP all-reduces .grad: sums of micro-batches run under no_sync() never reach it, so on
+    several ranks (a launcher's WORLD_SIZE) the first accumulate_grads() says so, once; one
+    process does not warn."""
+    def micro_batches(opt, w):
+        for _ in range(2):
+            w.grad = torch.ones_like(w)
+            opt.accumulate_grads()
+
+    w = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    micro_batches(FusedAdam([w], lr=1e-3), w)
+    assert not [r for r in recwarn if "no_sync" in str(r.message)]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    opt = FusedAdam([w], lr=1e-3)
+    with pytest.warns(UserWarning, match=r"accumulate_grads\(\) on several ranks.*no_sync\(\) "
+                      r"never reaches the all-reduce") as caught:
+        micro_batches(opt, w)
+    assert len([r for r in caught if "no_sync" in str(r.message)]) == 1

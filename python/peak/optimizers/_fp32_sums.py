@@ -1,8 +1,13 @@
 """fp32 sums of fp16/bf16 gradients over micro-batches (``accumulate_grads``)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from .. import _ranks
+from .._stacklevel import user_stacklevel
+from ._sharded import is_sharded
 from .masters import master_in_state
 
 
@@ -20,6 +25,15 @@ def accumulate_fp32(optimizer) -> None:
             total = sums.get(p)
             sums[p] = p.grad.to(torch.float32) if total is None else total.add_(p.grad)
             p.grad = None
+    if (sums and not optimizer.__dict__.get("_warned_replicated_sums")
+            and _ranks.multi_rank_run() and not all(is_sharded(p) for p in sums)):
+        optimizer._warned_replicated_sums = True  # (DDP all-reduces .grad; FSDP2's are reduced)
+        warnings.warn(
+            "accumulate_grads() on several ranks: gradients moved into the fp32 sums leave .grad, "
+            "so a micro-batch run under DistributedDataParallel's no_sync() never reaches the "
+            "all-reduce (the last backward all-reduces only its own) and the replicas step apart. "
+            "With accumulate_grads let DDP all-reduce every micro-batch (no no_sync()), or leave "
+            "the accumulation to autograd (docs/distributed.md).", stacklevel=user_stacklevel())
 
 
 def check_fp32_sums(optimizer, grad_scale) -> None:
