@@ -5,6 +5,15 @@ import inspect
 import types
 
 
+def stands_in_for(target):
+    """Mark a function to bind with :class:`BoundMethod` as standing in for ``target(obj)``, whose
+    signature the bound method shows (``inspect.signature``)."""
+    def mark(func):
+        func.stands_in_for = target
+        return func
+    return mark
+
+
 class BoundMethod:
     """``func`` bound to ``obj``: called, inspected and deep-copied as ``types.MethodType(func,
     obj)`` is, and it pickles (a bound method pickles as ``getattr(obj, func.__name__)``, which
@@ -27,7 +36,10 @@ class BoundMethod:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+        """The method's, or that of what it stands in for (``func.stands_in_for(obj)``)."""
+        stand_in = getattr(self.__func__, "stands_in_for", None)
+        return inspect.signature(stand_in(self.__self__) if stand_in is not None
+                                 else types.MethodType(self.__func__, self.__self__))
 
     __doc__ = property(lambda self: self.__func__.__doc__)  # (a class attribute otherwise)
 

@@ -1,6 +1,7 @@
 """What initialize does to models: dtypes of params/buffers/grads/outputs, forward patching (spec §4.1-4.2)."""
 import collections
 import copy
+import inspect
 
 import pytest
 import torch
@@ -231,3 +232,47 @@ def test_o1_runs_rotary_attention_as_torch_autocast(low):
     out = o1_model(x)
     assert out.dtype == expected.dtype == low
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+class _Positional(nn.Module):
+    """A forward whose optional arguments callers look up by name (transformers' generate()
+    passes position_ids only when the forward's signature names it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.positions = nn.Embedding(10, 4), nn.Embedding(8, 4)
+
+    def forward(self, input_ids, position_ids=None, *, attention_mask=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return self.embed(input_ids) + self.positions(position_ids)
+
+
+def _generate_like(model, input_ids, attention_mask):
+    """As transformers' generate(): positions from the mask (left padding), passed only to a
+    forward that names position_ids."""
+    kwargs = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids, **kwargs)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_the_patched_forward_shows_the_models_signature(level):
+    """initialize's forward (it casts inputs and outputs) showed (*args, **kwargs): callers that
+    read the signature left position_ids out, and left-padded rows got the pad tokens' positions
+    (transformers' generate() under O1: other tokens, silently)."""
+    torch.manual_seed(0)
+    model = _Positional()
+    reference = copy.deepcopy(model)
+    expected_signature = inspect.signature(model.forward)
+    model = amp.initialize(model, opt_level=level, low_precision_dtype=torch.bfloat16,
+                           verbosity=0)
+    assert inspect.signature(model.forward) == expected_signature
+    assert inspect.signature(copy.deepcopy(model).forward) == expected_signature
+    ids, mask = torch.tensor([[0, 0, 3, 4], [5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1], [1] * 4])
+    out = _generate_like(model, ids, mask)
+    with torch.no_grad():  # (O1 runs embeddings and additions in fp32; O2/O3 in bf16)
+        expected = _generate_like(reference.to(torch.float32 if level == "O1" else
+                                               torch.bfloat16), ids, mask).float()
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=0)

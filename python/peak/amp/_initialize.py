@@ -20,7 +20,7 @@ from peak.optimizers.masters import (check_one_master_each, inner_optimizer, not
 from . import _caster
 from ._amp_state import LOW_DTYPES, _amp_state, warn_or_err
 from ._process_optimizer import process_optimizer
-from .._bound import BoundMethod
+from .._bound import BoundMethod, stands_in_for
 from .._ranks import multi_rank_run
 from .._stacklevel import user_stacklevel
 
@@ -276,6 +276,8 @@ def patch_forward(model, input_dtype, output_dtype) -> None:
     model.forward = BoundMethod(_amp_forward, model)
 
 
+@stands_in_for(lambda model: model._amp_forward_config.inner_forward  # (transformers' generate()
+               or type(model).forward.__get__(model))  # passes position_ids only where named)
 def _amp_forward(self, *args, **kwargs):
     cfg = self._amp_forward_config
     if cfg.input_dtype is not None:
