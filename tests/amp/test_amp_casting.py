@@ -276,3 +276,23 @@ def test_the_patched_forward_shows_the_models_signature(level):
         expected = _generate_like(reference.to(torch.float32 if level == "O1" else
                                                torch.bfloat16), ids, mask).float()
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("low", H.LOW)
+def test_o1_turns_torchs_fused_encoder_path_off_as_autocast_does(low):
+    """nn.TransformerEncoderLayer in eval under no_grad takes torch's fused kernel unless autocast
+    is on; under O1 it was given a cast layer's fp16/bf16 output with fp32 weights and raised.
+    Now it runs the path O1 casts, as in grad mode; the fast path is back where O1 is off."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True).eval()
+    model = nn.Sequential(nn.Linear(8, 16), layer)
+    x = torch.randn(2, 5, 8)
+    o1 = amp.initialize(copy.deepcopy(model), opt_level="O1", low_precision_dtype=low,
+                        verbosity=0)
+    expected = o1(x)  # (grad mode: torch's own rules leave the fused path)
+    assert not torch.backends.mha.get_fastpath_enabled()
+    with torch.no_grad():
+        out = o1(x)
+    torch.testing.assert_close(out, expected.detach(), rtol=0, atol=0)
+    with amp.disable_casts():
+        assert torch.backends.mha.get_fastpath_enabled()

@@ -1,7 +1,7 @@
 """The O1 caster's hooks into torch internals (checked against torch 2.13 and 2.14), installed by
 ``_caster.enable`` and removed when no thread has O1 on: ``RNNBase.check_input``'s dtype check
-relaxed while O1 casts; ``torch.utils.checkpoint`` recomputing under the forward's caster state;
-the weight-cast cache cleared after every optimizer step."""
+relaxed and nn's attention fast path off while O1 casts; ``torch.utils.checkpoint`` recomputing
+under the forward's caster state; the weight-cast cache cleared after every optimizer step."""
 
 from __future__ import annotations
 
@@ -65,6 +65,8 @@ def install(wrap_recompute) -> None:
     if _undo:
         return
     _replace(torch.nn.RNNBase, "check_input", _rnn_check_input)
+    _replace(torch.backends.mha, "get_fastpath_enabled",  # (its fused kernels take no casts;
+             lambda: _original["get_fastpath_enabled"]() and not _c.is_casting())  # as autocast)
     import torch.utils.checkpoint as ckpt  # noqa: PLC0415 (only when O1 is turned on)
     # torch 2.14 calls _checkpoint_without_reentrant_generator_impl (the old name forwards to
     # it); 2.13 has only the old one. Both take the function to recompute first.

@@ -13,10 +13,9 @@ from . import _caster
 
 _c = _C.caster
 
-__all__ = ["POLICIES", "add", "remove", "local", "policy_of", "entries", "reset",
-           "set_allow_banned", "set_dispatch", "half_function", "float_function",
-           "promote_function", "register_half_function", "register_float_function",
-           "register_promote_function"]
+__all__ = ["POLICIES", "add", "remove", "local", "policy_of", "entries", "set_allow_banned",
+           "reset", "set_dispatch", "half_function", "float_function", "promote_function",
+           "register_half_function", "register_float_function", "register_promote_function"]
 
 _NAMES = {code: name for name, code in _caster.CODES.items()}
 #: The policy names ``add`` accepts.
