@@ -38,8 +38,10 @@ class BoundMethod:
     def __signature__(self) -> inspect.Signature:
         """The method's, or that of what it stands in for (``func.stands_in_for(obj)``)."""
         stand_in = getattr(self.__func__, "stands_in_for", None)
-        return inspect.signature(stand_in(self.__self__) if stand_in is not None
-                                 else types.MethodType(self.__func__, self.__self__))
+        try:
+            return inspect.signature(stand_in(self.__self__))
+        except (TypeError, ValueError):  # (none, or one without a signature: a builtin's)
+            return inspect.signature(types.MethodType(self.__func__, self.__self__))
 
     __doc__ = property(lambda self: self.__func__.__doc__)  # (a class attribute otherwise)
 

@@ -13,7 +13,7 @@ def multi_rank_run() -> bool:
     integer) above 1 (torchrun sets it before the process group exists)."""
     world = os.environ.get("WORLD_SIZE", "1").strip()
     return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            or world.isdigit() and int(world) > 1)
+            or world.isdecimal() and int(world) > 1)
 
 
 def agreed_seed() -> int:

@@ -270,6 +270,11 @@ def test_the_patched_forward_shows_the_models_signature(level):
                            verbosity=0)
     assert inspect.signature(model.forward) == expected_signature
     assert inspect.signature(copy.deepcopy(model).forward) == expected_signature
+    builtin = nn.ReLU()
+    builtin.forward = torch.relu  # (an instance forward without a signature: the wrapper's)
+    builtin = amp.initialize(builtin, opt_level=level, low_precision_dtype=torch.bfloat16,
+                             verbosity=0)
+    assert list(inspect.signature(builtin.forward).parameters) == ["args", "kwargs"]
     ids, mask = torch.tensor([[0, 0, 3, 4], [5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1], [1] * 4])
     out = _generate_like(model, ids, mask)
     with torch.no_grad():  # (O1 runs embeddings and additions in fp32; O2/O3 in bf16)
@@ -296,3 +301,7 @@ def test_o1_turns_torchs_fused_encoder_path_off_as_autocast_does(low):
     torch.testing.assert_close(out, expected.detach(), rtol=0, atol=0)
     with amp.disable_casts():
         assert torch.backends.mha.get_fastpath_enabled()
+    held = torch.backends.mha.get_fastpath_enabled  # (a caller's reference outlives the hook)
+    from peak.amp import _caster  # noqa: PLC0415
+    _caster.disable()
+    assert held() and torch.backends.mha.get_fastpath_enabled()

@@ -276,6 +276,8 @@ def test_the_rounding_key_is_torchs_seed_in_one_process_and_0_on_several_ranks(m
     w = torch.nn.Parameter(torch.ones(4, dtype=BF16))
     torch.manual_seed(7)
     assert FusedAdam([w]).param_groups[0]["stochastic_rounding_seed"] == 7
+    monkeypatch.setenv("WORLD_SIZE", "\u00b2")  # (a digit int() does not read: not several)
+    assert FusedAdam([w]).param_groups[0]["stochastic_rounding_seed"] == 7
     monkeypatch.setenv("WORLD_SIZE", "2")
     for seed in (7, 8):
         torch.manual_seed(seed)

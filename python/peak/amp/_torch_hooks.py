@@ -65,8 +65,8 @@ def install(wrap_recompute) -> None:
     if _undo:
         return
     _replace(torch.nn.RNNBase, "check_input", _rnn_check_input)
-    _replace(torch.backends.mha, "get_fastpath_enabled",  # (its fused kernels take no casts;
-             lambda: _original["get_fastpath_enabled"]() and not _c.is_casting())  # as autocast)
+    fastpath = torch.backends.mha.get_fastpath_enabled  # (held: a caller may outlive the hook)
+    _replace(torch.backends.mha, "get_fastpath_enabled", lambda: fastpath() and not _c.is_casting())
     import torch.utils.checkpoint as ckpt  # noqa: PLC0415 (only when O1 is turned on)
     # torch 2.14 calls _checkpoint_without_reentrant_generator_impl (the old name forwards to
     # it); 2.13 has only the old one. Both take the function to recompute first.

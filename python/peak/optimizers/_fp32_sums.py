@@ -30,10 +30,11 @@ def accumulate_fp32(optimizer) -> None:
         optimizer._warned_replicated_sums = True  # (DDP all-reduces .grad; FSDP2's are reduced)
         warnings.warn(
             "accumulate_grads() on several ranks: gradients moved into the fp32 sums leave .grad, "
-            "so a micro-batch run under DistributedDataParallel's no_sync() never reaches the "
-            "all-reduce (the last backward all-reduces only its own) and the replicas step apart. "
-            "With accumulate_grads let DDP all-reduce every micro-batch (no no_sync()), or leave "
-            "the accumulation to autograd (docs/distributed.md).", stacklevel=user_stacklevel())
+            "so if a micro-batch ran under DistributedDataParallel's no_sync(), it never reaches "
+            "the all-reduce (the last backward all-reduces only its own) and the replicas step "
+            "apart. With accumulate_grads let DDP all-reduce every micro-batch (no no_sync(): "
+            "then nothing is wrong), or leave the accumulation to autograd (docs/distributed.md). "
+            "Said once per optimizer.", stacklevel=user_stacklevel())
 
 
 def check_fp32_sums(optimizer, grad_scale) -> None:
