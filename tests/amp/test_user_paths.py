@@ -1459,3 +1459,30 @@ def test_a_master_of_a_parameter_with_gaps_is_laid_out_once():
         return [weight.detach().clone(), master.detach().clone()]
 
     _assert_bitwise(run(True), run(False))
+
+
+@pytest.mark.parametrize("name", ["FusedSGD", "FusedAdam"])
+def test_o2_fused_masters_read_for_clipping_follow_a_channels_last_conversion(name):
+    """A fused optimizer's masters follow a layout change at its step; amp.master_params (the
+    clipping recipe) reads them before the step: it raised on the old layout's strides."""
+    def run(convert):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Scale4d(), nn.Flatten(), nn.Linear(48, 3))
+        model, opt = amp.initialize(model, FUSED[name](model.parameters()), opt_level="O2",
+                                    low_precision_dtype=torch.bfloat16, verbosity=0)
+        for step in range(3):
+            if convert and step == 1:
+                model.to(memory_format=torch.channels_last)
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 3, 4, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            with amp.scale_loss(F.cross_entropy(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.1)
+            opt.step()
+        return _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+
+    amp._amp_state.reset()
+    converted, expected = run(True), run(False)
+    assert not converted[0].is_contiguous()
+    _assert_bitwise([t.contiguous() for t in converted], [t.contiguous() for t in expected])

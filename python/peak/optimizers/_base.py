@@ -229,6 +229,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if self.wants_master(p) and not self.keeps_remainder(p):
+                    follow_layout(p, self.state[p])  # (a layout changed since: as a step does)
                     master = master_in_state(self, p, self.state[p])
                     master.grad = torch.empty_like(master)
                     lows.append(p.grad)
@@ -585,10 +586,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
 
 # Under torch.compile the step runs as it is (its bookkeeping by parameter identity would
-# recompile once per parameter) and its fused ops do the work: one graph break. torch's own
-# lazy form of torch.compiler.disable (as torch.optim's methods use it): the decorator imports
-# Dynamo, about a second that an eager run need not pay. Not on step itself: torch 2.10 compiles
-# a bound method without its self then.
+# recompile once per parameter) and its fused ops do the work: one graph break. torch's lazy
+# torch.compiler.disable (as torch.optim uses it) spares an eager run Dynamo's import (a second);
+# not on step itself: torch 2.10 compiles a bound method without its self then.
 _EAGER_FUSED_STEP = torch._disable_dynamo(FusedOptimizer._fused_step)
 
 
