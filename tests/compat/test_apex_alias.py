@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -566,3 +567,28 @@ def test_an_apex_fp16_optimizer_checkpoint_loads_under_the_alias(tmp_path, alias
     assert opt.loss_scale == expected["scale"]
     for key, value in model.state_dict().items():
         assert torch.equal(value, expected["model"][key]), key
+
+
+def test_apex_fused_adam_step_refuses_its_old_arguments_and_works_with_grad_scaler(alias):
+    """Apex's FusedAdam.step(closure, grads, output_params, scale, grad_norms, grad_scaler):
+    the old arguments are refused as Apex refuses them, grad_scaler with what works instead;
+    scaler.step(optimizer) still hands the scale over (no FutureWarning) and steps as torch's
+    AdamW on the unscaled gradient."""
+    from apex.optimizers import FusedAdam
+
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt = FusedAdam([w], lr=0.1)
+    for kwargs in ({"scale": 2.0}, {"grads": [torch.ones(3)]}, {"grad_norms": [1.0]}):
+        with pytest.raises(RuntimeError, match="Apex's pre-2019 interface"):
+            opt.step(**kwargs)
+    with pytest.raises(TypeError, match=r"call scaler.step\(optimizer\)"):
+        opt.step(grad_scaler=torch.amp.GradScaler("cpu"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale((w * w).sum()).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.step(opt)
+    (ref * ref).sum().backward()
+    torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0).step()
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-6, atol=1e-7)

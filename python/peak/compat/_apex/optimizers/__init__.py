@@ -21,6 +21,20 @@ class FusedAdam(_peak.FusedAdam):
                          bias_correction=bias_correction, set_grad_none=set_grad_none,
                          master_weights=True if master_weights else None, capturable=capturable)
 
+    def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None,
+             **kwargs):
+        """Apex's signature: its pre-2019 arguments refused, as Apex refuses them; its
+        ``grad_scaler`` (read with ``capturable=True``) refused with what works instead (not a
+        named parameter: torch's GradScaler would pass itself instead of handing over its scale)."""
+        if any(a is not None for a in (grads, output_params, scale, grad_norms)):
+            raise RuntimeError("FusedAdam.step() takes no grads, output_params, scale or "
+                               "grad_norms (Apex's pre-2019 interface): build FusedAdam as "
+                               "torch.optim.Adam and call step() without them")
+        if "grad_scaler" in kwargs:
+            raise TypeError("FusedAdam.step(grad_scaler=...): call scaler.step(optimizer), which "
+                            "hands the scale and the overflow flag to the fused step")
+        return super().step(closure, **kwargs)
+
 
 class FusedSGD(_peak.FusedSGD):
     """Apex's FusedSGD: peak's, with Apex's default ``set_grad_none=False``."""
