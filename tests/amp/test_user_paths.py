@@ -1486,3 +1486,33 @@ def test_o2_fused_masters_read_for_clipping_follow_a_channels_last_conversion(na
     converted, expected = run(True), run(False)
     assert not converted[0].is_contiguous()
     _assert_bitwise([t.contiguous() for t in converted], [t.contiguous() for t in expected])
+
+
+def test_o2_step_compiled_whole_with_a_torch_optimizer_traces_no_master_loop():
+    """The store's loop over its masters (each compared with its weight at the first step) was
+    traced once per master: a model of more than 8 parameters reached Dynamo's recompile limit
+    (a warning, the rest run eagerly). It runs eagerly now: nothing of it compiled, the eager
+    step's bits."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from peak.optimizers import masters
+    def run(compiled):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                    verbosity=0)
+
+        def step(x):
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+
+        fn = torch.compile(step, backend="eager") if compiled else step
+        for i in range(3):
+            fn(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
+        assert not _debug_get_cache_entry_list(masters.weight_wins.__code__)
+        return _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+
+    _assert_bitwise(run(True), run(False))

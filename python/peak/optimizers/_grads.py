@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import Tensor
+
+
+def eager_no_grad(func):
+    """``torch.no_grad``, and run eagerly under torch.compile (a graph break): a store's loop over
+    its masters would be traced once per master (Dynamo's recompile limit in a compiled step)."""
+    return torch._disable_dynamo(torch.no_grad()(func))
 
 
 def grads_left(params) -> list:

@@ -17,7 +17,7 @@ from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     wrapper_chain)
 from ._memory_layout import follow_master_layouts
 from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
-                     zero_in_place)  # (its front doors')
+                     eager_no_grad, zero_in_place)  # (its front doors')
 from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
@@ -165,7 +165,7 @@ class MasterWeights:
         self._versions = [p._version for p in self.model_params]  # (peak's kernels bump none)
         self._settle()
 
-    @torch.no_grad()
+    @eager_no_grad
     def follow_weights(self) -> None:
         """After a backward pass and before a step: a master follows its weight where it was
         written since (``weight.copy_`` under no_grad, nn.Embedding's max_norm), as a fused
