@@ -3,6 +3,7 @@ references: torch.optim.Adagrad/AdamW, float64 NovoGrad / LAMB / LARC written fr
 documented math; masters, overflow skips, checkpoints, groups, schedulers, amp O2, GradScaler."""
 import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -933,3 +934,22 @@ def test_novograd_steps_past_an_empty_parameter(norm_type):
                             reg_inside_moment=False, bias_correction=True, norm_type=norm_type,
                             grad_norms=torch.zeros(2))
     assert steps[0].item() == 0.0
+
+
+def test_larc_pickles_as_torchs_optimizers_do():
+    """A LARC with an LR scheduler (which wraps the instance's step) or a step hook did not
+    pickle (torch.save(optimizer)), where torch's optimizers do: as theirs, its pickle leaves the
+    hooks and the scheduler's wrapper out, and the copy steps as the original."""
+    a = make_params(torch.float32, "cpu")
+    opt = LARC(torch.optim.SGD(a, lr=0.1, momentum=0.9))
+    torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    opt.register_step_pre_hook(lambda *_: None)
+    run(opt, a, 2, seed=4)
+    copy_ = pickle.loads(pickle.dumps(opt))
+    b = [p for g in copy_.param_groups for p in g["params"]]
+    assert isinstance(copy_, LARC) and not copy_._optimizer_step_pre_hooks
+    copy_.register_step_post_hook(lambda *_: None)  # (the hooks' machinery is back)
+    run(opt, a, 3, seed=5)
+    run(copy_, b, 3, seed=5)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)

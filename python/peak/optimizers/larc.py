@@ -9,6 +9,12 @@ import torch
 from ..scaling import core_attribute
 
 
+# What torch's Optimizer machinery keeps on an instance (torch's __init__ would make them).
+_HOOKS = tuple(f"_optimizer_{when}_hooks" for when in (
+    "step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+    "load_state_dict_post"))
+
+
 class LARC(torch.optim.Optimizer):
     """Wraps ``optimizer`` and scales each parameter's gradient by a local learning rate
     ``trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)`` before its step (the
@@ -42,12 +48,8 @@ class LARC(torch.optim.Optimizer):
         self.trust_coefficient = float(trust_coefficient)
         self.clip = clip
         self.eps = float(eps)
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        for name in _HOOKS:
+            setattr(self, name, OrderedDict())
         self._patch_step_function()
 
     # -- the wrapped optimizer's groups and state ------------------------------------------------
@@ -55,11 +57,14 @@ class LARC(torch.optim.Optimizer):
     state = core_attribute("state", "optim")
     defaults = core_attribute("defaults", "optim")
 
-    def __getstate__(self):
-        return self.__dict__
+    def __getstate__(self):  # (as torch's optimizers: no hooks, nor an LR scheduler's step)
+        return {k: v for k, v in self.__dict__.items() if k not in _HOOKS and k != "step"}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        for name in _HOOKS:
+            self.__dict__.setdefault(name, OrderedDict())
+        self._patch_step_function()
 
     def __repr__(self):
         return (f"LARC(trust_coefficient={self.trust_coefficient}, clip={self.clip}, "
