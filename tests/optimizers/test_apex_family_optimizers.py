@@ -953,3 +953,24 @@ def test_larc_pickles_as_torchs_optimizers_do():
     run(copy_, b, 3, seed=5)
     for p, q in zip(a, b):
         assert torch.equal(p, q)
+
+
+def test_step_hooks_run_once_for_optimizers_with_a_step_of_their_own():
+    """FusedMixedPrecisionLamb and the Apex alias's FusedAdam have a step of their own over their
+    base class's: once an instance of the base class was built, torch's hook machinery had
+    wrapped the base's step too, and every step hook ran twice (an EMA in a post-hook twice)."""
+    import peak.compat
+    peak.compat.install_apex_alias()
+    try:
+        from apex.optimizers import FusedAdam as ApexFusedAdam
+        for make, base in ((FusedMixedPrecisionLamb, FusedLAMB), (ApexFusedAdam, FusedAdam)):
+            base([torch.nn.Parameter(torch.ones(2))])  # (hooks the base class's step)
+            w = torch.nn.Parameter(torch.ones(3))
+            opt, calls = make([w], lr=0.1), []
+            opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+            opt.register_step_post_hook(lambda *_: calls.append("post"))
+            w.grad = torch.ones(3)
+            opt.step()
+            assert calls == ["pre", "post"], make
+    finally:
+        peak.compat.uninstall_apex_alias()

@@ -463,6 +463,6 @@ class FusedMixedPrecisionLamb(FusedLAMB):
             grad_scale = grad_scaler._get_scale_async()
             if per_device:
                 found_inf = merge_flags(per_device.values(), grad_scale.device)
-        result = super().step(closure, grad_scale=grad_scale, found_inf=found_inf,
-                              grad_norm=grad_norm)
+        result = FusedOptimizer.step(self, closure, grad_scale=grad_scale, found_inf=found_inf,
+                                     grad_norm=grad_norm)  # (not FusedLAMB's: once hooked, twice)
         return result if loss is None else loss

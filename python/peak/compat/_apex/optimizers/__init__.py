@@ -2,7 +2,8 @@
 signatures and defaults where peak's own differ (FusedAdam: Apex's argument order and
 ``adam_w_mode=True``; FusedSGD: ``set_grad_none=False``)."""
 from peak import optimizers as _peak
-from peak.optimizers import FusedAdagrad, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad
+from peak.optimizers import (FusedAdagrad, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad,
+                             FusedOptimizer)
 
 __all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad",
            "FusedMixedPrecisionLamb"]
@@ -33,7 +34,9 @@ class FusedAdam(_peak.FusedAdam):
         if "grad_scaler" in kwargs:
             raise TypeError("FusedAdam.step(grad_scaler=...): call scaler.step(optimizer), which "
                             "hands the scale and the overflow flag to the fused step")
-        return super().step(closure, **kwargs)
+        # (the base class's own step: a FusedAdam built elsewhere gets its step wrapped by
+        # torch's hook machinery, and going through that wrapper ran every step hook twice)
+        return FusedOptimizer.step(self, closure, **kwargs)
 
 
 class FusedSGD(_peak.FusedSGD):
