@@ -229,7 +229,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if self.wants_master(p) and not self.keeps_remainder(p):
-                    follow_layout(p, self.state[p])  # (a layout changed since: as a step does)
+                    self.__dict__.setdefault("_layouts", LayoutWatch()).visit(p, self.state[p])
                     master = master_in_state(self, p, self.state[p])
                     master.grad = torch.empty_like(master)
                     lows.append(p.grad)
