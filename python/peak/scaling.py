@@ -255,11 +255,11 @@ def optimizer_gradients(optimizer, with_owners: bool) -> tuple[list, list]:
     return grads, owners
 
 
-def skip_leaves_state_unset(optimizer) -> bool:
+def skip_leaves_state_unset(optimizer) -> list:
     """torch's fused SGD before its momentum buffers exist: its first step makes them (for each
     parameter with a gradient) with empty_like, which a skip on the device leaves uninitialised
-    (torch's GradScaler then trains on garbage): the skip is decided on the host until then."""
+    (torch's GradScaler then trains on garbage): the parameters whose buffers it would make."""
     state = optimizer.state
-    return isinstance(optimizer, torch.optim.SGD) and any(
-        g.get("momentum") and p.grad is not None and "momentum_buffer" not in state.get(p, {})
-        for g in optimizer.param_groups for p in g["params"])
+    return [p for g in optimizer.param_groups if g.get("momentum") for p in g["params"]
+            if p.grad is not None and "momentum_buffer" not in state.get(p, {})
+            ] if isinstance(optimizer, torch.optim.SGD) else []

@@ -413,6 +413,41 @@ def test_checkpoint_recomputes_with_the_list_edits(reentrant):
         assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+@pytest.mark.parametrize("edit", [dict(fp32_ops=["linear"]), dict(lower_ops=["layer_norm"])],
+                         ids=["fp32_ops", "lower_ops"])
+def test_checkpoint_recomputes_with_the_list_edits_after_the_region(reentrant, edit):
+    """torch's recipe runs backward after the region: the recomputation still sees the forward's
+    edits (torch's checkpoint re-enters only torch.autocast's state; without peak's snapshot the
+    reentrant one recomputed with torch's lists, the other raised CheckpointError), also when a
+    thread with no region runs the backward; nothing of the hooks stays after the region."""
+    import torch.utils.checkpoint as ckpt
+    original = ckpt.CheckpointFunction
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.GELU(),
+                              torch.nn.Linear(16, 4))
+    x = torch.randn(8, 16, requires_grad=True)  # (the reentrant checkpoint needs one)
+
+    def grads(checkpointed, in_thread=False):
+        net.zero_grad(set_to_none=True)
+        with amp.autocast("cpu", dtype=torch.bfloat16, **edit):
+            out = (ckpt.checkpoint(net, x, use_reentrant=reentrant) if checkpointed else net(x))
+        if in_thread:
+            worker = threading.Thread(target=lambda: out.float().square().sum().backward())
+            worker.start()
+            worker.join()
+        else:
+            out.float().square().sum().backward()
+        return [p.grad.clone() for p in net.parameters()]
+
+    expected = grads(False)
+    assert ckpt.CheckpointFunction is original and not _caster.patched()
+    for in_thread in (False, True):
+        got = grads(True, in_thread)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert ckpt.CheckpointFunction is original and not _caster.patched()
+
+
 # ---- list edits on the caster's frames: exceptions, threads, in-place writes ---------------------
 
 def test_list_edits_leave_nothing_behind_after_an_exception():

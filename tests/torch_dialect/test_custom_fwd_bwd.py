@@ -198,6 +198,51 @@ def test_cast_inputs_takes_python_types_as_torch_does():
             assert Double.apply(torch.ones(2, requires_grad=True)).dtype == torch.float64
 
 
+
+def test_forward_without_ctx_casts_as_torchs_and_custom_bwd_says_why_it_cannot_follow():
+    """A Function with setup_context: its forward takes no ctx. cast_inputs casts as torch's
+    decorator does; the first input is not stamped with the recorded state (it is the user's
+    tensor); a custom_bwd backward names the missing ctx, not a missing decorator."""
+    def make(mod, with_custom_bwd):
+        class MatMul(torch.autograd.Function):
+            @staticmethod
+            @mod.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+            def forward(x, w):
+                return x @ w
+
+            @staticmethod
+            def setup_context(ctx, inputs, output):
+                ctx.save_for_backward(*inputs)
+
+            def backward(ctx, g):
+                x, w = ctx.saved_tensors
+                return g @ w.t(), x.t() @ g
+        if with_custom_bwd:
+            MatMul.backward = staticmethod(mod.custom_bwd(device_type="cpu")(MatMul.backward))
+        else:
+            MatMul.backward = staticmethod(MatMul.backward)
+        return MatMul
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    results = {}
+    for mod in (torch.amp, amp):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with mod.autocast("cpu", dtype=torch.bfloat16):
+            y = make(mod, with_custom_bwd=False).apply(xs, ws)
+        y.sum().backward()
+        results[mod] = (y, xs.grad, ws.grad)
+        if mod is amp:
+            assert not hasattr(xs, "_fwd_used_autocast") and not hasattr(xs, "_dtype")
+    assert results[amp][0].dtype == torch.float32
+    for a, b in zip(results[torch.amp], results[amp]):
+        assert torch.equal(a, b)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with amp.autocast("cpu", dtype=torch.bfloat16):
+        y = make(amp, with_custom_bwd=True).apply(xs, ws)
+    with pytest.raises(AttributeError, match="setup_context"):
+        y.sum().backward()
+
 def test_compiled_function_under_o1_does_not_trace_the_casters_state():
     """custom_fwd records O1's state for backward only outside Dynamo: Dynamo cannot trace the
     caster's snapshot, and warned of it in every compiled forward with O1 on."""

@@ -937,6 +937,43 @@ def test_torch_fused_sgd_whose_first_step_overflows():
     assert reads == 2  # the skip and the step that made the buffers; then on the device
 
 
+def test_torch_fused_sgd_first_steps_are_torchs_calls_and_bits():
+    """Until its momentum buffers exist, torch's fused SGD still gets grad_scale/found_inf, as
+    from torch's scaler: the same bits with a scale that is not a power of two (an unscale in
+    place rounds otherwise), and step() called on a skipped first step too (its hooks run, an LR
+    scheduler sees a step), which leaves no state behind (torch's leaves garbage buffers)."""
+    def run(mod, overflow_first):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        calls = []
+        opt.register_step_pre_hook(lambda *_: calls.append(1))
+        scaler = mod.GradScaler("cpu", init_scale=3.0, growth_factor=1.7, backoff_factor=0.3,
+                                growth_interval=1)
+        states = []
+        for step in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            loss = model(x).pow(2).mean() * (float("inf") if overflow_first and not step else 1.)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            states.append(copy.deepcopy(opt.state_dict()["state"]))
+        return model.state_dict(), states, len(calls), scaler.get_scale()
+
+    (weights, states, _, scale), (ref_weights, ref_states, _, ref_scale) = (
+        run(amp, False), run(torch.amp, False))
+    assert scale == ref_scale
+    for name in weights:
+        assert torch.equal(weights[name], ref_weights[name]), name
+    for state, ref in zip(states, ref_states):
+        assert state.keys() == ref.keys()
+        for i in state:
+            assert torch.equal(state[i]["momentum_buffer"], ref[i]["momentum_buffer"])
+    _, states, calls, _ = run(amp, True)
+    assert states[0] == {} and calls == run(torch.amp, True)[2] == 3
+
+
 def test_a_state_dict_with_one_element_tensors_loads_as_torchs_does():
     """torch's load_state_dict fills its tensors from what the dict holds, so a converted or
     hand-made dict with tensor entries loads there: it loads here too, to the same state."""

@@ -1,7 +1,7 @@
-"""The O1 caster's hooks into torch internals (checked against torch 2.13 and 2.14), installed by
-``_caster.enable`` and removed when no thread has O1 on: ``RNNBase.check_input``'s dtype check
-relaxed and nn's attention fast path off while O1 casts; ``torch.utils.checkpoint`` recomputing
-under the forward's caster state; the weight-cast cache cleared after every optimizer step."""
+"""The O1 caster's hooks into torch internals (torch 2.13, 2.14), in place while anything holds
+the caster's wrappers (O1, a list edit, a recomputation): RNNBase's dtype check relaxed and nn's
+attention fast path off while O1 casts; ``torch.utils.checkpoint`` recomputing under the caster
+state of the forward (torch's re-enters torch.autocast's); the cast cache cleared at each step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .. import _C
 
 _c = _C.caster
-_undo: list = []  # while some thread has O1 on: what takes each hook out again, in order
+_undo: list = []  # while installed: what takes each hook out again, in order
 _original: dict = {}  # what the hooks replaced, by name
 
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)  # what O1 casts (not float64)
@@ -32,7 +32,7 @@ def _rnn_check_input(self, input, batch_sizes):
 # ---- torch.utils.checkpoint: recompute under the forward's caster state
 
 class _CheckpointFunctionProxy:
-    """Stands in for torch.utils.checkpoint.CheckpointFunction while O1 is on: ``apply`` (what
+    """Stands in for torch.utils.checkpoint.CheckpointFunction while installed: ``apply`` (what
     checkpoint() calls) hands the real Function a run_function wrapped by ``wrap_recompute``;
     anything else is the real Function's (no Function subclass is made at run time)."""
 
@@ -67,7 +67,7 @@ def install(wrap_recompute) -> None:
     _replace(torch.nn.RNNBase, "check_input", _rnn_check_input)
     fastpath = torch.backends.mha.get_fastpath_enabled  # (held: a caller may outlive the hook)
     _replace(torch.backends.mha, "get_fastpath_enabled", lambda: fastpath() and not _c.is_casting())
-    import torch.utils.checkpoint as ckpt  # noqa: PLC0415 (only when O1 is turned on)
+    import torch.utils.checkpoint as ckpt  # noqa: PLC0415 (only when the caster is used)
     # torch 2.14 calls _checkpoint_without_reentrant_generator_impl (the old name forwards to
     # it); 2.13 has only the old one. Both take the function to recompute first.
     name = ("_checkpoint_without_reentrant_generator_impl"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any, Callable, Iterable
 
 import torch
@@ -225,7 +226,7 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
 
     @functools.wraps(fwd)
     def decorate_fwd(*args, **kwargs):
-        ctx = args[0]
+        ctx = args[0] if not isinstance(args[0], torch.Tensor) else types.SimpleNamespace()
         ctx._dtype = torch.get_autocast_dtype(device_type)
         enabled = torch.is_autocast_enabled(device_type)
         if cast_inputs is None:
@@ -233,7 +234,8 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
             ctx._peak_edits = _caster.open_edits(device_type) if enabled else []
             # O1's state too (on, or off in disable_casts) where O1 is on (Dynamo: it stands down)
             o1_state = _caster.patched() and not torch.compiler.is_compiling()
-            ctx._peak_o1_state = _caster.under_current_state(_call) if o1_state else None
+            ctx._peak_o1_state = (_caster.under_current_state(lambda fn, *a, **k: fn(*a, **k))
+                                  if o1_state else None)
             return fwd(*args, **kwargs)
         ctx._fwd_used_autocast = False
         ctx._peak_edits = []
@@ -247,10 +249,6 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
                            **_cast(kwargs, device_type, cast_inputs))
         return fwd(*args, **kwargs)
     return decorate_fwd
-
-
-def _call(fn, *args, **kwargs):
-    return fn(*args, **kwargs)
 
 
 def custom_bwd(bwd: Callable | None = None, *, device_type: str):
@@ -268,9 +266,9 @@ def custom_bwd(bwd: Callable | None = None, *, device_type: str):
         ctx = args[0]
         if not hasattr(ctx, "_fwd_used_autocast"):
             # AttributeError, as torch's custom_bwd raises reading the missing attribute.
-            raise AttributeError("custom_bwd: the forward of this Function was not decorated "
-                                 "with custom_fwd (peak.amp.custom_fwd or "
-                                 "torch.amp.custom_fwd); decorate both forward and backward")
+            raise AttributeError("custom_bwd: forward was not decorated with custom_fwd (peak's "
+                                 "or torch's), or takes no ctx (setup_context: custom_fwd records "
+                                 "the state on ctx): decorate both, forward taking ctx first")
         # The forward's open edits, outer first: inner edits win.
         edits = {fn: code for codes in getattr(ctx, "_peak_edits", [])
                  for fn, code in codes.items()} or None

@@ -254,8 +254,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
 
         Optimizers with ``_step_supports_amp_scaling = True`` (torch's fused Adam/AdamW/SGD,
         peak's fused optimizers) get ``optimizer.grad_scale`` and ``optimizer.found_inf`` (device
-        tensors) and skip on the device: no host sync (torch's fused SGD with momentum: once its
-        buffers exist, ``scaling.skip_leaves_state_unset``). Otherwise one host read decides.
+        tensors) and skip on the device: no host sync (torch's fused SGD with momentum: one read
+        until its buffers exist, ``scaling.skip_leaves_state_unset``). Else one host read decides.
         ``*args``/``**kwargs`` go to ``optimizer.step``; a ``closure`` is not supported."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -266,9 +266,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if (getattr(optimizer, "_step_supports_amp_scaling", False)
-                and not skip_leaves_state_unset(optimizer)):
-            kwargs_ = kwargs
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            unset, kwargs_ = skip_leaves_state_unset(optimizer), kwargs
             has_grad_scaler_kwarg, takes_scale_kwargs, takes_norm = self._step_signature(optimizer)
             grad_norm = None
             if has_grad_scaler_kwarg:
@@ -304,7 +303,9 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
             if not has_grad_scaler_kwarg:
                 del optimizer.grad_scale, optimizer.found_inf
             if optimizer_state["found_inf_per_device"]:
-                self._record_skip(self._combined_found_inf(optimizer_state))
+                self._record_skip(found := self._combined_found_inf(optimizer_state))
+                if unset and found.item():  # (one read: the buffers it made are uninitialised)
+                    _ = [optimizer.state.pop(p, None) for p in unset]  # (SGD keeps only those)
             return retval
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
