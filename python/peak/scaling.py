@@ -261,5 +261,5 @@ def skip_leaves_state_unset(optimizer) -> list:
     (torch's GradScaler then trains on garbage): the parameters whose buffers it would make."""
     state = optimizer.state
     return [p for g in optimizer.param_groups if g.get("momentum") for p in g["params"]
-            if p.grad is not None and "momentum_buffer" not in state.get(p, {})
+            if p.grad is not None and state.get(p, {}).get("momentum_buffer") is None
             ] if isinstance(optimizer, torch.optim.SGD) else []

@@ -778,3 +778,32 @@ def test_an_edited_op_returning_its_input_does_not_write_back(transform):
     with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=[F.dropout]):
         out = run(x)
     assert torch.equal(x, before) and out.dtype == torch.bfloat16
+
+
+def test_an_edited_cast_made_before_a_fused_step_is_not_used_after_it():
+    """A fused step bumps no version counter: a cast of an edited op's weight cached between the
+    backward and the step (a metric's forward) must not outlive the step inside the region."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(lin.parameters(), lr=0.1, fused=True)
+    x = torch.randn(4, 8)
+    with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["linear"]):
+        lin(x).float().sum().backward()
+        lin(x)  # (grad mode: the weight's cast is cached)
+        opt.step()
+        after_step = lin(x)
+    with amp.autocast("cpu", dtype=torch.bfloat16, lower_ops=["linear"]):
+        assert torch.equal(after_step, lin(x))
+
+
+def test_attention_compiles_whole_inside_an_edited_region():
+    """O1's own hooks (nn's attention fast-path switch reads the caster's C++ state, which Dynamo
+    cannot trace) stay out of a region that only edits the lists: one graph, as without peak."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 4, 8)
+    compiled = torch.compile(lambda t: mha(t, t, t)[0], fullgraph=True, backend="eager")
+    with amp.autocast("cpu", dtype=torch.bfloat16, fp32_ops=["softmax"]):
+        got = compiled(x)
+        expected = mha(x, x, x)[0]
+    torch.testing.assert_close(got, expected)

@@ -941,13 +941,17 @@ def test_torch_fused_sgd_first_steps_are_torchs_calls_and_bits():
     """Until its momentum buffers exist, torch's fused SGD still gets grad_scale/found_inf, as
     from torch's scaler: the same bits with a scale that is not a power of two (an unscale in
     place rounds otherwise), and step() called on a skipped first step too (its hooks run, an LR
-    scheduler sees a step), which leaves no state behind (torch's leaves garbage buffers)."""
+    scheduler sees a step), which leaves no buffer behind (torch's leaves garbage buffers); a
+    parameter's other state is kept, and a loaded ``momentum_buffer: None`` counts as none."""
     def run(mod, overflow_first):
         torch.manual_seed(0)
         model = torch.nn.Linear(16, 16)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
         calls = []
         opt.register_step_pre_hook(lambda *_: calls.append(1))
+        if overflow_first:  # (as torch's older SGD saved, and a key of a subclass's own)
+            opt.load_state_dict({"state": {0: {"momentum_buffer": None, "mine": 1}},
+                                 "param_groups": opt.state_dict()["param_groups"]})
         scaler = mod.GradScaler("cpu", init_scale=3.0, growth_factor=1.7, backoff_factor=0.3,
                                 growth_interval=1)
         states = []
@@ -970,8 +974,9 @@ def test_torch_fused_sgd_first_steps_are_torchs_calls_and_bits():
         assert state.keys() == ref.keys()
         for i in state:
             assert torch.equal(state[i]["momentum_buffer"], ref[i]["momentum_buffer"])
-    _, states, calls, _ = run(amp, True)
-    assert states[0] == {} and calls == run(torch.amp, True)[2] == 3
+    weights, states, calls, _ = run(amp, True)
+    assert states[0] == {0: {"mine": 1}, 1: {}} and calls == run(torch.amp, True)[2] == 3
+    assert all(torch.isfinite(w).all() for w in weights.values())
 
 
 def test_a_state_dict_with_one_element_tensors_loads_as_torchs_does():

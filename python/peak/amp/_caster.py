@@ -189,6 +189,7 @@ def enable(low_dtype: torch.dtype, allow_banned: bool = False) -> None:
         _apply_registrations()
         # the table, and the list-edit frames entered before O1
         _hold([fn for codes, _device in _stack() for fn in codes], table=True)
+        _torch_hooks.install(under_current_state)
         _on.add(threading.get_ident())
     _c.set_low_dtype(low_dtype)
     _c.set_allow_banned(bool(allow_banned))
@@ -210,6 +211,7 @@ def disable() -> None:
             _on.discard(ident)
             _release()
         if not _on:
+            _torch_hooks.remove()
             _undo_registrations()
 
 
@@ -239,8 +241,7 @@ def under_current_state(fn):
 def _hold(funcs=(), table: bool = False, counted: bool = True) -> None:
     """Patch ``funcs`` (and the whole table); ``counted``: as a holder, until ``_release()``."""
     _holds["n"] += counted
-    if counted:
-        _torch_hooks.install(under_current_state)
+    _torch_hooks.install(under_current_state, o1=False)  # (once: while anything holds)
     if table and not _holds["table"]:
         for fn, _code in _c.table():
             _patch(fn)
@@ -252,7 +253,7 @@ def _hold(funcs=(), table: bool = False, counted: bool = True) -> None:
 def _release() -> None:
     _holds["n"] -= 1
     if _holds["n"] == 0:
-        _torch_hooks.remove()
+        _torch_hooks.remove(o1=False)
         while _patched:
             _restore(*_patched.pop())
         _patched_ids.clear()

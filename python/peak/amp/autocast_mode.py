@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 from typing import Any, Callable, Iterable
 
 import torch
@@ -226,7 +225,7 @@ def custom_fwd(fwd: Callable | None = None, *, device_type: str,
 
     @functools.wraps(fwd)
     def decorate_fwd(*args, **kwargs):
-        ctx = args[0] if not isinstance(args[0], torch.Tensor) else types.SimpleNamespace()
+        ctx = args[0]
         ctx._dtype = torch.get_autocast_dtype(device_type)
         enabled = torch.is_autocast_enabled(device_type)
         if cast_inputs is None:

@@ -304,8 +304,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                 del optimizer.grad_scale, optimizer.found_inf
             if optimizer_state["found_inf_per_device"]:
                 self._record_skip(found := self._combined_found_inf(optimizer_state))
-                if unset and found.item():  # (one read: the buffers it made are uninitialised)
-                    _ = [optimizer.state.pop(p, None) for p in unset]  # (SGD keeps only those)
+                for p in unset if unset and found.item() else ():  # (one read: its new buffers
+                    optimizer.state[p].pop("momentum_buffer", None)  # are uninitialised)
             return retval
         if optimizer_state["stage"] is OptState.READY:
             self.unscale_(optimizer)
