@@ -22,11 +22,14 @@ def _o2(low, opt_cls=torch.optim.SGD, seed=0, **opt_kwargs):
     return model, opt
 
 
-def _step(model, opt, step):
+def _step(model, opt, step, scaled=True):
     x, y = H.batch(step, n=8, shape=(3, 6, 6))
     opt.zero_grad()
-    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
-        scaled.backward()
+    if not scaled:  # (a bf16 model without amp)
+        nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+        return opt.step()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled_loss:
+        scaled_loss.backward()
     opt.step()
 
 
@@ -209,6 +212,65 @@ def test_a_write_through_data_before_the_first_step_is_trained_from(low, opt_nam
             torch.testing.assert_close(a, b, rtol=2 ** -7, atol=3e-3)
     else:
         H.assert_bitwise_equal(*runs)
+
+
+@pytest.mark.parametrize("opt_name", ["Adam", "FusedAdam", "FusedSGD", "FusedAdam-no-amp"])
+@pytest.mark.parametrize("write", ["prune", "vector_to_parameters"])
+def test_a_weight_given_new_memory_after_steps_is_followed(opt_name, write):
+    """torch's ``prune.remove`` and ``vector_to_parameters`` write ``p.data = ...`` (new memory,
+    no version bump): the masters follow it as they follow the same values written in place
+    (before, the next step put the pruned weights back from the masters, even at lr=0)."""
+    from torch.nn.utils import parameters_to_vector, prune, vector_to_parameters
+    from peak.optimizers import FusedAdam, FusedSGD
+
+    make = {"Adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+            "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2),
+            "FusedAdam-no-amp": lambda ps: FusedAdam(ps, lr=1e-2),
+            "FusedSGD": lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9)}[opt_name]
+    runs = []
+    for in_place in (False, True):
+        model = H.make_cnn(0)
+        opt = make(model.parameters())
+        if opt_name == "FusedAdam-no-amp":
+            model.to(torch.bfloat16)
+        else:
+            amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                           verbosity=0)
+        for step in range(2):
+            _step(model, opt, step, scaled=opt_name != "FusedAdam-no-amp")
+        conv = model[0]
+        if write == "prune":
+            prune.l1_unstructured(conv, "weight", amount=0.5)
+            mask = conv.weight_mask.clone()
+            if in_place:
+                prune.remove(conv, "weight")  # (back to a plain parameter, then in place)
+                with torch.no_grad():
+                    conv.weight.copy_(conv.weight.detach() * mask)
+            else:
+                prune.remove(conv, "weight")
+        else:
+            params = list(conv.parameters())  # (one dtype: the vector's)
+            values = parameters_to_vector(params).mul(0.5)
+            if in_place:
+                with torch.no_grad():
+                    offset = 0
+                    for p in params:
+                        p.copy_(values[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
+            else:
+                vector_to_parameters(values, params)
+        written = [p.detach().clone() for p in model.parameters()]
+        lrs = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        _step(model, opt, 2, scaled=opt_name != "FusedAdam-no-amp")
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), written))
+        for group, lr in zip(opt.param_groups, lrs):
+            group["lr"] = lr
+        for step in range(3, 5):
+            _step(model, opt, step, scaled=opt_name != "FusedAdam-no-amp")
+        runs.append([p.detach().clone() for p in model.parameters()])
+    H.assert_bitwise_equal(*runs)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..scaling import local_shard
+from ._memory_layout import written_since
 from ._sharded import is_sharded
 from .masters import (MASTER_KEY, REMAINDER_KEY, _awaiting_weight, _forget_id, _join_on_arrival,
                       _split_on_arrival, _weight_version, as_followed, copy_to_model,
@@ -96,7 +97,7 @@ def masters_before_load(optimizer) -> dict:
         if t is None or t.shape != p.shape or t.device != p.device or is_sharded(p):
             continue
         if t.dtype == torch.float32 or (p.dtype == torch.bfloat16 and (
-                entry is None or entry[0]() is not p or entry[1] == p._version)):
+                entry is None or entry[0]() is not p or not written_since(p, entry[1]))):
             kept[p] = t
     return kept
 

@@ -5,7 +5,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..scaling import local_shard
 from ._quant import dequantize, load_moment, scale_key
+
+UNSEEN = (-1, 0, None)  # a weight_stamp no weight has: compared element by element at its step
+
+
+def weight_stamp(p: Tensor) -> tuple:
+    """What tells whether p was written since: its version counter, its memory, its dtype."""
+    return p._version, local_shard(p).data_ptr(), p.dtype
+
+
+def weight_checksum(p: Tensor) -> Tensor:
+    """Of p's bits (a write that changes nothing, nn.Embedding's max_norm, keeps it)."""
+    return local_shard(p).detach().view(torch.int16).sum(dtype=torch.int64)
+
+
+def written_since(p: Tensor, seen: tuple, storage: bool = True) -> bool:
+    """Since ``seen`` (its weight_stamp then): an in-place write (a version bump) or, with
+    ``storage``, new memory of the same dtype (``p.data = ...``, as torch's ``prune.remove`` and
+    ``vector_to_parameters`` write; a new layout, ``model.to(device)``: element by element, the
+    same values change nothing). A new dtype (``model.half()``) is not a write of values."""
+    return p._version != seen[0] or (storage and p.dtype == seen[2]
+                                     and local_shard(p).data_ptr() != seen[1])
 
 
 def dense(t: Tensor) -> bool:

@@ -15,7 +15,8 @@ from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
     wrapper_chain)
-from ._memory_layout import follow_master_layouts
+from ._memory_layout import (UNSEEN, follow_master_layouts, weight_checksum, weight_stamp,
+                             written_since)
 from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
                      eager_no_grad, zero_in_place)  # (its front doors')
 from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
@@ -98,7 +99,7 @@ class MasterWeights:
         self._grad_stash: list | None = None
         self._had_grad: list | None = None  # (set_grads_aside: which weights had a gradient)
         self._loaded: dict | None = None
-        self._versions: list[int] = []  # the weights' version counters at the last copy-back
+        self._versions: list[tuple] = []  # the weights' stamps at the last copy-back
 
     def register(self, params, with_masters: bool, originals: dict | None = None) -> list:
         """What a param group holds instead of ``params``: with ``with_masters``, every trainable
@@ -108,7 +109,7 @@ class MasterWeights:
         for p in params:
             if with_masters and p.requires_grad and p.dtype in LOW_DTYPES:
                 out.append(self.add(p, originals.pop(id(p), None) if originals else None))
-                self._versions[-1] = -1  # amp's: compared at the first step (note_master_made)
+                self._versions[-1] = UNSEEN  # amp's: compared at the first step (note_master_made)
             else:
                 if p.requires_grad or not with_masters:
                     self.own_params.append(p)
@@ -140,7 +141,7 @@ class MasterWeights:
         master = torch.nn.Parameter(new_master(p, original), requires_grad=True)
         self.model_params.append(p)
         self.masters.append(master)
-        self._versions.append(p._version)
+        self._versions.append(weight_stamp(p))
         _master_of_param[p] = master
         return master
 
@@ -162,21 +163,21 @@ class MasterWeights:
     def copy_to_model(self) -> None:
         follow_master_layouts(self.masters, self.model_params, self._optimizer_ref)  # (a load's)
         copy_to_model(self.masters, self.model_params)
-        self._versions = [p._version for p in self.model_params]  # (peak's kernels bump none)
+        self._versions = [weight_stamp(p) for p in self.model_params]  # (peak's kernels bump none)
         self._settle()
 
     @eager_no_grad
     def follow_weights(self) -> None:
         """After a backward pass and before a step: a master follows its weight where it was
-        written since (``weight.copy_`` under no_grad, nn.Embedding's max_norm), as a fused
-        optimizer's do (NOTE: [Masters after a model reload]); through ``.data`` only before the
-        first step (unseen after, as in Apex). After the backward: before the script edits the
-        masters (clipping, decay). A new memory layout (no version bump) is followed too."""
+        written since (``weight.copy_`` under no_grad, nn.Embedding's max_norm, ``p.data = x``;
+        ``p.data`` written in place only before the first step, as in Apex), as a fused
+        optimizer's do (NOTE: [Masters after a model reload]); after the backward: before the
+        script edits the masters (clipping, decay). A new memory layout is followed too."""
         follow_master_layouts(self.masters, self.model_params, self._optimizer_ref)
         for i, (p, master, seen) in enumerate(zip(self.model_params, self.masters, self._versions)):
-            if p._version != seen:
+            if written_since(p, seen):
                 master.copy_(weight_wins(master, p))
-                self._versions[i] = p._version
+                self._versions[i] = weight_stamp(p)
 
     def _settle(self) -> None:
         """A step (or its skip) or a load: what a model load gave is settled."""
@@ -387,16 +388,17 @@ def master_of_param(p: Tensor) -> Tensor | None:
 # where it rounds to it), unless the optimizer's own load_state_dict just restored the remainder
 # for the weight arriving now.
 # Outside amp no hook sees the model (a fused optimizer alone, with GradScaler, under FSDP2): the
-# optimizer notes each weight's version counter when its master last matched it, and a weight
-# written since (in-place loads; peak's kernels do not bump the counter) makes the master follow it
+# optimizer notes each weight's version counter and memory when its master last matched it, and a
+# weight written since (in-place loads; peak's kernels bump no counter) makes the master follow it
 # before the next step: an fp32 master takes the weight where it no longer rounds to it; a
 # remainder, which cannot tell, is cleared. Some writes change nothing (nn.Embedding's max_norm): a
 # weight written once is watched from then on by a checksum of its bits after each step, its
 # remainder cleared only when the bits changed. A checkpoint saves the masters as that step will
 # follow them (NOTE: [Masters saved after a write]). A loaded fp32 master follows a weight written
 # after the load (a model loaded after it brings weights it rounds to); a loaded remainder's version
-# is forgotten (its weight arrives with it, in either order). Writes through ``.data`` go unseen; a
-# step captured in a CUDA graph follows nothing (a replay would repeat it).
+# is forgotten (its weight arrives with it, in either order). ``p.data = x`` (new memory, torch's
+# prune.remove) is followed by an fp32 master (a remainder joins it); in-place writes to ``p.data``
+# go unseen; a step captured in a CUDA graph follows nothing (a replay would repeat it).
 _loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
 # id(parameter) -> (a weak reference to it, its version when its master last matched it,
 # the checksum of its bits after the last step if it is watched, else None)
@@ -466,7 +468,7 @@ def note_weight(p: Tensor, checksum: Tensor | None = None, version: int | None =
     key, entry = id(p), _weight_version.get(id(p))
     if entry is None or entry[0]() is not p:  # (a plain dict by id: a step reads it per param)
         entry = (weakref.ref(p, lambda _, key=key: _forget_id(key)),)
-    _weight_version[key] = (entry[0], p._version if version is None else version, checksum)
+    _weight_version[key] = (entry[0], weight_stamp(p) if version is None else UNSEEN, checksum)
 
 
 def note_master_made(p: Tensor, state: dict) -> None:
@@ -495,10 +497,6 @@ def weight_wins(master: Tensor, p: Tensor) -> Tensor:
     return torch.where(_rounds(master, p), master, p.detach().to(torch.float32))
 
 
-def _checksum(p: Tensor) -> Tensor:
-    return local_shard(p).detach().view(torch.int16).sum(dtype=torch.int64)
-
-
 def follow_weight(p: Tensor, state: dict) -> None:
     """Before p is stepped: its master follows a weight written since the last step (NOTE:
     [Masters after a model reload]); no host sync."""
@@ -507,7 +505,7 @@ def follow_weight(p: Tensor, state: dict) -> None:
     split = _split_on_arrival.pop(p, None) if _split_on_arrival.data else None
     if entry is None or entry[0]() is not p:  # first seen: the weight is where the master is
         return note_weight(p)
-    if entry[1] == p._version:
+    if not written_since(p, entry[1], MASTER_KEY in state):  # (a remainder joins any weight)
         return None
     if not (p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat)
         with torch.no_grad():
@@ -524,7 +522,8 @@ def follow_weight(p: Tensor, state: dict) -> None:
 def follow_write(p: Tensor, state: dict, entry: tuple) -> None:
     """p's master (or remainder) in ``state`` follows a weight written since ``entry``'s step."""
     if REMAINDER_KEY in state:  # (each rank: its shard's bits; kept if watched and unchanged)
-        local_shard(state[REMAINDER_KEY]).mul_(entry[2] is not None and _checksum(p) == entry[2])
+        same = entry[2] is not None and weight_checksum(p) == entry[2]
+        local_shard(state[REMAINDER_KEY]).mul_(same)
         _watched.add(id(p))
     elif MASTER_KEY in state:
         state[MASTER_KEY].copy_(weight_wins(state[MASTER_KEY], p))
@@ -535,7 +534,8 @@ def as_followed(p: Tensor, state: dict) -> dict:
     step as that step will: what reads between steps give (a save, ``master_of``, the exports).
     The live state waits for the step, so a read changes no training."""
     entry, key = _weight_version.get(id(p)), REMAINDER_KEY if REMAINDER_KEY in state else MASTER_KEY
-    if key not in state or entry is None or entry[0]() is not p or entry[1] == p._version:
+    if (key not in state or entry is None or entry[0]() is not p
+            or not written_since(p, entry[1], key == MASTER_KEY)):
         return state
     state = {**state, key: state[key].clone()}
     with torch.no_grad():
@@ -552,7 +552,7 @@ def settle_loads(optimizer, params=None) -> None:
     for p in params or [p for group in optimizer.param_groups for p in group["params"]]:
         entry, state = _weight_version.get(id(p)), optimizer.state.get(p)
         if ((p in _join_on_arrival or p in _split_on_arrival) and entry is not None and state
-                and entry[0]() is p and entry[1] != p._version):
+                and entry[0]() is p and written_since(p, entry[1])):
             follow_weight(p, state)
 
 
@@ -561,7 +561,7 @@ def note_stepped(params: list[Tensor]) -> None:
     if _watched:
         for p in params:
             if id(p) in _watched:
-                note_weight(p, _checksum(p))
+                note_weight(p, weight_checksum(p))
 
 
 def weights_settled() -> None:
