@@ -504,6 +504,41 @@ def test_parameter_frozen_at_initialize_then_unfrozen_is_stepped_through_a_maste
     assert all(m.dtype == torch.float32 for m in amp.master_params(opt))  # (none left fp16)
 
 
+@pytest.mark.parametrize("how", ["Adagrad", "fp32-checkpoint"])
+def test_state_of_a_parameter_frozen_at_initialize_is_fp32_on_its_master(how):
+    """initialize (as Apex) or a load casts a frozen weight's state to its dtype: unfrozen, its
+    master steps with that state widened to fp32, as every master's (Adagrad makes its state in
+    its constructor: the bf16 sum was silently stepped; a loaded fp32 checkpoint's bf16 Adam
+    moments made the step raise)."""
+    def build():
+        model = H.make_cnn(0)
+        model[0].bias.requires_grad_(False)
+        if how == "Adagrad":
+            opt = torch.optim.Adagrad(model.parameters(), lr=0.05, initial_accumulator_value=0.1)
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return model, opt
+
+    model, opt = build()
+    if how == "fp32-checkpoint":  # (a plain fp32 run's checkpoint, the bias trained there)
+        fp32_model, fp32_opt = H.make_cnn(0), None
+        fp32_opt = torch.optim.Adam(fp32_model.parameters(), lr=1e-2)
+        x, y = H.batch(0, n=8, shape=(3, 6, 6))
+        nn.functional.cross_entropy(fp32_model(x), y).backward()
+        fp32_opt.step()
+    amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
+    if how == "fp32-checkpoint":
+        model.load_state_dict(fp32_model.state_dict())
+        opt.load_state_dict(fp32_opt.state_dict())
+    _step(model, opt, 0)
+    model[0].bias.requires_grad_(True)
+    _step(model, opt, 1)
+    for master in amp.master_params(opt):
+        for value in opt.state[master].values():
+            assert not value.is_floating_point() or value.dtype == torch.float32
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 @pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.SGD])
 def test_zero_grad_keeping_tensors_steps_unused_parameters_as_torch(opt_cls):
     """zero_grad(set_to_none=False): a parameter without a gradient in a step keeps a zero one,

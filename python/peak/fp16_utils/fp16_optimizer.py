@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from ..optimizers.masters import (LOW_DTYPES, MasterWeights, check_one_master_each, own_grad,
-                                  unscaled_sparse, zero_in_place)
+                                  state_for_master, unscaled_sparse, zero_in_place)
 from ..scaling import LossScale, core_attribute
 from .fp16util import clip_grad_norm
 
@@ -118,9 +118,7 @@ class FP16_Optimizer:
         if kind == "master":
             params[i] = master = self._store.add(p)
             if p in self.optimizer.state:  # (fp16 moments, e.g. loaded into the fp16 weight)
-                self.optimizer.state[master] = {
-                    key: v.float() if isinstance(v, torch.Tensor) and v.dtype in LOW_DTYPES else v
-                    for key, v in self.optimizer.state.pop(p).items()}
+                self.optimizer.state[master] = state_for_master(self.optimizer.state.pop(p))
             self.fp16_groups[g].insert(k, p)
             self.fp32_from_fp16_groups[g].insert(k, master)
         else:

@@ -16,6 +16,14 @@ def weight_stamp(p: Tensor) -> tuple:
     return p._version, local_shard(p).data_ptr(), p.dtype
 
 
+def state_for_master(state: dict) -> dict:
+    """A low-precision parameter's torch-optimizer state, for its fp32 master: fp16/bf16 tensors
+    widened (``initialize`` or a load cast it to the parameter's dtype, as Apex does)."""
+    return {key: value.float() if isinstance(value, Tensor)
+            and value.dtype in (torch.float16, torch.bfloat16) else value
+            for key, value in state.items()}
+
+
 def weight_checksum(p: Tensor) -> Tensor:
     """Of p's bits (a write that changes nothing, nn.Embedding's max_norm, keeps it)."""
     return local_shard(p).detach().view(torch.int16).sum(dtype=torch.int64)

@@ -15,8 +15,8 @@ from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
     wrapper_chain)
-from ._memory_layout import (UNSEEN, follow_master_layouts, weight_checksum, weight_stamp,
-                             written_since)
+from ._memory_layout import (UNSEEN, follow_master_layouts, state_for_master, weight_checksum,
+                             weight_stamp, written_since)
 from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
                      eager_no_grad, zero_in_place)  # (its front doors')
 from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
@@ -130,8 +130,8 @@ class MasterWeights:
                 master = self.add(p)
                 for group in optimizer.param_groups:
                     group["params"] = [master if q is p else q for q in group["params"]]
-                if p in optimizer.state:
-                    optimizer.state[master] = optimizer.state.pop(p)
+                if p in optimizer.state:  # (Adagrad's from its constructor, a load's)
+                    optimizer.state[master] = state_for_master(optimizer.state.pop(p))
             else:
                 self.own_params.append(p)
                 if self._grad_stash is not None:
