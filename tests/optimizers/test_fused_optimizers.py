@@ -961,3 +961,34 @@ def test_a_checkpoint_through_a_low_precision_torch_optimizer_loads_back(family,
         assert torch.equal(back_opt.master_of(p), q.detach().float())
         moment = "momentum_buffer" if family == "sgd" else "exp_avg"
         assert torch.equal(back_opt.state[p][moment], via_opt.state[q][moment].float())
+
+
+def test_a_group_option_the_step_would_ignore_is_refused_before_anything_steps():
+    """torch's options set on a group by hand (or through add_param_group): FusedAdagrad has no
+    maximize (it would descend where torch's ascends), FusedAdam reads adam_w_mode, not torch's
+    decoupled_weight_decay; refused before any group steps, so nothing changes."""
+    from peak.optimizers import FusedAdagrad
+
+    for make, key, value in ((FusedAdagrad, "maximize", True),
+                             (FusedAdam, "decoupled_weight_decay", True)):
+        torch.manual_seed(0)
+        first, second = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+        opt = make([first], lr=0.1, weight_decay=0.1)
+        opt.add_param_group({"params": [second], key: value})
+        first.grad, second.grad = torch.ones(4), torch.ones(4)
+        before = [first.detach().clone(), second.detach().clone()]
+        with pytest.raises(ValueError, match=key):
+            opt.step()
+        assert torch.equal(first, before[0]) and torch.equal(second, before[1])
+        assert not opt.state
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4))
+    ref_weight = torch.nn.Parameter(weight.detach().clone())
+    opt = FusedAdam([weight], lr=0.1, weight_decay=0.1)
+    opt.param_groups[0].update(decoupled_weight_decay=True, adam_w_mode=True)  # (both alike)
+    ref = torch.optim.AdamW([ref_weight], lr=0.1, weight_decay=0.1)
+    for w in (weight, ref_weight):
+        w.grad = torch.linspace(-1, 1, 4)
+    opt.step()
+    ref.step()
+    torch.testing.assert_close(weight, ref_weight, rtol=1e-6, atol=1e-7)

@@ -22,6 +22,15 @@ def check_steppable(optimizer) -> None:
     and a retry would step them twice): what the kernels cannot step is refused here."""
     name, sums = type(optimizer).__name__, optimizer.__dict__.get("_fp32_grad_sums") or {}
     for group in optimizer.param_groups:  # (per parameter only what is cheap: this runs per step)
+        if group.get("maximize") and "maximize" not in optimizer.defaults:  # (set by hand)
+            raise ValueError(f"{name} does not take maximize=True (a param group has it; the "
+                             "constructor has no such option): it would minimize; remove it, "
+                             "negate the loss, or use the torch optimizer")
+        if group.get("decoupled_weight_decay", group.get("adam_w_mode")) != group.get(
+                "adam_w_mode", group.get("decoupled_weight_decay")):  # (torch's name, by hand)
+            raise ValueError(f"{name}: a param group has decoupled_weight_decay="
+                             f"{group['decoupled_weight_decay']} but adam_w_mode="
+                             f"{group['adam_w_mode']} (torch's name and peak's): set both alike")
         remainders = group.get("store_param_remainders", False)
         rounding = group.get("stochastic_rounding", False)
         for p in group["params"]:
