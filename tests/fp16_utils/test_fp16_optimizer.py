@@ -1,5 +1,6 @@
 """peak.fp16_utils.FP16_Optimizer (Apex's deprecated wrapper)."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -741,3 +742,28 @@ def test_apex_flat_views_and_clip_grad_norm_attribute():
     torch.testing.assert_close(float(norm), expected.item(), rtol=1e-6, atol=0)
     clipped = torch.cat([p.grad.double().flatten() for p in fp32]).norm()
     torch.testing.assert_close(clipped.item(), 1e-3, rtol=1e-4, atol=0)
+
+
+def test_a_group_added_to_the_wrapped_optimizer_repeating_a_weight_is_refused():
+    """The wrapped optimizer's groups hold masters, so torch's own duplicate check cannot see an
+    fp16 weight given again in a group added to it: two masters would step one weight (the
+    model taking the last copied). Refused, with the weight, its master and the state as before."""
+    w = torch.nn.Parameter(torch.ones(4).half())
+    inner = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opt = FP16_Optimizer(inner, static_loss_scale=1.0, verbose=False)
+    opt.zero_grad()
+    opt.backward(w.float().sum())
+    opt.step()
+    inner.add_param_group({"params": [w], "lr": 0.5})
+    before = (w.detach().clone(), [m.detach().clone() for m in opt.all_fp32_from_fp16_params],
+              copy.deepcopy(inner.state_dict()["state"]))
+    with pytest.raises(ValueError, match="held more than once"):
+        opt.zero_grad()
+        opt.backward(w.float().sum())
+        opt.step()
+    assert torch.equal(w, before[0])
+    assert all(torch.equal(m, b) for m, b in zip(opt.all_fp32_from_fp16_params, before[1]))
+    assert all(torch.equal(inner.state_dict()["state"][k]["momentum_buffer"], v["momentum_buffer"])
+               for k, v in before[2].items())

@@ -111,6 +111,9 @@ class FP16_Optimizer:
         if p.dtype not in LOW_DTYPES and p.dtype != torch.float32:
             raise TypeError(f"FP16_Optimizer wraps float16, bfloat16 and float32 parameters; got "
                             f"a {p.dtype} parameter (param_groups[{g}][{i}])")
+        if kind == "master" and self._store.holds(p):  # (a group added to the wrapped optimizer)
+            check_one_master_each([("FP16_Optimizer", [p]), ("a group added since", [p])],
+                                  f"param_groups[{g}] of the wrapped optimizer")
         k = sum(entry[0] == kind for entry in layout[:i])
         for entry in layout[i + 1:]:
             entry[1] += entry[0] == kind
