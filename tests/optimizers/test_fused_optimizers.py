@@ -992,3 +992,44 @@ def test_a_group_option_the_step_would_ignore_is_refused_before_anything_steps()
     opt.step()
     ref.step()
     torch.testing.assert_close(weight, ref_weight, rtol=1e-6, atol=1e-7)
+
+
+def test_torchs_adam_key_on_a_lamb_group_is_not_refused():
+    """FusedLAMB's adam_w_mode is its own (LAMB's decay mode), not torch Adam's switch: a group
+    that went through torch's Adam (which adds decoupled_weight_decay) still steps."""
+    weight = torch.nn.Parameter(torch.randn(4))
+    lamb = FusedLAMB([weight], lr=0.1, weight_decay=0.01)
+    torch_adam = torch.optim.Adam([weight], lr=0.1)
+    torch_adam.load_state_dict(lamb.state_dict())
+    lamb.load_state_dict(torch_adam.state_dict())
+    assert lamb.param_groups[0]["decoupled_weight_decay"] is False
+    before = weight.detach().clone()
+    weight.grad = torch.ones(4)
+    lamb.step()
+    assert not torch.equal(weight, before)
+
+
+def test_a_remainder_is_kept_through_a_masterless_load_after_new_memory_of_the_same_values():
+    """``p.data = p.data.clone()`` (new memory, the same bits) then an optimizer checkpoint
+    without masters (torch's): the remainders kept stand for the same masters, bit for bit."""
+    from peak.optimizers.masters import masters_by_param
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).bfloat16()
+    opt = FusedAdam(model.parameters(), lr=1e-3, store_param_remainders=True)
+    x = torch.randn(4, 8).bfloat16()
+    for _ in range(3):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    for state in saved["state"].values():
+        state.pop("master_param", None)
+        state.pop("master_param_remainder", None)
+    masters = {k: v.clone() for k, v in masters_by_param(opt).items()}
+    for p in model.parameters():
+        p.data = p.data.clone()
+    opt.load_state_dict(saved)
+    after = masters_by_param(opt)
+    for key, master in masters.items():
+        assert torch.equal(after[key].reshape(master.shape), master)

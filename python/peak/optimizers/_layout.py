@@ -26,11 +26,10 @@ def check_steppable(optimizer) -> None:
             raise ValueError(f"{name} does not take maximize=True (a param group has it; the "
                              "constructor has no such option): it would minimize; remove it, "
                              "negate the loss, or use the torch optimizer")
-        if group.get("decoupled_weight_decay", group.get("adam_w_mode")) != group.get(
-                "adam_w_mode", group.get("decoupled_weight_decay")):  # (torch's name, by hand)
-            raise ValueError(f"{name}: a param group has decoupled_weight_decay="
-                             f"{group['decoupled_weight_decay']} but adam_w_mode="
-                             f"{group['adam_w_mode']} (torch's name and peak's): set both alike")
+        for torch_key, key in getattr(optimizer, "_torch_synonyms", {}).items():  # (by hand)
+            if torch_key in group and bool(group[torch_key]) != bool(group[key]):
+                raise ValueError(f"{name}: a param group has {torch_key}={group[torch_key]} but "
+                                 f"{key}={group[key]} (torch's name and peak's): set both alike")
         remainders = group.get("store_param_remainders", False)
         rounding = group.get("stochastic_rounding", False)
         for p in group["params"]:

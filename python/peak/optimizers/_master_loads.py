@@ -97,7 +97,8 @@ def masters_before_load(optimizer) -> dict:
         if t is None or t.shape != p.shape or t.device != p.device or is_sharded(p):
             continue
         if t.dtype == torch.float32 or (p.dtype == torch.bfloat16 and (
-                entry is None or entry[0]() is not p or not written_since(p, entry[1]))):
+                entry is None or entry[0]() is not p
+                or not written_since(p, entry[1], storage=False))):  # (a remainder joins any)
             kept[p] = t
     return kept
 

@@ -12,8 +12,9 @@ UNSEEN = (-1, 0, None)  # a weight_stamp no weight has: compared element by elem
 
 
 def weight_stamp(p: Tensor) -> tuple:
-    """What tells whether p was written since: its version counter, its memory, its dtype."""
-    return p._version, local_shard(p).data_ptr(), p.dtype
+    """What tells whether p was written since: its version counter, its memory (a DTensor's is 0:
+    only its version), its dtype. Read per parameter at each step: nothing more."""
+    return p._version, p.data_ptr(), p.dtype
 
 
 def state_for_master(state: dict) -> dict:
@@ -34,8 +35,7 @@ def written_since(p: Tensor, seen: tuple, storage: bool = True) -> bool:
     ``storage``, new memory of the same dtype (``p.data = ...``, as torch's ``prune.remove`` and
     ``vector_to_parameters`` write; a new layout, ``model.to(device)``: element by element, the
     same values change nothing). A new dtype (``model.half()``) is not a write of values."""
-    return p._version != seen[0] or (storage and p.dtype == seen[2]
-                                     and local_shard(p).data_ptr() != seen[1])
+    return p._version != seen[0] or (storage and p.data_ptr() != seen[1] and p.dtype == seen[2])
 
 
 def dense(t: Tensor) -> bool:

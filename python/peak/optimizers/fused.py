@@ -133,6 +133,9 @@ class FusedAdam(FusedOptimizer):
     def _state_keys_for(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
 
+    # torch.optim.Adam's name of an option of ours, which the step refuses to see disagree
+    _torch_synonyms = {"decoupled_weight_decay": "adam_w_mode"}
+
     def _translate_torch_group(self, group):
         # torch.optim.Adam/AdamW name decoupled weight decay 'decoupled_weight_decay' (AdamW:
         # always True): a torch AdamW checkpoint must keep stepping as AdamW here.
