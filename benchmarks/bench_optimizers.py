@@ -114,16 +114,19 @@ def amp_o2_step(fp32, grads32, low, dev):
         opt_level="O2", low_precision_dtype=low, verbosity=0)
     amp_scale = amp._amp_state.loss_scalers[0].loss_scale()
     amp_grads = [(gr * amp_scale).to(low) for gr in grads32]
-    for p, gr in zip(amp_model.parameters(), amp_grads):
-        p.grad = gr.clone()
+    params = list(amp_model.parameters())
     amp_loss = torch.zeros((), device=dev, requires_grad=True)
+    fresh: list = []
+
+    def setup():  # (a scale_loss block takes gradients written before it as a plain backward's)
+        fresh[:] = [g.clone() for g in amp_grads]
 
     def amp_step():
         with amp.scale_loss(amp_loss, amp_opt):
-            pass  # no backward: the gradients put back by the setup stand for its output
+            for p, g in zip(params, fresh):  # no backward: the gradients it would have written
+                p.grad = g
         amp_opt.step()
-    return (lambda: torch._foreach_copy_([p.grad for p in amp_model.parameters()], amp_grads),
-            amp_step)
+    return setup, amp_step
 
 
 def run(args, threads):

@@ -992,3 +992,46 @@ def test_zero_grad_keeping_tensors_zeroes_gradients_that_are_views():
         offset += p.numel()
     opt.zero_grad(set_to_none=False)
     assert all(p.grad._base is bucket for p in views) and not bucket.any()
+
+
+@pytest.mark.parametrize("low, loss_scale", [(torch.float16, None), (torch.float16, 128.0),
+                                             (torch.bfloat16, None)])
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-sgd", "fused-sgd"])
+def test_gradients_of_a_backward_outside_scale_loss_are_added_as_torch_adds_them(
+        low, loss_scale, fused):
+    """An input-saliency backward between zero_grad() and the next scale_loss block leaves
+    unscaled gradients on the model: the step adds them to the block's, as torch and O1 do. Under
+    O2 the torch optimizer's store dropped those of the fp16/bf16 weights and a fused optimizer
+    divided them by the loss scale. (A fused optimizer adds them at the loss scale: where they
+    overflow fp16 there, the step is skipped, as any overflowing step.)"""
+    from peak.optimizers import FusedSGD
+    lr = 0.25
+
+    def run(leftover):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = (FusedSGD if fused else torch.optim.SGD)(model.parameters(), lr=lr)
+        kw = {} if loss_scale is None else {"loss_scale": loss_scale}
+        model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=low,
+                                    verbosity=0, **kw)
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(16, 8, generator=g) for _ in range(2)]
+        for i, x in enumerate(xs):
+            if i == 1 and leftover:  # evaluation: a saliency map, outside scale_loss
+                saliency = model(torch.randn(4, 8, generator=g).requires_grad_()).float().sum()
+                (saliency * 1e-2).backward()  # (at the loss scale 65536 still finite in fp16)
+                left = [p.grad.float() for p in model.parameters()]
+            before = [m.detach().clone() for m in amp.master_params(opt)]
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+        moved = [b - m.detach() for b, m in zip(before, amp.master_params(opt))]
+        return moved, left if leftover else None
+
+    without, _ = run(False)
+    with_left, left = run(True)
+    for d0, d1, g in zip(without, with_left, left):
+        expected = d0 + lr * g  # the step's own update plus the leftover's
+        tol = 4 * torch.finfo(low).eps * (d0.abs() + lr * g.abs()).max()
+        torch.testing.assert_close(d1, expected, rtol=0, atol=float(tol))

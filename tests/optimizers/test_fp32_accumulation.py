@@ -91,6 +91,32 @@ def test_fp32_accumulation_refuses_loss_scaling():
     assert_bitwise_equal(p.grad, grads[0])  # ...and steps
 
 
+
+def test_amp_o2_bf16_scale_loss_blocks_then_accumulate_grads_step_the_fp32_sum():
+    """docs/advanced.md's recipe: amp O2 in bf16 over a fused optimizer, accumulate_grads() after
+    each micro-batch's scale_loss block: the masters step the fp32 sum of the micro-batches' bf16
+    gradients, not autograd's bf16 running sum."""
+    from peak import amp
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = FusedSGD(model.parameters(), lr=0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                verbosity=0)
+    params = list(model.parameters())
+    before = [opt.master_of(p).clone() for p in params]
+    sums = [torch.zeros(p.shape, dtype=torch.float32) for p in params]
+    for _ in range(MICRO):
+        x, y = torch.randn(4, 32) + 0.5, torch.randn(4, 8)
+        with amp.scale_loss((model(x).float() - y).pow(2).mean() / MICRO, opt) as scaled:
+            scaled.backward()
+        for total, p in zip(sums, params):
+            total += p.grad.float()  # (what the block left: this micro-batch's bf16 gradient)
+        opt.accumulate_grads()
+    opt.step()
+    for p, b, total in zip(params, before, sums):
+        assert_bitwise_equal(opt.master_of(p), b - 0.5 * total)
+        assert_bitwise_equal(p.detach(), opt.master_of(p).to(torch.bfloat16))
+
 def test_zero_grad_drops_the_sums():
     """A discarded micro-batch does not leak into the next step: zero_grad() drops the sums."""
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))

@@ -303,6 +303,23 @@ def checkpoint_8bit_cast_by_a_loader():
     opt.load_state_dict(template)
 
 
+
+def fused_complex_or_fp64_param():
+    p = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+    opt = FusedAdam([p], lr=0.1)
+    p.grad = torch.randn_like(p)
+    opt.step()
+
+
+def amp_complex_grad():
+    model = _model()
+    model.register_parameter("c", nn.Parameter(torch.randn(2, dtype=torch.complex64)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", low_precision_dtype=torch.bfloat16,
+                                verbosity=0)
+    with amp.scale_loss((_loss(model) * model.c.abs().sum()), opt) as scaled:
+        scaled.backward()
+
 def amp_load_over_static_scale():
     amp.initialize(_model(), opt_level="O1", loss_scale=128.0, verbosity=0)
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}})

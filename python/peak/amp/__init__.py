@@ -7,17 +7,14 @@ The Apex dialect (a drop-in for ``from apex import amp``)::
         scaled_loss.backward()
     optimizer.step()
 
-See docs/amp_api.md for the design (master weights, bf16, checkpoints).
-"""
+See docs/amp_api.md (the design), docs/caster.md (O1), docs/torch_dialect.md (torch's dialect)."""
 
 from ._amp_state import _amp_state, master_params
 from .frontend import Properties, init, initialize, load_state_dict, opt_levels, state_dict
 from .handle import AmpHandle, LossScaler, NoOpHandle, disable_casts, scale_loss
-# O1 caster (issue 4): run-time list edits and user functions, see docs/caster.md
 from . import lists
 from .lists import (float_function, half_function, promote_function, register_float_function,
                     register_half_function, register_promote_function)
-# torch.amp dialect (issue 5): see docs/torch_dialect.md
 from .autocast_mode import autocast, custom_bwd, custom_fwd
 from torch.amp import is_autocast_available  # torch.amp's, so `import peak.amp as amp` has it too
 from .grad_scaler import GradScaler, OptState, OverflowReport

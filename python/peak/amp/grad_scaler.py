@@ -404,10 +404,9 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         if missing:
             raise KeyError(f"GradScaler.load_state_dict: the state dict lacks {missing}; pass a "
                            f"dict returned by GradScaler.state_dict() (peak's or torch's)")
-        # Checked as the constructor checks its arguments, before anything changes: a damaged
-        # state would silently misdrive the scale (a min_scale above it raises it at a backoff).
-        # A state without bounds (torch's) is not held to this scaler's own: they apply from its
-        # next update.
+        # Checked as the constructor checks its arguments, before anything changes: a damaged state
+        # would silently misdrive the scale (a min_scale above it raises it at a backoff). A state
+        # without bounds (torch's) gets this scaler's bounds from its next update.
         try:
             o = check_options(dict(
                 init_scale=state_dict["scale"], growth_factor=state_dict["growth_factor"],

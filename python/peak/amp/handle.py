@@ -247,8 +247,7 @@ def _scale_loss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check):
     for stash in stashes:  # gradients a delayed exit left scaled by another loss's scaler
         stash.follow_scaler(scaler)
     if not _amp_state.opt_properties.master_weights and scaler.is_static_one():
-        # Nothing to scale or unscale and no master gradients to fill: the fp32 path. The update
-        # is still counted (``unskipped`` in amp.state_dict()), as at every other opt_level.
+        # The fp32 path (nothing to scale, no masters); its update still counts (``unskipped``).
         yield loss.float()
         if not delay_unscale and not delay_overflow_check:
             scaler.update()
