@@ -118,7 +118,7 @@ def amp_o2_step(fp32, grads32, low, dev):
     amp_loss = torch.zeros((), device=dev, requires_grad=True)
     fresh: list = []
 
-    def setup():  # (a scale_loss block takes gradients written before it as a plain backward's)
+    def setup():  # (fresh gradients each step: the fp16 step stores them unscaled)
         fresh[:] = [g.clone() for g in amp_grads]
 
     def amp_step():

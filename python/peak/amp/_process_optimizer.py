@@ -13,7 +13,7 @@ import torch
 from peak import ops
 from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, drop_left_grads, grad_versions,
                                     grads_left, own_grad, register_owner, stepped_elsewhere,
-                                    warn_bare_masters, warn_changed_grads, written_grads)
+                                    warn_bare_masters, warn_changed_grads)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -39,7 +39,7 @@ class AmpOptimizerState:
                             and not isinstance(optimizer, torch.optim.LBFGS))
         self.sharded = any(getattr(p, "device_mesh", None) is not None  # FSDP2's DTensors
                            for group in optimizer.param_groups for p in group["params"])
-        self.found_inf, self.left, self.zeroed = None, [], []  # step()'s flag; grads_left's two
+        self.found_inf, self.left = None, []  # the next step()'s flag; the last step's grads
         self.pending_skip = None  # host skip: (loss_id, scaler) of an overflow
         self.in_flight: list = []  # device skip: (step, loss_id, host [flag, new scale], event)
         self.first_skip: dict = {}  # step -> [loss_id, scale] of its first overflow, or None
@@ -142,7 +142,6 @@ class ScaledGradsState(AmpOptimizerState):
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
         self.drop_pending()  # (the optimizer's zero_grad dropped the masters' gradients)
-        self.zeroed = grads_left(self.params)
 
     def prepare_backward(self, scaler) -> None:
         """Set aside the gradients an earlier pass left (they carry its scale and may hold an
@@ -156,14 +155,10 @@ class ScaledGradsState(AmpOptimizerState):
                 "has used them since. Read amp.master_params once per step, after the last "
                 "scale_loss block of the step (gradient accumulation: after the last micro-batch).")
         drop_left_grads(self.left)  # (a skipped step's inf would be charged again)
-        scale = self.grad_scale  # (None: a backward outside scale_loss's, added as torch adds)
-        params = ([p for p in self.params if p.grad is not None] if scale is not None
-                  else [] if self.params_have_scaled_gradients  # (delay_unscale's: they stay)
-                  else written_grads(self.params, self.zeroed))
-        if not params:
+        params = [p for p in self.params if p.grad is not None]
+        if self.grad_scale is None or not params:
             return
-        self.set_aside = (params, [own_grad(p.grad) for p in params],
-                          torch.ones_like(scaler.scale) if scale is None else scale)
+        self.set_aside = (params, [own_grad(p.grad) for p in params], self.grad_scale)
         for p in params:
             p.grad = None
         self.grad_scale = self.grad_norm = None

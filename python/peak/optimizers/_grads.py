@@ -30,23 +30,6 @@ def drop_left_grads(left: list) -> None:
             p.grad = None
 
 
-def written_grads(params, known: list) -> list:
-    """Each of ``params`` whose gradient is not one ``known`` (``grads_left``) holds, as it was
-    then: written since (a backward outside ``scale_loss``: unscaled). Not views (DDP's bucket
-    views): DDP writes and re-seats them itself, so a change is not the script's."""
-    same = {id(p) for p, ref, version in known
-            if p.grad is not None and p.grad is ref() and p.grad._version == version}
-    return [p for p in params if p.grad is not None and p.grad._base is None and id(p) not in same]
-
-
-def add_written_grads(params, masters, known: list) -> None:
-    """Into each master's gradient, its parameter's gradient where ``written_grads``: unscaled."""
-    written = set(map(id, written_grads(params, known)))
-    for p, m in zip(params, masters):
-        if id(p) in written:
-            m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
-
-
 def own_grad(grad: Tensor | None) -> Tensor | None:
     """A gradient set aside while a backward pass runs: a copy where it is a view into a larger
     buffer (DistributedDataParallel(gradient_as_bucket_view=True): the pass writes the bucket)."""

@@ -17,8 +17,8 @@ from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     wrapper_chain)
 from ._memory_layout import (UNSEEN, follow_master_layouts, state_for_master, weight_checksum,
                              weight_stamp, written_since)
-from ._grads import (add_written_grads, drop_left_grads, grads_left, own_grad,  # noqa: F401
-                     unscaled_sparse, eager_no_grad, written_grads, zero_in_place)  # (front doors')
+from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
+                     eager_no_grad, zero_in_place)  # (its front doors')
 from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
@@ -83,18 +83,21 @@ class MasterWeights:
     ``add`` makes a master and returns what the param group holds instead of the parameter;
     ``copy_to_model`` rounds every master into its parameter; ``attach(optimizer)`` makes the
     optimizer's ``state_dict()`` carry the masters (``state[i]["master_param"]``) and its
-    ``load_state_dict`` restore them bit for bit (the earlier ``"amp_master_params"`` too)."""
+    ``load_state_dict`` restore them bit for bit (the earlier ``"amp_master_params"`` layout too).
+    """
 
     def __init__(self) -> None:
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
         self.own_params: list[Tensor] = []  # stepped as they are, gradients unscaled in place
-        self.frozen: list[Tensor] = []  # (left in their group: registered when first given a grad)
+        # Frozen at registration, left in their group as they are: registered when a backward
+        # pass first gives one a gradient (unfrozen later).
+        self.frozen: list[Tensor] = []
         self._optimizer_ref = None  # (a weak reference, from attach: whose groups hold them)
         self.had_grads: list = []  # the layout of each master's gradient at its step, or None
         self.took_grads = False  # a backward pass of this step went through take_grads
-        self._grad_stash = self._had_grad = None  # (set_grads_aside's: own grads, which had one)
-        self._taken: list = []  # (grads_left: the model's gradients the masters hold, or zeros)
+        self._grad_stash: list | None = None
+        self._had_grad: list | None = None  # (set_grads_aside: which weights had a gradient)
         self._loaded: dict | None = None
         self._versions: list[tuple] = []  # the weights' stamps at the last copy-back
 
@@ -205,7 +208,6 @@ class MasterWeights:
         had one (zeroed by the script: a step's went before) keeps its master stepped on a zero
         gradient if the pass does not reach it, as torch steps a zeroed gradient (and Apex)."""
         self._had_grad = [p.grad is not None for p in self.model_params]
-        add_written_grads(self.model_params, self.masters, self._taken)  # (as torch adds them)
         self._grad_stash = [own_grad(p.grad) for p in self.own_params]
         for p in self.model_params + self.own_params:
             p.grad = None
@@ -258,7 +260,6 @@ class MasterWeights:
                 m.grad = torch.zeros_like(m)
         self._grad_stash = self._had_grad = None
         self.took_grads |= bool(rows) or sparse
-        self._taken = grads_left(self.model_params)
         return bool(rows) or sparse
 
     def zero_grad(self, set_to_none: bool) -> None:
@@ -276,7 +277,6 @@ class MasterWeights:
                     m.grad = torch.zeros_like(m, layout=had)
         self._grad_stash = None
         self.took_grads = False
-        self._taken = grads_left(self.model_params)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def attach(self, optimizer, hooks: bool = True) -> None:
