@@ -91,7 +91,6 @@ def test_fp32_accumulation_refuses_loss_scaling():
     assert_bitwise_equal(p.grad, grads[0])  # ...and steps
 
 
-
 def test_amp_o2_bf16_scale_loss_blocks_then_accumulate_grads_step_the_fp32_sum():
     """docs/advanced.md's recipe: amp O2 in bf16 over a fused optimizer, accumulate_grads() after
     each micro-batch's scale_loss block: the masters step the fp32 sum of the micro-batches' bf16
@@ -116,6 +115,7 @@ def test_amp_o2_bf16_scale_loss_blocks_then_accumulate_grads_step_the_fp32_sum()
     for p, b, total in zip(params, before, sums):
         assert_bitwise_equal(opt.master_of(p), b - 0.5 * total)
         assert_bitwise_equal(p.detach(), opt.master_of(p).to(torch.bfloat16))
+
 
 def test_zero_grad_drops_the_sums():
     """A discarded micro-batch does not leak into the next step: zero_grad() drops the sums."""

@@ -303,7 +303,6 @@ def checkpoint_8bit_cast_by_a_loader():
     opt.load_state_dict(template)
 
 
-
 def fused_complex_or_fp64_param():
     p = nn.Parameter(torch.randn(4, dtype=torch.complex64))
     opt = FusedAdam([p], lr=0.1)
