@@ -95,7 +95,8 @@ $(CUDA_VENV)/.ready: Makefile
 	touch $@
 
 cuda-build: $(CUDA_VENV)/.ready
-	PEAK_CUDA=ON $(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . -C build-dir=build/cuda $(TWINS)
+	PEAK_CUDA=ON $(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . -C build-dir=build/cuda $(TWINS) \
+	  -C cmake.define.PEAK_CPU_ISA=native
 
 test-cuda-build: cuda-build
 	$(CUDA_VENV)/bin/python -m pytest $(TEST_SELECT) $(CUDA_BUILD_TESTS) $(PYTEST_ARGS)
@@ -105,7 +106,7 @@ soak: build
 	$(VENV)/bin/python -m pytest -m slow tests/reliability $(PYTEST_ARGS)
 
 # The C++ core built with AddressSanitizer + UBSan (PEAK_SANITIZE=ON, build/asan, its own venv;
-# the CPU kernels at -O3 as they ship, the rest at -O1), running the kernel and optimizer tests. torch is not instrumented, so the ASan runtime (and
+# the CPU kernels at -O3 as they ship, the rest at -O0; the native CPU level only), running the kernel and optimizer tests. torch is not instrumented, so the ASan runtime (and
 # libstdc++, whose exceptions it intercepts) are preloaded; leak checks are off (CPython's own).
 SAN_VENV   ?= .venv-asan
 SAN_TESTS  := tests/ops/test_multi_tensor_ops.py tests/ops/test_launch_plan.py tests/ops/test_ops_errors.py \
@@ -118,7 +119,8 @@ $(SAN_VENV)/.ready: Makefile
 	touch $@
 
 test-sanitize: $(SAN_VENV)/.ready
-	PEAK_SANITIZE=ON $(SAN_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . -C build-dir=build/asan $(TWINS)
+	PEAK_SANITIZE=ON $(SAN_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . -C build-dir=build/asan $(TWINS) \
+	  -C cmake.define.PEAK_CPU_ISA=native
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
 	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
 	$(SAN_VENV)/bin/python -m pytest -p no:cacheprovider $(SAN_TESTS) $(PYTEST_ARGS)
@@ -143,7 +145,9 @@ test-torch:
 	  -C build-dir=build/torch-$(TORCH)-py$(PYVER) $(TWINS) -C cmake.define.PEAK_CPU_ISA=native
 	$(TORCH_VENV)/bin/python -m pytest -q $(TEST_SELECT) $(TORCH_TESTS) $(PYTEST_ARGS)
 
-ci: test soak docs test-cuda-build test-sanitize
+# What CI runs: the steps above in two lanes side by side (NOTE: [CI lanes] in .ci/run).
+ci:
+	.ci/run
 
 clean:
 	rm -rf build
