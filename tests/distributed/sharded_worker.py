@@ -176,7 +176,23 @@ def worker(rank, world_size):
     results["plain_beside_shards"] = plain_beside_shards()
     results["rewritten_unchanged"] = rewritten_unchanged(rank)
     results["column_shards"] = column_shards_keep_bf16_moments()
+    results["moved"] = {name: moved_after_steps(rank, name) for name in MOVED}
     return results
+
+
+MOVED = ["adamw-fp32", "adam-bf16-masters", "adam-bf16-lean"]
+
+
+def moved_after_steps(rank, name, move=True):
+    """``module.to("cpu")`` between steps: a DTensor parameter is swapped in place
+    (torch.utils.swap_tensors), which refuses a tensor with a weak reference (NOTE: [No weak
+    references to parameters]); training goes on as without the move."""
+    module, opt = _module(rank, name)
+    _steps(module, opt, 0, 3)
+    if move:
+        module.to("cpu")
+    _steps(module, opt, 3, 5)
+    return _full_state(list(module.parameters()), opt)
 
 
 def norm_over_equal_meshes():

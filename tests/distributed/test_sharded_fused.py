@@ -90,6 +90,16 @@ def test_state_dict_round_trip_on_the_same_mesh(ranks):
         assert_bitwise_equal(resumed, uninterrupted)
 
 
+@pytest.mark.parametrize("name", W.MOVED)
+def test_a_sharded_model_moved_between_steps_trains_on_unchanged(ranks, name):
+    """FSDP2's ``model.to()`` swaps its DTensor parameters in place: the optimizer's bookkeeping
+    must hold no weak reference to them (swap_tensors refuses one), and the steps after the move
+    give the bits of steps without it."""
+    expected = W.moved_after_steps(None, name, move=False)
+    for r in ranks:
+        assert_bitwise_equal(r["moved"][name], expected, name)
+
+
 @pytest.mark.parametrize("name", W.RELOAD)
 def test_masters_follow_a_model_reloaded_without_its_optimizer_state(ranks, name):
     """Two Adam steps of lr 1e-2 from the loaded weights move each by about 2e-2; stale masters

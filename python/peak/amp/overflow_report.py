@@ -2,7 +2,6 @@
 ``step()``) and ``overflow_report()``. A mixin, its state on the scaler (pickled as one object)."""
 from __future__ import annotations
 
-import weakref
 from collections import abc
 from dataclasses import dataclass
 
@@ -39,7 +38,7 @@ class OverflowAttribution:
         self._skipped_steps_device: torch.Tensor | None = None
         self._iteration = 0
         self._report_enabled = False  # off until register_model
-        self._param_names: dict[int, tuple[weakref.ref, str]] = {}
+        self._param_names: dict[int, tuple[torch.Tensor, str]] = {}  # (held, not weakly)
         self._report_records: list = []
         self._report_records_iteration = -1
         self._last_report: OverflowReport | None = None
@@ -98,13 +97,13 @@ class OverflowAttribution:
                 raise TypeError(f"GradScaler.register_model: expected (name, parameter) pairs, got "
                                 f"{item!r:.80}")
             name, param = item
-            self._param_names[id(param)] = (weakref.ref(param), prefix + name)
+            self._param_names[id(param)] = (param, prefix + name)
         self._report_enabled = True
         return self
 
     def _param_name(self, optimizer, param, gi: int, pi: int) -> str:
         entry = self._param_names.get(id(param))
-        if entry is not None and entry[0]() is param:
+        if entry is not None and entry[0] is param:
             return entry[1]
         return (f"<{type(optimizer).__name__} param_groups[{gi}]['params'][{pi}], shape "
                 f"{tuple(param.shape)}>")

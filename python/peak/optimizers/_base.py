@@ -26,9 +26,9 @@ from ._sharded import (check_sharded_group, count_empty_steps, is_sharded, local
 from ._fp32_sums import accumulate_fp32, check_fp32_sums, take_fp32_sums
 from ._master_loads import (kept_master, load_master, masters_before_load, masters_loaded,
                             masters_to_save, take_fp32_masters)
-from .masters import (MASTER_KEY, REMAINDER_KEY, as_followed, copy_to_model, follow_weight,
-                      join_remainder, master_in_state, note_master_made, note_stepped, settle_loads,
-                      store_of, weights_settled)
+from . import _followed as watch  # (each weight's version: NOTE [Masters after a model reload])
+from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_remainder, master_in_state,
+                      store_of)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -199,12 +199,12 @@ class FusedOptimizer(torch.optim.Optimizer):
     def set_master(self, p: Tensor, master: Tensor) -> None:
         """Make the fp32 ``master`` p's master (amp O2: the weights from before its cast)."""
         master_in_state(self, p, self.state[p], original=master)
-        note_master_made(p, self.state[p])
+        watch.note_master_made(self, p, self.state[p])
 
     def master_of(self, p: Tensor) -> Tensor | None:
         """p's exact fp32 master (a remainder joined with its weight), or None."""
-        settle_loads(self, [p])
-        state = as_followed(p, self.state.get(p) or {})  # (a weight written since: followed)
+        watch.settle_loads(self, [p])
+        state = watch.as_followed(self, p, self.state.get(p) or {})  # (a write since: followed)
         if REMAINDER_KEY in state:
             return join_remainder(p.detach(), state[REMAINDER_KEY])
         return state.get(MASTER_KEY)
@@ -330,7 +330,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         follow_storage(self, changed)
         take_fp32_sums(self)
         take_fp32_masters(self)  # (loaded before the model's weights: NOTE in _master_loads.py)
-        weights_settled()
+        watch.weights_settled(self)
         check_steppable(self)
         sharded = any(is_sharded(p) for g in self.param_groups for p in g["params"])
         if sharded and found_inf is not None:  # one rank's inf skips every rank: the caller's
@@ -353,7 +353,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if state is None or not state.keys() >= (ready32 if p.dtype == torch.float32
                                                           else ready16):
                     state = self._init_state(p, group)
-                follow_weight(p, state)
+                watch.follow_weight(self, p, state)
                 if not sharded:
                     layouts.visit(p, state)
                 master = self._master_list_entry(state)
@@ -391,7 +391,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         for g0, g in zip(given, grads):
                             if g is not g0:  # a re-laid-out copy was stepped
                                 g0.copy_(g)
-                note_stepped(bucket)
+                watch.note_stepped(self, bucket)
         self._bucket_shards = None
         layouts.step_done()
         if stepped_master_grads:
@@ -484,7 +484,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """As torch's, with storage dtypes in param_groups by name ("bfloat16"), which every
         checkpointer takes (torch.distributed.checkpoint's gather does not take torch.dtype)."""
-        settle_loads(self)
+        watch.settle_loads(self)
         take_fp32_masters(self)
         sd = super().state_dict()
         masters_to_save(self, sd["state"])
@@ -503,7 +503,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """As torch's, except that fp32 state (moments, step counts, master weights) stays fp32
         and is copied bit for bit, and a torch.optim state dict of the same family loads too."""
         check_loadable(self, state_dict)  # a damaged checkpoint is refused before any change
-        settle_loads(self)  # (an earlier load's joins for weights that arrived since)
+        watch.settle_loads(self)  # (an earlier load's joins for weights that arrived since)
         saved_state = state_dict["state"]
         # amp O2 over this optimizer in a wrapper: its store's masters stand in the groups, and
         # the store's load hook takes their saved values

@@ -3,10 +3,11 @@ runs, zeroed in place as torch's ``zero_grad`` does, sparse ones unscaled into t
 dropped where a step left them."""
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..scaling import local_shard
 
 
 def eager_no_grad(func):
@@ -15,18 +16,28 @@ def eager_no_grad(func):
     return torch._disable_dynamo(torch.no_grad()(func))
 
 
+def _storage_of(grad: Tensor):
+    grad = local_shard(grad)
+    return (grad._values() if grad.is_sparse else grad).untyped_storage()
+
+
 def grads_left(params) -> list:
-    """After a step (or its skip) under amp O2: each gradient of ``params`` it leaves, weakly,
-    with its version counter (``drop_left_grads``)."""
-    return [(p, weakref.ref(p.grad), p.grad._version) for p in params if p.grad is not None]
+    """After a step (or its skip) under amp O2: each gradient of ``params`` it leaves, by a weak
+    reference to its memory (not to the tensor: NOTE: [No weak references to parameters]) and its
+    version counter (``drop_left_grads``)."""
+    return [(p, StorageWeakRef(_storage_of(p.grad)), p.grad._version)
+            for p in params if p.grad is not None]
 
 
 def drop_left_grads(left: list) -> None:
     """Before the next backward: a step's gradients go, as the masters' do (a skipped step's inf
     would be added into the next step), unless zeroed or written since (``zero_grad(set_to_none=
-    False)``, a user's own): those stay, as torch keeps them."""
-    for p, ref, version in left:
-        if p.grad is not None and p.grad is ref() and p.grad._version == version:
+    False)``, a user's own): those stay, as torch keeps them. (A gradient in the memory the step
+    left, still alive, with the same version, is the one it left.)"""
+    for p, memory, version in left:
+        g = p.grad
+        if (g is not None and g._version == version and not memory.expired()
+                and _storage_of(g)._cdata == memory.cdata):
             p.grad = None
 
 

@@ -12,7 +12,8 @@ from ._memory_layout import dense, follow_layout
 from ._quant import load_moment, scale_key
 from ._sharded import is_sharded
 from ._master_loads import load_master
-from .masters import MASTER_KEY, REMAINDER_KEY, follow_weight, join_remainder
+from ._followed import follow_weight
+from .masters import MASTER_KEY, REMAINDER_KEY, join_remainder
 
 _STORAGE_OPTIONS = LEAN_KEYS + ("amsgrad",)  # (amsgrad keeps a moment more, in fp32)
 
@@ -137,7 +138,7 @@ def follow_storage(optimizer, changed: list) -> None:
                 load_moment(state, key, state[key], state.get(scale_key(key)),
                             optimizer._state_dtype(group, key, p), p)
             if (REMAINDER_KEY in state) != optimizer.keeps_remainder(p, group):
-                follow_weight(p, state)  # (a weight loaded since the last step wins)
+                follow_weight(optimizer, p, state)  # (a weight loaded since the last step wins)
                 master = state.get(MASTER_KEY)
                 if master is None:
                     master = join_remainder(p.detach(), state[REMAINDER_KEY])

@@ -12,10 +12,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..scaling import local_shard
 from ._memory_layout import written_since
 from ._sharded import is_sharded
-from .masters import (MASTER_KEY, REMAINDER_KEY, _awaiting_weight, _forget_id, _join_on_arrival,
-                      _split_on_arrival, _weight_version, as_followed, copy_to_model,
-                      join_or_weight, join_remainder, keep_as_remainder, note_weight,
-                      weight_wins)
+from ._followed import as_followed, followed, forget_weight, note_weight
+from .masters import (MASTER_KEY, REMAINDER_KEY, copy_to_model, join_or_weight, join_remainder,
+                      keep_as_remainder, weight_wins)
 
 _fp32_pending = WeakIdKeyDictionary()  # fused optimizer -> {fp32 param: a loaded master}
 
@@ -27,7 +26,7 @@ def masters_to_save(optimizer, packed: dict) -> None:
     exactly (``as_followed``: saving changes no training)."""
     for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         if i in packed:
-            packed[i] = as_followed(p, packed[i])
+            packed[i] = as_followed(optimizer, p, packed[i])
 
 
 def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict,
@@ -48,7 +47,7 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict,
         remainder = remainder.to(device=p.device, dtype=torch.int16)
         if optimizer.keeps_remainder(p, group):
             state[REMAINDER_KEY] = remainder.clone()
-            _awaiting_weight[p] = True  # (its weight comes with the model's state_dict)
+            followed(optimizer).awaiting[id(p)] = p  # (its weight comes with the model's)
             return None
         master = join_or_weight(p.detach(), remainder)
     if master is None:
@@ -56,8 +55,10 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict,
     if optimizer.keeps_remainder(p, group):
         keep_as_remainder(p, state, weight_wins(master.to(p.device, torch.float32), p)
                           if via_torch else master)
+        note_weight(optimizer, p)
         # (a weight arriving later is split again: ``follow_weight``)
-        _split_on_arrival[p] = master.detach().to(p.device, torch.float32, copy=True)
+        followed(optimizer).splits[id(p)] = (p, master.detach().to(p.device, torch.float32,
+                                                                    copy=True))
     elif optimizer.wants_master(p):
         # (detached: amp O2's torch-optimizer layout saves the master as a Parameter)
         state[MASTER_KEY] = master.detach().to(device=p.device, dtype=torch.float32, copy=True)
@@ -68,20 +69,22 @@ def load_master(optimizer, p: Tensor, state: dict, group: dict, entries: dict,
     return None
 
 
-def weight_loaded(p: Tensor, joined_remainder: Tensor | None, check: bool, master: bool) -> None:
+def weight_loaded(optimizer, p: Tensor, joined_remainder: Tensor | None, check: bool,
+                  master: bool) -> None:
     """After an optimizer load: with ``check`` p's fp32 master is checked against its weight at
     the next step (the weight wins where the master does not round to it: a torch optimizer's
     stale master); a master joined from a remainder is joined again with a weight written after
     the load; another fp32 ``master`` follows a weight written after the load (a model loaded
     after it brings the weights it rounds to); else p's weight is taken to go with its loaded
     remainder (its version is forgotten). An earlier load's pending join is dropped."""
-    _join_on_arrival.pop(p, None)
+    table = followed(optimizer)
+    table.joins.pop(id(p), None)
     if joined_remainder is not None:
-        _join_on_arrival[p] = joined_remainder
-    if master or joined_remainder is not None or p in _split_on_arrival:  # (check: a master)
-        note_weight(p, version=-1 if check else None)  # (-1: a version no weight has)
-    elif (entry := _weight_version.get(id(p))) is not None and entry[0]() is p:
-        _forget_id(id(p))
+        table.joins[id(p)] = (p, joined_remainder)
+    if master or joined_remainder is not None or id(p) in table.splits:  # (check: a master)
+        note_weight(optimizer, p, unseen=check)
+    else:
+        forget_weight(optimizer, p)
 
 
 def masters_before_load(optimizer) -> dict:
@@ -90,15 +93,15 @@ def masters_before_load(optimizer) -> dict:
     (``kept_master`` makes the master)."""
     kept = {}
     _fp32_pending.pop(optimizer, None)  # (an earlier load's)
+    table = followed(optimizer)
     for p in (p for group in optimizer.param_groups for p in group["params"]):
-        _split_on_arrival.pop(p, None)  # (an earlier load's)
-        st, entry = optimizer.state.get(p, {}), _weight_version.get(id(p))
+        table.splits.pop(id(p), None)  # (an earlier load's)
+        st, entry = optimizer.state.get(p, {}), table.versions.get(id(p))
         t = st.get(MASTER_KEY, st.get(REMAINDER_KEY))
         if t is None or t.shape != p.shape or t.device != p.device or is_sharded(p):
             continue
-        if t.dtype == torch.float32 or (p.dtype == torch.bfloat16 and (
-                entry is None or entry[0]() is not p
-                or not written_since(p, entry[1], storage=False))):  # (a remainder joins any)
+        if t.dtype == torch.float32 or (p.dtype == torch.bfloat16 and (  # (a remainder joins any)
+                entry is None or not written_since(p, entry[1], storage=False))):
             kept[p] = t
     return kept
 
@@ -122,9 +125,9 @@ def masters_loaded(optimizer, joined: dict, kept: dict, via_torch: bool) -> None
         for p in group["params"]:
             master = optimizer.state.get(p, {}).get(MASTER_KEY)
             check = master is not None and via_torch and p not in kept
-            weight_loaded(p, joined.get(p), check, master is not None)
+            weight_loaded(optimizer, p, joined.get(p), check, master is not None)
             if p in kept:  # (it goes with this weight: a weight written after the load wins)
-                note_weight(p)
+                note_weight(optimizer, p)
             if master is not None and not via_torch and joined.get(p) is None and p not in kept:
                 refresh[0].append(local_shard(master))
                 refresh[1].append(local_shard(p))

@@ -8,6 +8,9 @@ from torch import Tensor
 from ..scaling import local_shard
 from ._sharded import is_sharded
 
+MASTER_KEY = "master_param"
+REMAINDER_KEY = "master_param_remainder"
+
 
 def join_remainder(weight: Tensor, remainder: Tensor) -> Tensor:
     """The fp32 master held as a bf16 ``weight`` and its int16 ``remainder`` (the low 16 bits; a
@@ -48,3 +51,31 @@ def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     high = ((bits >> 16) + (low >> 15)) & 0xFFFF
     as_int16 = lambda x: torch.where(x >= 2**15, x - 2**16, x).to(torch.int16)  # noqa: E731
     return as_int16(high).view(torch.bfloat16), as_int16(low)
+
+
+def keep_as_remainder(p: Tensor, state: dict, master: Tensor) -> None:
+    """Keep an fp32 ``master`` as p's remainder, p its rounding (NOTE: [Remainder masters]). The
+    weight changes: its optimizer notes it again (``_followed.note_weight``)."""
+    weight, remainder = split_master(master.to(p.device))
+    with torch.no_grad():
+        p.copy_(weight.view(p.shape))
+    state[REMAINDER_KEY] = torch.empty_like(p, dtype=torch.int16).copy_(
+        remainder.view(p.shape))
+
+
+def _rounds(master: Tensor, p: Tensor) -> Tensor:
+    """Where ``master`` rounds to p's weight: to nearest even (torch's cast) or, for bf16, ties
+    away from zero (a remainder's weight: a tie's two roundings are both the master's)."""
+    near = master.to(p.dtype) == p.detach()
+    if p.dtype == torch.bfloat16:
+        near |= split_master(master)[0].view(p.shape) == p.detach()
+    return near
+
+
+def rounds_to(master: Tensor, p: Tensor) -> bool:
+    return bool(_rounds(master, p).all())
+
+
+def weight_wins(master: Tensor, p: Tensor) -> Tensor:
+    """``master`` where it rounds to p's weight, the weight where not (written since)."""
+    return torch.where(_rounds(master, p), master, p.detach().to(torch.float32))

@@ -8,32 +8,34 @@ import weakref
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils.weak import WeakIdKeyDictionary  # (keyed by optimizers, never by parameters)
 
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
     wrapper_chain)
-from ._memory_layout import (UNSEEN, follow_master_layouts, state_for_master, weight_checksum,
-                             weight_stamp, written_since)
+from ._followed import (as_followed, followed, note_weight, settle_loads,  # noqa: F401
+                        weights_settled)  # (the watch's entry points: _base.py and the hooks)
+from ._memory_layout import (UNSEEN, follow_master_layouts, state_for_master, weight_stamp,
+                             written_since)
 from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
                      eager_no_grad, zero_in_place)  # (its front doors')
-from ._remainders import join_or_weight, join_remainder, split_master  # noqa: F401 (protocol)
+from ._remainders import (MASTER_KEY, REMAINDER_KEY, join_or_weight,  # noqa: F401 (protocol)
+                          join_remainder, keep_as_remainder, rounds_to, split_master, weight_wins)
 
 __all__ = ["MASTER_KEY", "REMAINDER_KEY", "LOW_DTYPES", "MasterWeights", "new_master",
            "copy_to_model", "join_remainder", "split_master", "keep_as_remainder",
            "master_in_state", "store_of", "master_of_param", "masters_by_param"]
 
-MASTER_KEY = "master_param"
-REMAINDER_KEY = "master_param_remainder"
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 # The checkpoint layout amp wrote before masters had one owner ({flat index: master}): still read.
 EARLIER_AMP_KEY = "amp_master_params"
 
+# Nothing here refers to a parameter weakly (NOTE: [No weak references to parameters]).
 _stores = WeakIdKeyDictionary()  # optimizer (or the FP16_Optimizer wrapping it) -> its store
-_master_of_param = WeakIdKeyDictionary()  # model parameter -> its master in some store
-_owner_of_param = WeakIdKeyDictionary()  # model parameter -> the fused optimizer holding it
+_live_stores: "weakref.WeakSet[MasterWeights]" = weakref.WeakSet()  # attached or not
+_amp_owners: weakref.WeakSet = weakref.WeakSet()  # fused optimizers amp O2 registered params with
 
 
 def new_master(p: Tensor, original: Tensor | None = None) -> Tensor:
@@ -50,15 +52,6 @@ def copy_to_model(masters: list[Tensor], params: list[Tensor]) -> None:
         ops.multi_tensor_scale_(ins, outs, 1.0, ops.new_found_inf(device))
 
 
-def keep_as_remainder(p: Tensor, state: dict, master: Tensor) -> None:
-    """Keep an fp32 ``master`` as p's remainder, p its rounding (NOTE: [Remainder masters])."""
-    weight, remainder = split_master(master.to(p.device))
-    with torch.no_grad():
-        p.copy_(weight.view(p.shape))
-    state[REMAINDER_KEY] = torch.empty_like(p, dtype=torch.int16).copy_(remainder.view(p.shape))
-    note_weight(p)
-
-
 def master_in_state(optimizer, p: Tensor, state: dict, group: dict | None = None,
                     original: Tensor | None = None) -> Tensor | None:
     """Give ``p`` its master in a fused optimizer's ``state`` unless it has one: a remainder where
@@ -71,6 +64,7 @@ def master_in_state(optimizer, p: Tensor, state: dict, group: dict | None = None
                 state[REMAINDER_KEY] = torch.zeros_like(p, dtype=torch.int16)
             else:
                 keep_as_remainder(p, state, master)
+                note_weight(optimizer, p)
     elif optimizer.wants_master(p) and (MASTER_KEY not in state or original is not None):
         state[MASTER_KEY] = new_master(p, original)
     return state.get(MASTER_KEY)
@@ -100,6 +94,10 @@ class MasterWeights:
         self._had_grad: list | None = None  # (set_grads_aside: which weights had a gradient)
         self._loaded: dict | None = None
         self._versions: list[tuple] = []  # the weights' stamps at the last copy-back
+        self.master_by_id: dict[int, Tensor | None] = {}  # id(p) -> its master (frozen: None)
+        self.arrived: dict[int, bool] = {}  # id(p) -> whether a model load gave finer weights
+        self.joins: dict[int, tuple] = {}  # id(p) -> (p, a loaded remainder), for a later weight
+        _live_stores.add(self)
 
     def register(self, params, with_masters: bool, originals: dict | None = None) -> list:
         """What a param group holds instead of ``params``: with ``with_masters``, every trainable
@@ -115,7 +113,7 @@ class MasterWeights:
                     self.own_params.append(p)
                 else:  # (no master for a frozen weight: fine-tuning freezes most of a model)
                     self.frozen.append(p)
-                    _frozen_in_store[p] = True
+                    self.master_by_id[id(p)] = None
                 out.append(p)
         return out
 
@@ -125,7 +123,7 @@ class MasterWeights:
         self.frozen = [p for p in self.frozen if not any(p is q for q in unfrozen)]
         optimizer = self._optimizer_ref() if self._optimizer_ref is not None else None
         for p in unfrozen:
-            _frozen_in_store.pop(p, None)
+            self.master_by_id.pop(id(p), None)
             if p.dtype in LOW_DTYPES and optimizer is not None:
                 master = self.add(p)
                 for group in optimizer.param_groups:
@@ -142,7 +140,7 @@ class MasterWeights:
         self.model_params.append(p)
         self.masters.append(master)
         self._versions.append(weight_stamp(p))
-        _master_of_param[p] = master
+        self.master_by_id[id(p)] = master
         return master
 
     def mark(self) -> tuple[int, int, int]:
@@ -150,15 +148,13 @@ class MasterWeights:
 
     def rollback(self, mark: tuple[int, int, int]) -> None:
         """Forget what was registered after ``mark()`` (a registration that failed)."""
-        for p in self.model_params[mark[0]:]:
-            _master_of_param.pop(p, None)
-        for p in self.frozen[mark[2]:]:
-            _frozen_in_store.pop(p, None)
+        for p in self.model_params[mark[0]:] + self.frozen[mark[2]:]:
+            self.master_by_id.pop(id(p), None)
         del self.model_params[mark[0]:], self.masters[mark[0]:], self._versions[mark[0]:]
         del self.own_params[mark[1]:], self.frozen[mark[2]:]
 
     def holds(self, p: Tensor) -> bool:
-        return any(q is p for q in self.model_params) or any(q is p for q in self.frozen)
+        return id(p) in self.master_by_id  # (the store keeps p: the id is p's)
 
     def copy_to_model(self) -> None:
         follow_master_layouts(self.masters, self.model_params, self._optimizer_ref)  # (a load's)
@@ -181,10 +177,8 @@ class MasterWeights:
 
     def _settle(self) -> None:
         """A step (or its skip) or a load: what a model load gave is settled."""
-        if _arrived or _join_on_arrival:
-            for p in self.model_params + self.frozen:
-                _arrived.pop(p, None)
-                _join_on_arrival.pop(p, None)
+        self.arrived.clear()
+        self.joins.clear()
 
     def drop_grads(self) -> None:
         """After a step (or its skip): the masters' gradients go; which had one is kept, as
@@ -351,16 +345,17 @@ class MasterWeights:
                 weight = weight_of[id(target)]
                 remainder = value[0] if isinstance(value, tuple) else None
                 if remainder is not None:  # (joined again with a weight loaded after it)
-                    joins[weight] = remainder.to(device=weight.device, dtype=torch.int16)
-                    value = join_remainder(weight.detach(), joins[weight])
-                elif _arrived.get(weight):  # (finer weights than the model's: stale unless
-                    if not torch.equal(value.to(weight.dtype), weight):  # it is theirs)
+                    remainder = remainder.to(device=weight.device, dtype=torch.int16)
+                    joins[id(weight)] = (weight, remainder)
+                    value = join_remainder(weight.detach(), remainder)
+                elif self.arrived.get(id(weight)):  # (finer weights than the model's: stale
+                    if not torch.equal(value.to(weight.dtype), weight):  # unless theirs)
                         continue
-                elif weight in _arrived:  # (elementwise: a weight written before the save wins)
+                elif id(weight) in self.arrived:  # (elementwise: a weight written before wins)
                     value = weight_wins(value.to(weight.device, torch.float32), weight)
                 target.copy_(value)
         self.copy_to_model()
-        _join_on_arrival.update(joins)
+        self.joins.update(joins)
 
 
 def store_of(optimizer) -> MasterWeights | None:
@@ -369,15 +364,25 @@ def store_of(optimizer) -> MasterWeights | None:
     return next((_stores[o] for o in wrapper_chain(optimizer) if o in _stores), None)
 
 
+def store_holding(p: Tensor) -> MasterWeights | None:
+    """The live store that holds model parameter ``p`` (with a master, or frozen), if any."""
+    return next((store for store in list(_live_stores) if store.holds(p)), None)
+
+
+def owner_of(p: Tensor):
+    """The fused optimizer amp O2 registered ``p`` with (``register_owner``), if it lives."""
+    return next((o for o in list(_amp_owners) if id(p) in followed(o).amp_owned), None)
+
+
 def master_of_param(p: Tensor) -> Tensor | None:
     """The fp32 master of model parameter ``p``: a :class:`MasterWeights` store's, or that of the
     fused optimizer registered as holding ``p`` (``register_owner``); None otherwise (no master,
     or a remainder)."""
-    master = _master_of_param.get(p)
-    owner = _owner_of_param[p]() if master is None and p in _owner_of_param else None
-    if owner is not None:  # a fused optimizer's own fp32 master
-        master = owner.state.get(p, {}).get(MASTER_KEY)
-    return master
+    store = store_holding(p)
+    if store is not None:
+        return store.master_by_id[id(p)]
+    owner = owner_of(p)
+    return None if owner is None else owner.state.get(p, {}).get(MASTER_KEY)
 
 
 # NOTE: [Masters after a model reload] (docs/amp_api.md, "Checkpoints") Under amp, the model's
@@ -398,188 +403,69 @@ def master_of_param(p: Tensor) -> Tensor | None:
 # after the load (a model loaded after it brings weights it rounds to); a loaded remainder's version
 # is forgotten (its weight arrives with it, in either order). ``p.data = x`` (new memory, torch's
 # prune.remove) is followed by an fp32 master (a remainder joins it); in-place writes to ``p.data``
-# go unseen; a step captured in a CUDA graph follows nothing (a replay would repeat it).
-_loading = WeakIdKeyDictionary()  # model parameter -> (fp32 value being loaded, weight changes)
-# id(parameter) -> (a weak reference to it, its version when its master last matched it,
-# the checksum of its bits after the last step if it is watched, else None)
-_weight_version: dict[int, tuple] = {}
-_watched: set[int] = set()  # ids of remainder-kept parameters written outside the step once
-_awaiting_weight = WeakIdKeyDictionary()  # parameter -> True: a remainder loaded before its weight
-# parameter -> the remainder an fp32 master was joined from at an optimizer load, to join again
-# with a weight loaded after it (until the next step)
-_join_on_arrival = WeakIdKeyDictionary()
-# parameter -> the fp32 master an optimizer load split into a remainder (the weight its rounding,
-# ties away), to split again from a weight loaded after it, rounded to nearest even: the master
-# where it rounds to that weight (until the next step)
-_split_on_arrival = WeakIdKeyDictionary()
-_arrived = WeakIdKeyDictionary()  # parameter -> True: a model load's, for a store's (to its step)
-_frozen_in_store = WeakIdKeyDictionary()  # parameter -> True: a store's, frozen at registration
+# go unseen; a step captured in a CUDA graph follows nothing (a replay would repeat it). The
+# entries: optimizers/_followed.py.
+# module being loaded -> {id(p): (p, fp32 value being loaded, weight changes, master before)}
+_loading: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def note_load_hook(module, state_dict, prefix, *args) -> None:
     """``module.load_state_dict`` pre-hook: what each parameter is about to be given."""
+    loading = _loading[module] = {}
     for name, p in module._parameters.items():
         value = state_dict.get(prefix + name)
         if p is not None and isinstance(value, Tensor) and value.shape == p.shape:
-            owner = _owner_of_param[p]() if p in _owner_of_param else None
+            owner = owner_of(p)
             rem = owner.state.get(p, {}).get(REMAINDER_KEY) if owner is not None else None
-            _loading[p] = (value, not torch.equal(value.to(p.dtype), p.detach()),
-                           None if rem is None else join_remainder(p.detach(), rem))
+            loading[id(p)] = (p, value, not torch.equal(value.to(p.dtype), p.detach()),
+                              None if rem is None else join_remainder(p.detach(), rem))
 
 
 @torch.no_grad()
 def refresh_after_load_hook(module, incompatible_keys) -> None:
     """``module.load_state_dict`` post-hook (NOTE: [Masters after a model reload])."""
+    loading = _loading.pop(module, {})
     for p in module._parameters.values():
         if p is None:
             continue
-        value, changed, before = _loading.pop(p, (None, False, None))
-        owner = _owner_of_param[p]() if p in _owner_of_param else None
+        _, value, changed, before = loading.get(id(p), (p, None, False, None))
+        owner, store = owner_of(p), store_holding(p)
+        table = followed(owner) if owner is not None else None
         if (owner is not None and value is not None and value.dtype == torch.float32
                 and p.requires_grad and owner.wants_master(p)
                 and not {MASTER_KEY, REMAINDER_KEY} & owner.state.get(p, {}).keys()):
             owner.set_master(p, value)  # (none yet: amp made none from fp32 weights, multi-rank)
         master = master_of_param(p)
-        finer = (value is not None and (master is not None or p in _frozen_in_store)  # (than p)
+        finer = (value is not None and (master is not None or store is not None)  # (than p)
                  and not torch.equal(value.to(p.dtype).to(value.dtype), value))
-        remainder = _join_on_arrival.pop(p, None)
+        joins = table.joins if table is not None else store.joins if store is not None else {}
+        remainder = joins.pop(id(p), (p, None))[1]
         if master is not None and remainder is not None:  # (its rounding is p by construction)
             master.copy_(join_remainder(p, remainder))
         elif (master is not None and value is not None  # (not a weight this load left out)
               and not rounds_to(master, p)):  # (exact where fp32 weights arrive)
             master.copy_(value if finer else weight_wins(master, p))
-        if value is not None and (p in _master_of_param or p in _frozen_in_store):
-            _arrived[p] = finer  # (a store's weight: checked at its optimizer's next load)
+        if value is not None and store is not None:
+            store.arrived[id(p)] = finer  # (a store's weight: checked at its optimizer's next load)
         state = owner.state.get(p, {}) if owner is not None else {}
-        if REMAINDER_KEY in state and not _awaiting_weight.pop(p, False) and changed:
-            _split_on_arrival.pop(p, None)  # (the master it waited for is ``before``)
+        if REMAINDER_KEY in state and table.awaiting.pop(id(p), None) is None and changed:
+            table.splits.pop(id(p), None)  # (the master it waited for is ``before``)
             keep_as_remainder(p, state, before if before is not None and rounds_to(before, p)
                               else value.to(torch.float32))  # (a tie's weight: ties away again)
         if state:  # (this hook has made the master match: the step need not follow again)
-            note_weight(p)
-
-
-def _forget_id(key: int) -> None:
-    _weight_version.pop(key, None)
-    _watched.discard(key)
-
-
-def note_weight(p: Tensor, checksum: Tensor | None = None, version: int | None = None) -> None:
-    key, entry = id(p), _weight_version.get(id(p))
-    if entry is None or entry[0]() is not p:  # (a plain dict by id: a step reads it per param)
-        entry = (weakref.ref(p, lambda _, key=key: _forget_id(key)),)
-    _weight_version[key] = (entry[0], weight_stamp(p) if version is None else UNSEEN, checksum)
-
-
-def note_master_made(p: Tensor, state: dict) -> None:
-    """A master just made from p's fp32 weights (amp O2): the first step compares the two element
-    by element (-1 is no weight's version), so that a write before that step, even through
-    ``.data``, is followed, as Apex made its masters at the first ``scale_loss``. (A remainder
-    follows any weight it is joined with.)"""
-    note_weight(p, version=-1 if MASTER_KEY in state else None)
-
-
-def _rounds(master: Tensor, p: Tensor) -> Tensor:
-    """Where ``master`` rounds to p's weight: to nearest even (torch's cast) or, for bf16, ties
-    away from zero (a remainder's weight: a tie's two roundings are both the master's)."""
-    near = master.to(p.dtype) == p.detach()
-    if p.dtype == torch.bfloat16:
-        near |= split_master(master)[0].view(p.shape) == p.detach()
-    return near
-
-
-def rounds_to(master: Tensor, p: Tensor) -> bool:
-    return bool(_rounds(master, p).all())
-
-
-def weight_wins(master: Tensor, p: Tensor) -> Tensor:
-    """``master`` where it rounds to p's weight, the weight where not (written since)."""
-    return torch.where(_rounds(master, p), master, p.detach().to(torch.float32))
-
-
-def follow_weight(p: Tensor, state: dict) -> None:
-    """Before p is stepped: its master follows a weight written since the last step (NOTE:
-    [Masters after a model reload]); no host sync."""
-    entry = _weight_version.get(id(p))
-    remainder = _join_on_arrival.pop(p, None) if _join_on_arrival.data else None  # (no len())
-    split = _split_on_arrival.pop(p, None) if _split_on_arrival.data else None
-    if entry is None or entry[0]() is not p:  # first seen: the weight is where the master is
-        return note_weight(p)
-    if not written_since(p, entry[1], MASTER_KEY in state):  # (a remainder joins any weight)
-        return None
-    if not (p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat)
-        with torch.no_grad():
-            if remainder is not None and MASTER_KEY in state:  # the weight saved with it arrived
-                local_shard(state[MASTER_KEY]).copy_(
-                    join_or_weight(local_shard(p), local_shard(remainder)))
-            elif split is not None and REMAINDER_KEY in state:  # so did the master's weight
-                keep_as_remainder(p, state, weight_wins(split, p))
-            else:
-                follow_write(p, state, entry)
-    return note_weight(p)
-
-
-def follow_write(p: Tensor, state: dict, entry: tuple) -> None:
-    """p's master (or remainder) in ``state`` follows a weight written since ``entry``'s step."""
-    if REMAINDER_KEY in state:  # (each rank: its shard's bits; kept if watched and unchanged)
-        same = entry[2] is not None and weight_checksum(p) == entry[2]
-        local_shard(state[REMAINDER_KEY]).mul_(same)
-        _watched.add(id(p))
-    elif MASTER_KEY in state:
-        state[MASTER_KEY].copy_(weight_wins(state[MASTER_KEY], p))
-
-
-def as_followed(p: Tensor, state: dict) -> dict:
-    """``state``, or a copy whose master (or remainder) follows a weight written since the last
-    step as that step will: what reads between steps give (a save, ``master_of``, the exports).
-    The live state waits for the step, so a read changes no training."""
-    entry, key = _weight_version.get(id(p)), REMAINDER_KEY if REMAINDER_KEY in state else MASTER_KEY
-    if (key not in state or entry is None or entry[0]() is not p
-            or not written_since(p, entry[1], key == MASTER_KEY)):
-        return state
-    state = {**state, key: state[key].clone()}
-    with torch.no_grad():
-        follow_write(p, state, entry)
-    return state
-
-
-def settle_loads(optimizer, params=None) -> None:
-    """Before a fused optimizer's masters are read (``state_dict``, ``master_of``, the exports):
-    a join or split an optimizer load left for a weight written since is made now, as the next
-    step would make it."""
-    if not (_join_on_arrival.data or _split_on_arrival.data):
-        return
-    for p in params or [p for group in optimizer.param_groups for p in group["params"]]:
-        entry, state = _weight_version.get(id(p)), optimizer.state.get(p)
-        if ((p in _join_on_arrival or p in _split_on_arrival) and entry is not None and state
-                and entry[0]() is p and written_since(p, entry[1])):
-            follow_weight(p, state)
-
-
-def note_stepped(params: list[Tensor]) -> None:
-    """After the step wrote ``params``: the checksums of the watched ones."""
-    if _watched:
-        for p in params:
-            if id(p) in _watched:
-                note_weight(p, weight_checksum(p))
-
-
-def weights_settled() -> None:
-    """A step: remainders loaded before their weights wait no longer (the step starts from them)."""
-    if _awaiting_weight:
-        _awaiting_weight.clear()
+            note_weight(owner, p)
 
 
 def stepped_elsewhere(p: Tensor) -> bool:
     """A live store (amp's, FP16_Optimizer's) or a fused optimizer under amp O2 steps ``p``."""
-    owner = _owner_of_param[p]() if p in _owner_of_param else None
-    return owner is not None or any(store.holds(p) for store in list(_stores.values()))
+    return owner_of(p) is not None or store_holding(p) is not None
 
 
 def register_owner(p: Tensor, optimizer) -> None:
     """``optimizer`` (a peak fused optimizer) keeps p's master in its state: master_of_param
     finds it (amp's model load hook re-derives it from a reloaded weight)."""
-    _owner_of_param[p] = weakref.ref(optimizer)  # (the model does not keep the optimizer alive)
+    followed(optimizer).amp_owned[id(p)] = p
+    _amp_owners.add(optimizer)
 
 
 def masters_by_param(optimizer) -> dict[int, Tensor]:
@@ -588,11 +474,13 @@ def masters_by_param(optimizer) -> dict[int, Tensor]:
     a remainder joined with its bf16 weight)."""
     store = store_of(optimizer)
     masters = {id(p): m for p, m in zip(store.model_params, store.masters)} if store else {}
+    fused = inner_optimizer(optimizer)  # (behind a wrapper: its watch is the fused one's)
     if store is None:  # (a fused optimizer's own masters)
-        settle_loads(optimizer)
+        settle_loads(fused)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            st = as_followed(p, optimizer.state.get(p, {}))
+            st = optimizer.state.get(p, {})
+            st = as_followed(fused, p, st) if store is None else st
             if MASTER_KEY in st:
                 masters[id(p)] = st[MASTER_KEY]
             elif REMAINDER_KEY in st:
