@@ -52,6 +52,10 @@ def note_weight(optimizer, p: Tensor, checksum: Tensor | None = None,
     followed(optimizer).versions[id(p)] = (p, UNSEEN if unseen else weight_stamp(p), checksum)
 
 
+def _noted(table: FollowedWeights, p: Tensor) -> None:  # (note_weight, the table at hand)
+    table.versions[id(p)] = (p, weight_stamp(p), None)
+
+
 def forget_weight(optimizer, p: Tensor) -> None:
     table = followed(optimizer)
     table.versions.pop(id(p), None)
@@ -74,7 +78,7 @@ def follow_weight(optimizer, p: Tensor, state: dict) -> None:
     remainder = table.joins.pop(id(p), (None, None))[1] if table.joins else None
     split = table.splits.pop(id(p), (None, None))[1] if table.splits else None
     if entry is None:  # first seen: the weight is where the master is
-        return note_weight(optimizer, p)
+        return _noted(table, p)
     if not written_since(p, entry[1], MASTER_KEY in state):  # (a remainder joins any weight)
         return None
     if not (p.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a replay would repeat)
@@ -86,7 +90,7 @@ def follow_weight(optimizer, p: Tensor, state: dict) -> None:
                 keep_as_remainder(p, state, weight_wins(split, p))
             else:
                 follow_write(table, p, state, entry)
-    return note_weight(optimizer, p)
+    return _noted(table, p)
 
 
 def follow_write(table: FollowedWeights, p: Tensor, state: dict, entry: tuple) -> None:
