@@ -132,3 +132,33 @@ def test_a_model_moved_between_steps_trains_as_one_left_in_place(path, swap_on_c
     _caster.disable()  # (amp's state is process-global: the second run starts afresh)
     _amp_state.reset()
     assert_bitwise_equal(_run(PATHS[path], move=True), expected, path)
+
+
+@pytest.mark.parametrize("opt_class", [torch.optim.Adam, FusedAdam], ids=["Adam", "FusedAdam"])
+def test_a_steps_gradients_go_after_a_conversion_that_gives_them_new_memory(opt_class):
+    """amp O2 drops the gradients a step left before the next backward (NOTE: [Gradients a step
+    left]), so a loop without zero_grad trains as one with it, also when the model is converted
+    between steps by ``p.grad.data = converted`` (``module.to()``'s default path): the same
+    gradient object in new memory, still the step's."""
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def run(zero_grad):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                                    torch.nn.Linear(64, 2))
+        opt = opt_class(model.parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                                    verbosity=0)
+        for i in range(3):
+            if zero_grad:
+                opt.zero_grad()
+            with amp.scale_loss(model(x).float().square().sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if i == 0:
+                model.to(memory_format=torch.channels_last)
+        _caster.disable()
+        _amp_state.reset()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert_bitwise_equal(run(zero_grad=False), run(zero_grad=True))

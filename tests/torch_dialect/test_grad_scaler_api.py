@@ -631,6 +631,33 @@ def test_overflow_report_unregistered_and_off():
         s.register_model(3)
 
 
+def test_a_scaler_reused_across_models_keeps_no_dropped_model_alive():
+    """register_model holds a module weakly (no weak reference to a tensor: swap_tensors refuses
+    those) and names its parameters when a report is made: one scaler over a k-fold loop keeps no
+    earlier fold's parameters, and a parameter replaced since registration is named."""
+    import gc
+    import weakref
+    s = amp.GradScaler("cpu")
+    folds = []
+    for _ in range(3):
+        m = make_model()
+        s.register_model(m, prefix="net.")
+        folds.append(weakref.ref(m[0].weight))
+        del m
+        gc.collect()
+    assert [ref() is None for ref in folds] == [True, True, True]
+    m = make_model()
+    s.register_model(m, prefix="net.")
+    m[2].weight = torch.nn.Parameter(m[2].weight.detach().clone())  # (after registration)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = batches(1)[0]
+    s.scale(F.mse_loss(m(x), y)).backward()
+    m[2].weight.grad[0, 0] = INF
+    s.step(o)
+    s.update()
+    assert s.overflow_report().parameters == ("net.2.weight",)
+
+
 def test_overflow_report_survives_pickle_as_text():
     import pickle
     m = make_model()

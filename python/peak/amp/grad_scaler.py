@@ -460,7 +460,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         if state.get("_report_records"):
             self._finish_report_records()
             state["_last_report"] = self._last_report
-        state["_param_names"], state["_report_records"] = {}, []
+        state["_param_names"], state["_named_models"], state["_report_records"] = {}, [], []
         for key in ("_inv_scale", "_host_found_inf", "_last_skipped", "_step_sig_cache"):
             state.pop(key, None)
         state["_last_skipped_value"] = self.last_step_skipped

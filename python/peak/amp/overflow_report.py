@@ -2,6 +2,7 @@
 ``step()``) and ``overflow_report()``. A mixin, its state on the scaler (pickled as one object)."""
 from __future__ import annotations
 
+import weakref
 from collections import abc
 from dataclasses import dataclass
 
@@ -38,7 +39,8 @@ class OverflowAttribution:
         self._skipped_steps_device: torch.Tensor | None = None
         self._iteration = 0
         self._report_enabled = False  # off until register_model
-        self._param_names: dict[int, tuple[torch.Tensor, str]] = {}  # (held, not weakly)
+        self._param_names: dict[int, tuple[torch.Tensor, str]] = {}  # given pairs (held)
+        self._named_models: list = []  # (a weak reference to a module, prefix): named at reports
         self._report_records: list = []
         self._report_records_iteration = -1
         self._last_report: OverflowReport | None = None
@@ -78,8 +80,12 @@ class OverflowAttribution:
         ``{name: parameter}`` or an iterable of ``(name, parameter)`` pairs; ``prefix`` is put in
         front of every name (for two models with the same layout). May be called several times.
         Costs no second pass (docs/torch_dialect.md, "Overflow attribution"). Returns the scaler."""
-        if isinstance(model, torch.nn.Module):
-            pairs = model.named_parameters()
+        if not isinstance(prefix, str):
+            raise TypeError(f"GradScaler.register_model: prefix must be a str, got "
+                            f"{type(prefix).__name__}")
+        if isinstance(model, torch.nn.Module):  # (no weak reference to a tensor: swap_tensors)
+            self._named_models = getattr(self, "_named_models", []) + [(weakref.ref(model), prefix)]
+            pairs = ()
         elif isinstance(model, abc.Mapping):
             pairs = model.items()
         elif isinstance(model, abc.Iterable) and not isinstance(model, torch.Tensor):
@@ -88,9 +94,6 @@ class OverflowAttribution:
             raise TypeError(f"GradScaler.register_model: model must be a torch.nn.Module, a "
                             f"mapping name -> parameter or an iterable of (name, parameter) "
                             f"pairs, got {type(model).__name__}")
-        if not isinstance(prefix, str):
-            raise TypeError(f"GradScaler.register_model: prefix must be a str, got "
-                            f"{type(prefix).__name__}")
         for item in pairs:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
                     and isinstance(item[1], torch.Tensor)):
@@ -101,8 +104,8 @@ class OverflowAttribution:
         self._report_enabled = True
         return self
 
-    def _param_name(self, optimizer, param, gi: int, pi: int) -> str:
-        entry = self._param_names.get(id(param))
+    def _param_name(self, named: dict, optimizer, param, gi: int, pi: int) -> str:
+        entry = self._param_names.get(id(param)) or named.get(id(param))
         if entry is not None and entry[0] is param:
             return entry[1]
         return (f"<{type(optimizer).__name__} param_groups[{gi}]['params'][{pi}], shape "
@@ -119,8 +122,10 @@ class OverflowAttribution:
         records = self._report_records
         if not records:
             return
-        names = [self._param_name(optimizer, *owner) for optimizer, owners, flags in records
-                 for owner, hit in zip(owners, flags.tolist()) if hit]
+        named = {id(p): (p, prefix + n) for ref, prefix in getattr(self, "_named_models", ())
+                 for n, p in (ref().named_parameters() if ref() is not None else ())}
+        names = [self._param_name(named, optimizer, *owner) for optimizer, owners, flags in
+                 records for owner, hit in zip(owners, flags.tolist()) if hit]
         for name in dict.fromkeys(names):
             self._overflow_counts[name] = self._overflow_counts.get(name, 0) + 1
         if names:

@@ -3,11 +3,10 @@ runs, zeroed in place as torch's ``zero_grad`` does, sparse ones unscaled into t
 dropped where a step left them."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
-from torch.multiprocessing.reductions import StorageWeakRef
-
-from ..scaling import local_shard
 
 
 def eager_no_grad(func):
@@ -16,28 +15,33 @@ def eager_no_grad(func):
     return torch._disable_dynamo(torch.no_grad()(func))
 
 
-def _storage_of(grad: Tensor):
-    grad = local_shard(grad)
-    return (grad._values() if grad.is_sparse else grad).untyped_storage()
+# NOTE: [Gradients a step left] A leftover gradient is recognised as the tensor object the step
+# left, unchanged (its version counter): a mark in its ``__dict__`` (an int, unique per step), not
+# a weak reference, which torch.utils.swap_tensors refuses (NOTE: [No weak references to
+# parameters]). The mark stays when ``module.to()`` gives the gradient new memory through
+# ``.data =`` (its default path); a swapping ``to()`` (FSDP2, or swap-on-conversion) replaces the
+# object's contents and its ``__dict__``, so such a moved gradient counts as a new one and stays.
+_marks = itertools.count()
 
 
 def grads_left(params) -> list:
-    """After a step (or its skip) under amp O2: each gradient of ``params`` it leaves, by a weak
-    reference to its memory (not to the tensor: NOTE: [No weak references to parameters]) and its
-    version counter (``drop_left_grads``)."""
-    return [(p, StorageWeakRef(_storage_of(p.grad)), p.grad._version)
-            for p in params if p.grad is not None]
+    """After a step (or its skip) under amp O2: each gradient of ``params`` it leaves, marked, with
+    its version counter (``drop_left_grads``)."""
+    mark, left = next(_marks), []
+    for p in params:
+        if p.grad is not None:
+            p.grad._peak_left_by_step = mark
+            left.append((p, mark, p.grad._version))
+    return left
 
 
 def drop_left_grads(left: list) -> None:
     """Before the next backward: a step's gradients go, as the masters' do (a skipped step's inf
     would be added into the next step), unless zeroed or written since (``zero_grad(set_to_none=
-    False)``, a user's own): those stay, as torch keeps them. (A gradient in the memory the step
-    left, still alive, with the same version, is the one it left.)"""
-    for p, memory, version in left:
+    False)``, a user's own): those stay, as torch keeps them."""
+    for p, mark, version in left:
         g = p.grad
-        if (g is not None and g._version == version and not memory.expired()
-                and _storage_of(g)._cdata == memory.cdata):
+        if g is not None and g._version == version and getattr(g, "_peak_left_by_step", -1) == mark:
             p.grad = None
 
 
