@@ -147,8 +147,7 @@ def _check_fp32(model: nn.Module) -> None:
         for name, t in items:
             if t.is_floating_point() and t.dtype in LOW_DTYPES:
                 what = "parameters" if kind == "param" else "buffers"
-                warn_or_err(
-                    f"Found {kind} {name} with type {t.dtype}, expected torch.float32.\n"
+                warn_or_err(f"Found {kind} {name} with type {t.dtype}, expected torch.float32.\n"
                     "When using amp.initialize, you do not need to call .half() or .bfloat16() on "
                     "your model\nbefore passing it, no matter what optimization level you "
                     "choose: pass the FP32 model and let the opt_level cast it.\n(Model "

@@ -11,9 +11,9 @@ import warnings
 import torch
 
 from peak import ops
-from peak.optimizers.masters import (LOW_DTYPES, MasterWeights, drop_left_grads, grad_versions,
-                                    grads_left, own_grad, register_owner, stepped_elsewhere,
-                                    warn_bare_masters, warn_changed_grads)
+from peak.optimizers.masters import (LOW_DTYPES, ApexStashLists, MasterWeights, drop_left_grads,
+                                    grad_versions, grads_left, own_grad, register_owner,
+                                    stepped_elsewhere, warn_bare_masters, warn_changed_grads)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
@@ -22,7 +22,7 @@ from .._stacklevel import user_stacklevel
 from ..scaling import OverflowFlags, group_by_device_dtype, skip_leaves_state_unset, unscale_grads_
 
 
-class AmpOptimizerState:
+class AmpOptimizerState(ApexStashLists):
     """What both kinds share: the step's skip (on the device or the host), its log line."""
 
     consumes_scaled_grads = False
@@ -100,6 +100,7 @@ class AmpOptimizerState:
     def master_params(self):
         yield from (p for group in self.optimizer.param_groups for p in group["params"])
 
+
     def before_step(self) -> None:
         """Checks of the step about to run."""
 
@@ -146,8 +147,9 @@ class ScaledGradsState(AmpOptimizerState):
     def prepare_backward(self, scaler) -> None:
         """Set aside the gradients an earlier pass left (they carry its scale and may hold an
         inf/NaN charged to its scaler); exit checks the new ones alone, then adds them back."""
-        if self.master_grads_given and self.grad_scale is None:  # given from no exit's (zeroed)
-            self.drop_pending()
+        if self.master_grads_given and (self.grad_scale is None or all(  # given from no exit's,
+                m.grad is None for m in self.optimizer.master_params())):  # or the script dropped
+            self.drop_pending()  # them (NVIDIA's BERT after a skip it decided)
         elif self.master_grads_given:
             raise RuntimeError(
                 "amp.scale_loss: amp.master_params(optimizer) already gave this fused optimizer's "
@@ -342,6 +344,7 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
         # Cast existing per-parameter state to the (new) parameter dtypes, as Apex does.
         optimizer.load_state_dict(optimizer.state_dict())
     optimizer._amp_stash = stash
+    optimizer._lazy_init_maybe_master_weights = lambda: None  # (Apex's; peak's masters are eager)
     optimizer.step = BoundMethod(_step, optimizer, optimizer.step)
     optimizer.zero_grad = BoundMethod(_zero_grad, optimizer)
     optimizer.add_param_group = BoundMethod(_add_param_group, optimizer)

@@ -22,16 +22,13 @@ __all__ = ["autocast", "custom_fwd", "custom_bwd", "TORCH_AUTOCAST_LISTS",
 
 #: The CPU lists' lower-precision and promote ops: torch exposes which ops have an AutocastCPU
 #: kernel, not their policy (docs/caster.md, "torch's autocast lists"); the others are fp32.
-_CPU_NOT_FP32 = {
-    "lower_precision_fp": (
+_CPU_NOT_FP32 = {"lower_precision_fp": (
         "conv1d", "conv1d.padding", "conv2d", "conv2d.padding", "conv3d", "conv3d.padding",
         "bmm", "mm", "linalg_vecdot", "baddbmm", "addmm", "_addmm_activation", "addbmm",
         "linear", "_convolution.deprecated", "matmul", "conv_tbc", "mkldnn_rnn_layer",
         "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "prelu",
-        "scaled_dot_product_attention", "_native_multi_head_attention",
-    ),
-    "promote": ("stack", "cat", "index_copy"),
-}
+        "scaled_dot_product_attention", "_native_multi_head_attention"),
+    "promote": ("stack", "cat", "index_copy")}
 
 
 def _torch_lists() -> dict:

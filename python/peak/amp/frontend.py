@@ -267,8 +267,7 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
     """Deprecated pre-1.0 entry point: sets up O1 (dynamic loss scaling unless ``loss_scale`` is
     a number) and returns a handle whose ``scale_loss(loss, optimizer)`` works.  Use
     ``amp.initialize`` instead."""
-    warnings.warn(
-        "amp.init() is deprecated: replace `amp_handle = amp.init()` with "
+    warnings.warn("amp.init() is deprecated: replace `amp_handle = amp.init()` with "
         "`model, optimizer = amp.initialize(model, optimizer, opt_level='O1')` and "
         "`amp_handle.scale_loss(loss, optimizer)` with `amp.scale_loss(loss, optimizer)`.",
         DeprecationWarning, stacklevel=2)

@@ -81,6 +81,10 @@ class LossScaler:
                                                         max_loss_scale)
     _unskipped = property(lambda self: int(self.growth_tracker.item()),
                           lambda self, value: self.growth_tracker.fill_(int(value)))
+    # Apex's overflow buffer: NVIDIA's BERT sets its own for update_scale() (taken into the flag)
+    _overflow_buf = property(lambda self: self.found_inf, lambda self, buf: None if buf is
+                             self.found_inf else self.found_inf.copy_(buf.reshape(1)))
+    _has_overflow = property(lambda self: self.has_overflow())
 
     def found_inf_for(self, device: torch.device) -> torch.Tensor:
         """The overflow flag the kernels write for tensors on ``device``."""

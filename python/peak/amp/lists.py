@@ -49,8 +49,7 @@ def _check_callable(fn, arg: str = "func", *, torch_own: bool = False) -> None:
     if torch_own and not _caster.is_interceptable(fn):
         # Only torch's own callables are looked up in the lists: a function of the user's (or a
         # module class) never reaches the caster, so listing it would silently do nothing.
-        raise TypeError(
-            f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
+        raise TypeError(f"{arg} {getattr(fn, '__qualname__', fn)!r} is not a function of torch, "
             "torch.nn.functional, torch.Tensor, torch.linalg, torch.special, torch.fft or "
             "torch.sparse, so O1 never sees its calls. For your own functions use the decorators "
             "amp.half_function / amp.float_function / amp.promote_function, or "

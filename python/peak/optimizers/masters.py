@@ -486,3 +486,28 @@ def masters_by_param(optimizer) -> dict[int, Tensor]:
             elif REMAINDER_KEY in st:
                 masters[id(p)] = join_remainder(p.detach(), st[REMAINDER_KEY])
     return masters
+
+
+def apex_lists(optimizer, store: MasterWeights | None, which: int, flat: bool) -> list:
+    """Apex's amp stash lists (``fp16_groups`` ... ``all_fp32_from_fp32_params``), per param group:
+    the fp16/bf16 model params (``which`` 0), the fp32 weights stepped for them (1: their masters,
+    or themselves without) and the fp32 params (2); ``flat``: one list of all groups'."""
+    model_of = {id(m): p for p, m in zip(store.model_params, store.masters)} if store else {}
+    lists = []
+    for group in optimizer.param_groups:
+        pairs = [(model_of.get(id(q), q), q if store else optimizer.state.get(q, {}).get(
+            MASTER_KEY, q)) for q in group["params"]]
+        lists.append([pair[min(which, 1)] for pair in pairs
+                      if (pair[0].dtype in LOW_DTYPES) == (which < 2)])
+    return [t for group in lists for t in group] if flat else lists
+
+
+class ApexStashLists:
+    """Apex's amp stash lists, which scripts read (NVIDIA's BERT clears a skipped step's master
+    gradients through ``optimizer._amp_stash.all_fp32_from_fp16_params``), of ``self.optimizer``
+    and ``self.store`` (if any): amp's per-optimizer state has them."""
+
+    fp16_groups, fp32_from_fp16_groups, fp32_from_fp32_groups, all_fp16_params, \
+        all_fp32_from_fp16_params, all_fp32_from_fp32_params = (property(
+            lambda self, i=i: apex_lists(self.optimizer, getattr(self, "store", None), i % 3,
+                                         i > 2)) for i in range(6))
