@@ -11,7 +11,7 @@ from torch._utils import _unflatten_dense_tensors
 from peak import amp
 from peak.amp._amp_state import _amp_state
 from peak.compat._apex import amp_C
-from peak.optimizers import FusedAdam, FusedLAMB
+from peak.optimizers import LARC, FusedAdam, FusedLAMB
 from peak_testing import assert_bitwise_equal
 
 OPTIMIZERS = {"FusedLAMB": FusedLAMB, "torch Adam": torch.optim.Adam, "FusedAdam": FusedAdam}
@@ -27,7 +27,7 @@ def _batch(step, micro):
     return torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
 
 
-def _bert_run(opt_class, poisoned_step, steps=5, accum=2):
+def _bert_run(opt_class, poisoned_step, steps=5, accum=2, clear_model_grads=True):
     """The script's loop: micro-batches under ``scale_loss(..., delay_overflow_check=True)``, then
     its take_optimizer_step on one rank (the all-reduce of one rank is the identity)."""
     model = _model()
@@ -68,15 +68,20 @@ def _bert_run(opt_class, poisoned_step, steps=5, accum=2):
                 param.grad = None
         after = [t.detach().clone() for t in list(model.parameters())
                  + list(amp.master_params(optimizer))]
-        for param in model.parameters():
+        for param in model.parameters() if clear_model_grads else ():
             param.grad = None
         history.append((had_overflow, loss_scale, scaler.loss_scale(), before, after))
     return history
 
 
+@pytest.mark.parametrize("clear_model_grads", [True, False], ids=["BERT", "masters only"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_nvidia_berts_post_accumulation_step_skips_on_its_own_overflow_buffer(name):
-    history = _bert_run(OPTIMIZERS[name], poisoned_step=2)
+def test_nvidia_berts_post_accumulation_step_skips_on_its_own_overflow_buffer(name,
+                                                                               clear_model_grads):
+    """"masters only": the skip clears the masters' gradients alone (Apex's own skip_step does):
+    the scaled model gradients they were taken from, inf included, go with them, as Apex's next
+    backward drops them, so the steps after the skip are not skipped too."""
+    history = _bert_run(OPTIMIZERS[name], poisoned_step=2, clear_model_grads=clear_model_grads)
     assert [h[0] for h in history] == [False, False, True, False, False]
     for step, (skipped, scale, new_scale, before, after) in enumerate(history):
         if skipped:  # the scale backs off and nothing moves, bit for bit
@@ -87,7 +92,7 @@ def test_nvidia_berts_post_accumulation_step_skips_on_its_own_overflow_buffer(na
             assert all(torch.isfinite(t).all() for t in after)
             assert not all(torch.equal(a, b) for a, b in zip(after, before)), step
     _reset()  # the steps before the poisoned one are those of a run without it
-    clean = _bert_run(OPTIMIZERS[name], poisoned_step=-1)
+    clean = _bert_run(OPTIMIZERS[name], poisoned_step=-1, clear_model_grads=clear_model_grads)
     assert [h[0] for h in clean] == [False] * 5
     assert_bitwise_equal([h[4] for h in history[:2]], [h[4] for h in clean[:2]])
 
@@ -113,6 +118,10 @@ def test_an_overflow_buffer_swapped_in_reaches_update_scale_and_the_flag_given_b
     scaler.clear_overflow_state()
     scaler._overflow_buf = torch.zeros(1, dtype=torch.int32)
     assert scaler.update_scale() is False and scaler.loss_scale() == scale / 2
+    scaler._has_overflow = True  # (Apex's is an attribute scripts set: Horovod's Adasum)
+    assert scaler.update_scale() is True and scaler.loss_scale() == scale / 4
+    scaler._has_overflow = False
+    assert not scaler._has_overflow and scaler.update_scale() is False
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -120,9 +129,10 @@ def test_an_overflow_buffer_swapped_in_reaches_update_scale_and_the_flag_given_b
 def test_apexs_stash_lists_name_the_weights_each_group_steps(name, opt_level):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
-                                torch.nn.Linear(8, 2))
+                                torch.nn.Linear(8, 2), torch.nn.Linear(2, 2))
+    model[3].requires_grad_(False)  # frozen, in the optimizer: not listed (as Apex)
     groups = [{"params": list(model[0].parameters()) + list(model[1].parameters())},
-              {"params": list(model[2].parameters()), "lr": 0.5}]
+              {"params": list(model[2].parameters()) + list(model[3].parameters()), "lr": 0.5}]
     model, optimizer = amp.initialize(model, OPTIMIZERS[name](groups, lr=1e-2),
                                       opt_level=opt_level, verbosity=0)
     stash = optimizer._amp_stash
@@ -144,3 +154,12 @@ def test_apexs_stash_lists_name_the_weights_each_group_steps(name, opt_level):
     assert same(stash.all_fp16_params, low[0] + low[1])
     assert same(stash.all_fp32_from_fp32_params, fp32[0] + fp32[1])
     assert [len(g) for g in stash.fp32_from_fp16_groups] == [len(g) for g in low]
+
+
+def test_a_wrapper_given_to_initialize_has_the_lazy_init_too():
+    model = _model()
+    larc = LARC(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, larc = amp.initialize(model, larc, opt_level="O2", verbosity=0)
+    before = [m.detach().clone() for m in amp.master_params(larc)]
+    larc._lazy_init_maybe_master_weights()
+    assert_bitwise_equal([m.detach() for m in amp.master_params(larc)], before)

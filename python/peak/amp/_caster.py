@@ -205,8 +205,7 @@ def disable() -> None:
     _c.set_allow_banned(False)
     _c.clear_cache()
     alive = {t.ident for t in threading.enumerate()}
-    with _lock:
-        # this thread, and threads that ended with O1 on
+    with _lock:  # this thread, and threads that ended with O1 on
         for ident in [t for t in _on if t == threading.get_ident() or t not in alive]:
             _on.discard(ident)
             _release()

@@ -149,7 +149,8 @@ class ScaledGradsState(AmpOptimizerState):
         inf/NaN charged to its scaler); exit checks the new ones alone, then adds them back."""
         if self.master_grads_given and (self.grad_scale is None or all(  # given from no exit's,
                 m.grad is None for m in self.optimizer.master_params())):  # or the script dropped
-            self.drop_pending()  # them (NVIDIA's BERT after a skip it decided)
+            self.drop_pending()  # them (NVIDIA's BERT after a skip it decided): the scaled ones
+            self.left = grads_left(self.params)  # they were taken from go too, as in Apex
         elif self.master_grads_given:
             raise RuntimeError(
                 "amp.scale_loss: amp.master_params(optimizer) already gave this fused optimizer's "
@@ -340,8 +341,7 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
         for p, q in zip(old, group["params"]):
             if p is not q and p in optimizer.state:
                 optimizer.state[q] = optimizer.state.pop(p)
-    if had_state:
-        # Cast existing per-parameter state to the (new) parameter dtypes, as Apex does.
+    if had_state:  # existing per-parameter state cast to the (new) parameter dtypes, as Apex does
         optimizer.load_state_dict(optimizer.state_dict())
     optimizer._amp_stash = stash
     optimizer._lazy_init_maybe_master_weights = lambda: None  # (Apex's; peak's masters are eager)

@@ -338,8 +338,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                         or new_scale.requires_grad):
                     raise AssertionError(reason)
                 self._scale.copy_(new_scale.reshape(()))
-        else:
-            # Every optimizer's per-device flags: the op sums them on the scale's device.
+        else:  # every optimizer's per-device flags: the op sums them on the scale's device
             found_infs = [found_inf for state in self._per_optimizer_states.values()
                           for found_inf in state["found_inf_per_device"].values()]
             if len(found_infs) == 0:

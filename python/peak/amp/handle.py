@@ -75,16 +75,17 @@ class LossScaler:
         if not self.dynamic:
             self._static_value = float(value)
 
-    # Apex's private names, which its tests and scripts set (``loss_scalers[0]._loss_scale = 4``).
+    # Apex's private names, which its tests and scripts set (``loss_scalers[0]._loss_scale = 4``;
+    # NVIDIA's BERT sets its own ``_overflow_buf`` for ``update_scale()``: taken into the flag).
     _loss_scale = property(lambda self: self.loss_scale(), _set_loss_scale)
     _scale_seq_len, _min_loss_scale, _max_loss_scale = (growth_interval, min_loss_scale,
                                                         max_loss_scale)
     _unskipped = property(lambda self: int(self.growth_tracker.item()),
                           lambda self, value: self.growth_tracker.fill_(int(value)))
-    # Apex's overflow buffer: NVIDIA's BERT sets its own for update_scale() (taken into the flag)
     _overflow_buf = property(lambda self: self.found_inf, lambda self, buf: None if buf is
                              self.found_inf else self.found_inf.copy_(buf.reshape(1)))
-    _has_overflow = property(lambda self: self.has_overflow())
+    _has_overflow = property(lambda self: self.has_overflow(), lambda self, value: self.found_inf
+                             .fill_(1.0) if value else self.clear_overflow_state())
 
     def found_inf_for(self, device: torch.device) -> torch.Tensor:
         """The overflow flag the kernels write for tensors on ``device``."""

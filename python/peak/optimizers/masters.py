@@ -497,8 +497,8 @@ def apex_lists(optimizer, store: MasterWeights | None, which: int, flat: bool) -
     for group in optimizer.param_groups:
         pairs = [(model_of.get(id(q), q), q if store else optimizer.state.get(q, {}).get(
             MASTER_KEY, q)) for q in group["params"]]
-        lists.append([pair[min(which, 1)] for pair in pairs
-                      if (pair[0].dtype in LOW_DTYPES) == (which < 2)])
+        lists.append([pair[min(which, 1)] for pair in pairs  # (Apex's: trainable ones only)
+                      if pair[0].requires_grad and (pair[0].dtype in LOW_DTYPES) == (which < 2)])
     return [t for group in lists for t in group] if flat else lists
 
 
