@@ -15,8 +15,7 @@ from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
     check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
     wrapper_chain)
-from ._followed import (as_followed, followed, note_weight, settle_loads,  # noqa: F401
-                        weights_settled)  # (the watch's entry points: _base.py and the hooks)
+from ._followed import as_followed, followed, note_weight, settle_loads
 from ._memory_layout import (UNSEEN, follow_master_layouts, state_for_master, weight_stamp,
                              written_since)
 from ._grads import (drop_left_grads, grads_left, own_grad, unscaled_sparse,  # noqa: F401
