@@ -153,6 +153,7 @@ def test_apexs_stash_lists_name_the_weights_each_group_steps(name, opt_level):
     assert all(same(a, b) for a, b in zip(stash.fp32_from_fp32_groups, fp32))
     assert same(stash.all_fp16_params, low[0] + low[1])
     assert same(stash.all_fp32_from_fp32_params, fp32[0] + fp32[1])
+    assert same(stash.all_fp32_params, fp32[0] + fp32[1])  # (O1's name for them)
     assert [len(g) for g in stash.fp32_from_fp16_groups] == [len(g) for g in low]
 
 
@@ -162,4 +163,6 @@ def test_a_wrapper_given_to_initialize_has_the_lazy_init_too():
     model, larc = amp.initialize(model, larc, opt_level="O2", verbosity=0)
     before = [m.detach().clone() for m in amp.master_params(larc)]
     larc._lazy_init_maybe_master_weights()
+    larc._amp_lazy_init()  # (Varuna's resume calls this one)
+    larc.optim._amp_lazy_init()
     assert_bitwise_equal([m.detach() for m in amp.master_params(larc)], before)

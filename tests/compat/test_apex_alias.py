@@ -472,6 +472,23 @@ def test_apex_module_paths_and_missing_submodules(alias):
         amp_C.multi_tensor_lamb_mp
 
 
+def test_apex_C_flattens_and_unflattens_as_apexs_extension(alias):
+    """apex_C.flatten is the tensors' elements in order in one tensor; unflatten gives views
+    shaped as the tensors again (Apex's bucketing writes through them)."""
+    import apex_C
+    from apex.parallel.distributed import flatten, unflatten
+
+    tensors = [torch.arange(6.0).view(2, 3), torch.tensor([7.0]), torch.arange(4.0).view(2, 2)]
+    flat = apex_C.flatten(tensors)
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]))
+    parts = apex_C.unflatten(flat * 2, tensors)
+    assert [p.shape for p in parts] == [t.shape for t in tensors]
+    assert all(torch.equal(p, t * 2) for p, t in zip(parts, tensors))
+    assert torch.equal(flatten(tensors), flat) and len(unflatten(flat, tensors)) == 3
+    with pytest.raises(ModuleNotFoundError, match="amp_C and apex_C"):
+        import apex.no_such_module  # noqa: F401
+
+
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_amp_c_sgd_with_fp32_master_grads_and_low_copies(alias, low):
     """Apex's FusedSGD under O2 (materialize_master_grads=True) passes [fp32 master grads,

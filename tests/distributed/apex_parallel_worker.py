@@ -60,6 +60,15 @@ def worker(rank, world_size):
     x, y = batch(0, rank)
     torch.nn.functional.mse_loss(model(x), y).backward()
     out["disabled"] = [p.grad.clone() for p in model.module.parameters()]
+    # flat_dist_call (BERT's weight broadcast, a hand-made gradient average), fp32 and fp16 mixed
+    from apex.parallel.distributed import flat_dist_call
+    own = [torch.full((3,), 1.0 + rank), torch.full((2, 2), 10.0 * (rank + 1)).half(),
+           torch.full((5,), -2.0 - rank)]
+    broadcast = [t.clone() for t in own]
+    flat_dist_call(broadcast, torch.distributed.broadcast, (0,))
+    averaged = [t.clone() for t in own]
+    flat_dist_call(averaged, torch.distributed.all_reduce)
+    out["flat"] = {"own": own, "broadcast": broadcast, "averaged": averaged}
     # a parameter without a gradient, without delay_allreduce: the error names Apex's way out
     model = DistributedDataParallel(_Partly())
     try:

@@ -46,6 +46,18 @@ def test_disable_allreduce_keeps_each_ranks_gradients(ranks):
         assert all(torch.equal(a, b) for a, b in zip(r["disabled"], r["fp32"]["local"]))
 
 
+def test_flat_dist_call_broadcasts_and_averages_per_dtype_as_apex(ranks):
+    """Apex's flat_dist_call: every rank gets rank 0's tensors from a broadcast, and the mean of
+    the ranks' from an all_reduce (summed, then divided by the world size), each dtype flat."""
+    own = [r["flat"]["own"] for r in ranks]
+    for r in ranks:
+        for i, t in enumerate(r["flat"]["broadcast"]):
+            assert torch.equal(t, own[0][i]) and t.dtype == own[0][i].dtype
+        for i, t in enumerate(r["flat"]["averaged"]):
+            assert torch.equal(t, (own[0][i] + own[1][i]) / 2) and t.dtype == own[0][i].dtype
+    assert not torch.equal(own[0][0], own[1][0])
+
+
 def test_a_parameter_without_gradient_names_delay_allreduce(ranks):
     for r in ranks:
         assert "pass delay_allreduce=True" in r["unused"], r["unused"]

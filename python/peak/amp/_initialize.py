@@ -190,7 +190,7 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
         process_optimizer(inner, properties, fp32_originals, wrapped=inner is not optimizer)
         if inner is not optimizer:  # scale_loss and master_params accept the wrapper
             optimizer._amp_stash = inner._amp_stash
-            optimizer._lazy_init_maybe_master_weights = inner._lazy_init_maybe_master_weights
+            optimizer._lazy_init_maybe_master_weights = optimizer._amp_lazy_init = lambda: None
     fp32_originals.clear()
     if properties.master_weights and not optimizers:
         _warn_on_training_without_masters(models, properties.opt_level)

@@ -344,7 +344,7 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
     if had_state:  # existing per-parameter state cast to the (new) parameter dtypes, as Apex does
         optimizer.load_state_dict(optimizer.state_dict())
     optimizer._amp_stash = stash
-    optimizer._lazy_init_maybe_master_weights = lambda: None  # (Apex's; peak's masters are eager)
+    optimizer._lazy_init_maybe_master_weights = optimizer._amp_lazy_init = lambda: None  # (Apex's)
     optimizer.step = BoundMethod(_step, optimizer, optimizer.step)
     optimizer.zero_grad = BoundMethod(_zero_grad, optimizer)
     optimizer.add_param_group = BoundMethod(_add_param_group, optimizer)

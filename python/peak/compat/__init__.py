@@ -1,5 +1,5 @@
 """Opt-in Apex alias: unmodified scripts that ``import apex`` / ``from apex import amp`` /
-``import amp_C`` run on peak (see NOTE: [Apex alias] in ``_finder.py`` and docs/migrating.md).
+``import amp_C`` / ``import apex_C`` run on peak (see NOTE: [Apex alias] in ``_finder.py`` and docs/migrating.md).
 
 Switch it on for every interpreter of this environment (a ``.pth`` file in site-packages)::
 
@@ -31,7 +31,7 @@ class RealApexError(RuntimeError):
 
 
 def _refuse_if_real_apex() -> None:
-    for name in ("apex", "amp_C"):
+    for name in _finder.TOP_NAMES:
         real = _finder.real_apex_location(name)
         if real is not None:
             raise RealApexError(
@@ -41,7 +41,7 @@ def _refuse_if_real_apex() -> None:
 
 
 def install_apex_alias() -> None:
-    """Makes ``import apex`` (and ``amp_C``) resolve to peak in this process. Raises
+    """Makes ``import apex`` (and ``amp_C``, ``apex_C``) resolve to peak in this process. Raises
     :class:`RealApexError` when a real Apex is importable."""
     _refuse_if_real_apex()
     _finder.activate()

@@ -1,7 +1,7 @@
 """The import hook behind peak's opt-in Apex alias (NOTE: [Apex alias]).
 
 NOTE: [Apex alias]
-``apex``, its submodules and ``amp_C`` resolve to peak modules: a finder placed first on
+``apex``, its submodules, ``amp_C`` and ``apex_C`` resolve to peak modules: a finder placed first on
 ``sys.meta_path`` hands out the peak module object itself under the Apex name (``apex.amp is
 peak.amp``), so state and isinstance checks are shared. It never shadows a real Apex: before
 answering for a name it looks the name up on ``sys.path`` the ordinary way and, if a real module
@@ -33,10 +33,14 @@ ALIASES = {
     "apex.fp16_utils.*": "peak.fp16_utils",
     "apex.parallel": "peak.compat._apex.parallel",
     "apex.parallel.LARC": "peak.compat._apex.parallel.LARC",
+    "apex.parallel.distributed": "peak.compat._apex.parallel",
     "apex.multi_tensor_apply": "peak.compat._apex.multi_tensor_apply",
     "apex.multi_tensor_apply.*": "peak.compat._apex.multi_tensor_apply",
     "amp_C": "peak.compat._apex.amp_C",
+    "apex_C": "peak.compat._apex.apex_C",
 }
+# The top-level names the alias answers for (Apex installed its two C extensions beside apex).
+TOP_NAMES = ("apex", "amp_C", "apex_C")
 
 _THIS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,7 +56,7 @@ def target_of(fullname: str) -> str | None:
 
 
 def real_apex_location(name: str = "apex") -> str | None:
-    """Where a real (non-peak) ``apex`` or ``amp_C`` would be imported from, or None."""
+    """Where a real (non-peak) ``apex``, ``amp_C`` or ``apex_C`` would be imported from, or None."""
     spec = importlib.machinery.PathFinder.find_spec(name)
     if spec is None:
         return None
@@ -86,7 +90,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class ApexAliasFinder(importlib.abc.MetaPathFinder):
-    """Answers for ``apex``, ``apex.*`` and ``amp_C`` (see NOTE: [Apex alias])."""
+    """Answers for ``apex``, ``apex.*``, ``amp_C`` and ``apex_C`` (see NOTE: [Apex alias])."""
 
     _peak_apex_alias = True  # how another copy of this file recognises an installed finder
 
@@ -95,7 +99,7 @@ class ApexAliasFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         top = fullname.partition(".")[0]
-        if top not in ("apex", "amp_C"):
+        if top not in TOP_NAMES:
             return None
         real = real_apex_location(top)
         if real is not None:
@@ -110,8 +114,8 @@ class ApexAliasFinder(importlib.abc.MetaPathFinder):
         if aliased is None:
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: peak's Apex alias provides apex.amp, "
-                "apex.optimizers, apex.fp16_utils, apex.parallel.LARC, "
-                "apex.multi_tensor_apply and amp_C (see docs/migrating.md); "
+                "apex.optimizers, apex.fp16_utils, apex.parallel, "
+                "apex.multi_tensor_apply, amp_C and apex_C (see docs/migrating.md); "
                 f"{fullname} has no peak counterpart", name=fullname)
         target_spec = importlib.util.find_spec(aliased)
         if target_spec is None:  # e.g. apex.fp16_utils.loss_scaler: Apex has it, peak does not
@@ -133,7 +137,7 @@ def activate() -> bool:
     warning) when a real Apex is importable: the alias then stays off."""
     if installed_finder() is not None:
         return True
-    for name in ("apex", "amp_C"):
+    for name in TOP_NAMES:
         real = real_apex_location(name)
         if real is not None:
             warnings.warn(f"peak's Apex alias stays off: a real {name!r} is importable ({real}). "
@@ -148,6 +152,6 @@ def deactivate() -> None:
     """Removes the finder and forgets the aliased modules (peak's own modules stay loaded)."""
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_peak_apex_alias", False)]
     for name in list(sys.modules):
-        if name in ("amp_C", "apex") or name.startswith("apex."):
+        if name in TOP_NAMES or name.startswith("apex."):
             if getattr(sys.modules[name], "__name__", "").startswith("peak"):
                 del sys.modules[name]

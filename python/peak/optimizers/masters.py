@@ -510,3 +510,4 @@ class ApexStashLists:
         all_fp32_from_fp16_params, all_fp32_from_fp32_params = (property(
             lambda self, i=i: apex_lists(self.optimizer, getattr(self, "store", None), i % 3,
                                          i > 2)) for i in range(6))
+    all_fp32_params = all_fp32_from_fp32_params  # (Apex's name for them under O1)

@@ -1,10 +1,13 @@
-"""``apex.parallel`` under peak's Apex alias: ``LARC``; ``DistributedDataParallel``,
-``SyncBatchNorm`` and ``convert_syncbn_model`` over torch's own (docs/migrating.md)."""
+"""``apex.parallel`` (and ``apex.parallel.distributed``) under peak's Apex alias: ``LARC``;
+``DistributedDataParallel``, ``SyncBatchNorm`` and ``convert_syncbn_model`` over torch's own;
+``flat_dist_call`` (docs/migrating.md)."""
 import dis
 import sys
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors as flatten
+from torch._utils import _unflatten_dense_tensors as unflatten
 
 _IMPORT_FROM = dis.opmap["IMPORT_FROM"]
 
@@ -74,6 +77,33 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
 
     def enable_allreduce(self):
         self.require_backward_grad_sync = True
+
+
+def apply_flat_dist_call(bucket, call, extra_args=None):
+    """Apex's: ``call`` (a torch.distributed collective) on ``bucket`` (tensors of one type)
+    flattened into one tensor, the result copied back; an ``all_reduce`` is then averaged over
+    the world, as Apex's."""
+    coalesced = flatten(bucket)
+    call(coalesced, *(extra_args or ()))
+    if call is dist.all_reduce:
+        coalesced /= dist.get_world_size()
+    for tensor, synced in zip(bucket, unflatten(coalesced, bucket)):
+        tensor.copy_(synced)
+
+
+def split_by_type(tensors):
+    """Apex's: ``tensors`` grouped by ``tensor.type()``, in first-seen order."""
+    buckets = {}
+    for tensor in tensors:
+        buckets.setdefault(tensor.type(), []).append(tensor)
+    return buckets
+
+
+def flat_dist_call(tensors, call, extra_args=None):
+    """Apex's (``apex.parallel.distributed.flat_dist_call``): one flattened ``call`` per tensor
+    type, e.g. ``flat_dist_call(weights, dist.broadcast, (0,))`` gives every rank rank 0's."""
+    for bucket in split_by_type(tensors).values():
+        apply_flat_dist_call(bucket, call, extra_args)
 
 
 def _refuse_apex_only(channel_last=False, fuse_relu=False):
