@@ -344,6 +344,14 @@ def test_amp_C_update_scale_hysteresis():
         for _ in range(3):
             amp_C.update_scale_hysteresis(scale, growth, hyst, clean, 2.0, 0.5, 3, 2)
         assert scale.item() == 1024.0 and hyst.item() == 2
+        # 200 overflows in a row: Apex's kernel backs off to 0 (its own test expects it; the
+        # next clean step's gradients would be 0 * 1/0 = NaN) and its tracker goes negative;
+        # peak's scale stops at the smallest normal float and the tracker at 0.
+        for _ in range(200):
+            amp_C.update_scale_hysteresis(scale, growth, hyst, inf, 2.0, 0.5, 3, 2)
+        assert scale.item() == torch.finfo(torch.float32).tiny and hyst.item() == 0
+        amp_C.update_scale_hysteresis(scale, growth, hyst, clean, 2.0, 0.5, 3, 2)
+        assert hyst.item() == 2 and growth.item() == 1
     finally:
         peak.compat.uninstall_apex_alias()
 
