@@ -13,7 +13,14 @@ from . import ops
 
 __all__ = ["local_shard", "group_by_device_dtype", "OverflowFlags", "merge_flags", "LossScale",
            "unscale_grads_", "core_attribute", "optimizer_gradients", "reduce_over_meshes",
-           "agree_on_overflow", "skip_leaves_state_unset"]
+           "agree_on_overflow", "skip_leaves_state_unset", "check_scale"]
+
+
+def check_scale(what: str, scale: float) -> float:
+    """``scale`` if a loss scale can be it: finite, >= 2**-126 (below, 1/scale can be inf)."""
+    if math.isfinite(scale) and scale >= torch.finfo(torch.float32).tiny:
+        return scale
+    raise ValueError(f"{what} must be finite and >= 2**-126 (1.18e-38), got {scale!r}")
 
 
 def local_shard(t):

@@ -190,8 +190,14 @@ def test_loss_scale_param_groups_and_state_are_settable():
     opt.backward(torch.nn.functional.mse_loss(model(x.half()).float(), y))
     for p, m in zip(opt.model_params, opt.master_params):
         assert torch.equal(m.grad, p.grad.float() / 64.0)
-    with pytest.raises(ValueError, match="finite positive"):
-        opt.loss_scale = 0.0
+    for bad in (0.0, 1e-40, float("inf")):  # (1/1e-40 is inf in float32)
+        with pytest.raises(ValueError, match=r"loss_scale must be finite and >= 2\*\*-126"):
+            opt.loss_scale = bad
+    assert opt.loss_scale == 64.0
+    for bad in (dict(static_loss_scale=0.0), dict(static_loss_scale=1e-40),
+                dict(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 0.0})):
+        with pytest.raises(ValueError, match="FP16_Optimizer: the initial loss scale must be"):
+            make(model, **bad)
     groups = opt.param_groups
     opt.param_groups = groups
     assert opt.optimizer.param_groups is groups

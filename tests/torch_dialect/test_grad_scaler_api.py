@@ -89,6 +89,8 @@ def test_disabled_scaler_is_a_pass_through():
     (dict(growth_factor=0.5), ValueError, "growth factor"),
     (dict(init_scale=0.0), ValueError, "init_scale"),
     (dict(init_scale=float("inf")), ValueError, "init_scale"),
+    # (1/1e-40 is inf in float32: every gradient would unscale to inf or NaN)
+    (dict(init_scale=1e-40), ValueError, r"init_scale must be finite and >= 2\*\*-126"),
     (dict(init_scale="big"), TypeError, "init_scale must be a float"),
     (dict(growth_interval=0), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
     (dict(growth_interval=2**32 + 1), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),  # (an int32 counter would wrap)
@@ -113,8 +115,10 @@ def test_bad_constructor_arguments(kwargs, exc, match):
     (dict(_growth_tracker=-1), ValueError, r"_growth_tracker=-1 must be in \[0, inf\]"),
     (dict(_skipped_steps=-3), ValueError, "_skipped_steps=-3"),
     (dict(growth_factor=0.5), AssertionError, "growth factor must be > 1.0"),
-    (dict(scale=float("inf")), ValueError, "GradScaler: scale must be finite and > 0, got inf"),
-    (dict(scale=0.0), ValueError, "GradScaler: scale must be finite and > 0"),
+    (dict(scale=float("inf")), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-126 "
+                                           r"\(1.18e-38\), got inf"),
+    (dict(scale=0.0), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-126"),
+    (dict(scale=1e-40), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-126"),
     (dict(scale="a"), TypeError, "GradScaler: scale must be a float, got str"),
     (dict(growth_interval=0), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
     (dict(growth_interval=2**31), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
@@ -237,6 +241,12 @@ def test_update_new_scale():
             s.update(bad)
     with pytest.raises(TypeError, match="new_scale should be a float"):
         s.update("2")
+    # A scale the next step would unscale by 1/0 or 1/1e-40 (inf in float32): torch takes it and
+    # NaNs the weights at the next clean step; peak refuses it, keeping the scale it had.
+    for bad in (0.0, 1e-40, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"update: new_scale must be finite and >= 2\*\*-126"):
+            s.update(bad)
+        assert s.get_scale() == 16.0
 
 
 def test_scale_nested_outputs():

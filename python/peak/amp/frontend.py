@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .. import _dtypes
+from .. import _dtypes, scaling
 from . import _caster, _initialize
 from ._amp_state import LOW_DTYPES, _amp_state, maybe_print, warn_or_err
 from .handle import AmpHandle, LossScaler, NoOpHandle
@@ -90,9 +90,6 @@ class Properties:
         options[name] = value
 
 
-_TINY = torch.finfo(torch.float32).tiny
-
-
 def parse_loss_scale(value):
     if value == "dynamic":
         return value
@@ -104,10 +101,7 @@ def parse_loss_scale(value):
     except (TypeError, ValueError):
         raise ValueError("loss_scale must be a number, a numeric string such as '128.0', or "
                          f"'dynamic'; found loss_scale={value!r}") from None
-    if not (math.isfinite(scale) and scale >= _TINY):  # (1/scale finite in float32)
-        raise ValueError(f"loss_scale must be a finite number >= {_TINY:.3g} (or 'dynamic'); "
-                         f"found loss_scale={value!r}")
-    return scale
+    return scaling.check_scale("loss_scale (a number or 'dynamic')", scale)
 
 
 class OptLevel:
@@ -151,7 +145,7 @@ def _check_loss_scale_bound(name, value):
         v = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number or None; found {name}={value!r}") from None
-    low = _TINY if name == "max_loss_scale" else 0.0  # (the first scale: 1/scale finite)
+    low = torch.finfo(torch.float32).tiny if name == "max_loss_scale" else 0.0  # (the first scale: 1/scale finite)
     if math.isnan(v) or v < low:
         raise ValueError(f"{name} must be >= {low:.3g} (or None); found {name}={value!r}")
     return v

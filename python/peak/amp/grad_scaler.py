@@ -16,8 +16,8 @@ import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .. import _C
 from ..scaling import (LossScale, OverflowFlags, agree_on_overflow as _agree_on_overflow,
-                       core_attribute, merge_flags, optimizer_gradients, skip_leaves_state_unset,
-                       unscale_grads_)
+                       check_scale, core_attribute, merge_flags, optimizer_gradients,
+                       skip_leaves_state_unset, unscale_grads_)
 from .overflow_report import OverflowAttribution, OverflowReport
 
 _CHUNK_SIZE = 65536
@@ -64,8 +64,7 @@ def check_options(options: dict, on_min_scale) -> dict:
     if not o["backoff_factor"] < 1.0:
         raise _ConfigError("The backoff factor must be < 1.0.")
     init_scale, min_scale, max_scale = o["init_scale"], o["min_scale"], o["max_scale"]
-    if not (math.isfinite(init_scale) and init_scale > 0):
-        raise ValueError(f"GradScaler: init_scale must be finite and > 0, got {init_scale}")
+    check_scale("GradScaler: init_scale", init_scale)
     if not o["backoff_factor"] > 0:
         raise ValueError(f"GradScaler: backoff_factor must be > 0, got {o['backoff_factor']}")
     for name, what in (("growth_interval", ""), ("hysteresis", " (1 backs off at the first "
@@ -328,7 +327,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         floor_hit = False
         if new_scale is not None:
             if isinstance(new_scale, (float, int)) and not isinstance(new_scale, bool):
-                self._scale.fill_(float(new_scale))
+                self._scale.fill_(check_scale("GradScaler.update: new_scale", float(new_scale)))
             else:
                 reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                           "torch.FloatTensor with requires_grad=False.")

@@ -9,7 +9,7 @@ import torch
 
 from ..optimizers.masters import (LOW_DTYPES, MasterWeights, check_one_master_each, own_grad,
                                   state_for_master, unscaled_sparse, zero_in_place)
-from ..scaling import LossScale, core_attribute
+from ..scaling import LossScale, check_scale, core_attribute
 from .fp16util import clip_grad_norm
 
 
@@ -73,8 +73,8 @@ class FP16_Optimizer:
                                  f"{sorted(args)}")
             args.update(dynamic_loss_args)
         max_scale = float(args["max_loss_scale"] or math.inf)
-        init = (min(float(args["init_scale"]), max_scale) if self.dynamic_loss_scale
-                else float(static_loss_scale))
+        init = check_scale("FP16_Optimizer: the initial loss scale", min(float(
+            args["init_scale"]), max_scale) if self.dynamic_loss_scale else float(static_loss_scale))
         scale_factor = float(args["scale_factor"])
         self._core = LossScale(init, growth_factor=scale_factor, backoff_factor=1.0 / scale_factor,
                                growth_interval=int(args["scale_window"]),
@@ -148,10 +148,7 @@ class FP16_Optimizer:
     @loss_scale.setter
     def loss_scale(self, value) -> None:
         # Apex sets the scaler's current scale (e.g. to schedule a static scale).
-        value = float(value)
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"loss_scale must be a finite positive number, got {value}")
-        self._core.scale.fill_(value)
+        self._core.scale.fill_(check_scale("loss_scale", float(value)))
 
     def backward(self, loss, update_master_grads=True, retain_graph=False):
         """``(loss.float() * loss_scale).backward()``, then (by default) unscale into the
