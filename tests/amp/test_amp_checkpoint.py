@@ -83,10 +83,11 @@ def test_load_state_dict_apex_semantics():
                         'Unexpected key\\(s\\) in state_dict: "bogus"'),
                        ({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0},
                          "loss_scaler1": {"loss_scale": 4.0}}, "not loss scaler states"),
-                       # a NaN or inf scale would skip every step, 0 would make NaN weights
+                       # a NaN or inf scale would skip every step, 0 or a subnormal (1/scale
+                       # is inf) would make NaN weights
                        *(({"loss_scaler0": {"loss_scale": v, "unskipped": 0}},
-                          "loss_scaler0=.*'loss_scale': a finite float > 0")
-                         for v in (float("nan"), float("inf"), 0.0, -2.0)),
+                          r"loss_scaler0=.*'loss_scale': a finite float >= 2\*\*-126")
+                         for v in (float("nan"), float("inf"), 0.0, -2.0, 1e-40)),
                        ({"loss_scaler0": {"loss_scale": 4.0, "unskipped": -1}}, "an int >= 0")):
         with pytest.raises(RuntimeError, match=match):
             amp.load_state_dict(bad)

@@ -122,6 +122,11 @@ def test_an_overflow_buffer_swapped_in_reaches_update_scale_and_the_flag_given_b
     assert scaler.update_scale() is True and scaler.loss_scale() == scale / 4
     scaler._has_overflow = False
     assert not scaler._has_overflow and scaler.update_scale() is False
+    before = scaler.loss_scale()
+    for bad in (0.0, 1e-40, float("nan")):  # (the next clean step would unscale by 1/0: NaN)
+        with pytest.raises(ValueError, match=r"_loss_scale must be finite and >= 2\*\*-126"):
+            scaler._loss_scale = bad
+        assert scaler.loss_scale() == before
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -145,7 +145,7 @@ def _check_loss_scale_bound(name, value):
         v = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a number or None; found {name}={value!r}") from None
-    low = torch.finfo(torch.float32).tiny if name == "max_loss_scale" else 0.0  # (the first scale: 1/scale finite)
+    low = torch.finfo(torch.float32).tiny if name == "max_loss_scale" else 0.0  # (1/scale finite)
     if math.isnan(v) or v < low:
         raise ValueError(f"{name} must be >= {low:.3g} (or None); found {name}={value!r}")
     return v
@@ -302,8 +302,8 @@ def load_state_dict(state_dict):
                            .format(", ".join('"{}"'.format(k) for k in unexpected)))
     if bad := [f"{k}={e!r}" for k, e in items if not _is_scaler_state(e)]:
         raise RuntimeError(f"amp.load_state_dict: {bad} are not loss scaler states "
-                           "({'loss_scale': a finite float > 0, 'unskipped': an int >= 0}); "
-                           "nothing was loaded")
+                           "({'loss_scale': a finite float >= 2**-126, 'unskipped': an int >= "
+                           "0}); nothing was loaded")
     if len(items) != len(scalers) and _amp_state.verbosity > 0:
         warnings.warn(f"amp.load_state_dict: {len(items)} saved loss scalers, {len(scalers)} in "
                       "use (num_losses): the first ones load by position, the rest are left",
@@ -317,7 +317,7 @@ def _is_scaler_state(entry) -> bool:
         return False
     scale, unskipped = entry["loss_scale"], entry["unskipped"]
     return (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-            and math.isfinite(scale) and scale > 0  # (a NaN scale skips every step; 0: NaN weights)
+            and math.isfinite(scale) and scale >= torch.finfo(torch.float32).tiny  # (1/scale)
             and isinstance(unskipped, int) and not isinstance(unskipped, bool) and unskipped >= 0)
 
 

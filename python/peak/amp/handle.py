@@ -16,8 +16,8 @@ import torch
 
 from peak import ops
 from peak.optimizers.masters import inner_optimizer
-from peak.scaling import (LossScale, agree_on_overflow, core_attribute, group_by_device_dtype,
-                          merge_flags, unscale_grads_)
+from peak.scaling import (LossScale, agree_on_overflow, check_scale, core_attribute,
+                          group_by_device_dtype, merge_flags, unscale_grads_)
 
 from . import _caster
 from ._amp_state import _amp_state
@@ -71,9 +71,9 @@ class LossScaler:
         return loss.float() * self.scale.to(loss.device, non_blocking=True).reshape(())
 
     def _set_loss_scale(self, value: float) -> None:
-        self.scale.fill_(float(value))
+        self.scale.fill_(value := check_scale("a loss scaler's _loss_scale", float(value)))
         if not self.dynamic:
-            self._static_value = float(value)
+            self._static_value = value
 
     # Apex's private names, which its tests and scripts set (``loss_scalers[0]._loss_scale = 4``;
     # NVIDIA's BERT sets its own ``_overflow_buf`` for ``update_scale()``: taken into the flag).

@@ -1,5 +1,6 @@
 """Opt-in Apex alias: unmodified scripts that ``import apex`` / ``from apex import amp`` /
-``import amp_C`` / ``import apex_C`` run on peak (see NOTE: [Apex alias] in ``_finder.py`` and docs/migrating.md).
+``import amp_C`` / ``import apex_C`` run on peak (see NOTE: [Apex alias] in ``_finder.py`` and
+docs/migrating.md).
 
 Switch it on for every interpreter of this environment (a ``.pth`` file in site-packages)::
 

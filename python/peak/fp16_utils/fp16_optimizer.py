@@ -73,8 +73,9 @@ class FP16_Optimizer:
                                  f"{sorted(args)}")
             args.update(dynamic_loss_args)
         max_scale = float(args["max_loss_scale"] or math.inf)
-        init = check_scale("FP16_Optimizer: the initial loss scale", min(float(
-            args["init_scale"]), max_scale) if self.dynamic_loss_scale else float(static_loss_scale))
+        init = (min(float(args["init_scale"]), max_scale) if self.dynamic_loss_scale
+                else float(static_loss_scale))
+        check_scale("FP16_Optimizer: the initial loss scale", init)
         scale_factor = float(args["scale_factor"])
         self._core = LossScale(init, growth_factor=scale_factor, backoff_factor=1.0 / scale_factor,
                                growth_interval=int(args["scale_window"]),
