@@ -247,6 +247,15 @@ def test_update_new_scale():
         with pytest.raises(ValueError, match=r"update: new_scale must be finite and >= 2\*\*-126"):
             s.update(bad)
         assert s.get_scale() == 16.0
+    # A tensor is not read on the host: a scale below 2**-126 is raised to it on the device (as a
+    # backoff stops there), so the next clean step's gradients stay finite.
+    tiny = torch.finfo(torch.float32).tiny
+    for low in (torch.tensor(0.0), torch.tensor([1e-40]), torch.tensor(-3.0),
+                torch.tensor(0.0, dtype=torch.float16), torch.tensor(0)):
+        s.update(low)
+        assert s.get_scale() == tiny and s._scale.dtype == torch.float32
+        s.update(torch.tensor(2.0 ** 20, dtype=torch.float64))
+        assert s.get_scale() == 2.0 ** 20
 
 
 def test_scale_nested_outputs():

@@ -319,8 +319,8 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         """Update the scale at the end of an iteration (after ``step`` for every optimizer):
         back off if any step overflowed (after ``hysteresis`` overflowing iterations in a row, not
         below ``min_scale``), grow after ``growth_interval`` clean iterations (not above
-        ``max_scale``), on the device (no host sync; see ``on_min_scale`` for the exception); or
-        set it to ``new_scale`` (a float, or a one-element tensor on the scaler's device type)."""
+        ``max_scale``), on the device (no host sync but ``on_min_scale``'s); or set ``new_scale``:
+        a float >= 2**-126, or a one-element tensor (on the device: raised to 2**-126 if below)."""
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
@@ -336,7 +336,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                 if (new_scale.device.type != self._device or new_scale.numel() != 1
                         or new_scale.requires_grad):
                     raise AssertionError(reason)
-                self._scale.copy_(new_scale.reshape(()))
+                self._scale.copy_(new_scale.reshape(())).clamp_(min=torch.finfo(torch.float32).tiny)
         else:  # every optimizer's per-device flags: the op sums them on the scale's device
             found_infs = [found_inf for state in self._per_optimizer_states.values()
                           for found_inf in state["found_inf_per_device"].values()]
