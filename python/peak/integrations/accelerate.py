@@ -77,14 +77,21 @@ def prepare(accelerator, *objects, opt_level: str, **amp_kwargs):
     return accelerator.prepare(*objects)
 
 
-def backward(accelerator, loss, optimizers, *, loss_id: int = 0, delay_unscale: bool = False,
-             **kwargs):
+def backward(accelerator, loss, optimizers, *, loss_id: int = 0,
+             delay_unscale: bool | None = None, **kwargs):
     """``accelerator.backward(loss)`` for the Apex dialect: the loss is scaled by amp for
     ``optimizers`` (prepared or not) and the gradients unscaled into them on the way out::
 
-        with amp.scale_loss(loss, optimizers, loss_id=loss_id) as scaled_loss:
+        with amp.scale_loss(loss, optimizers, loss_id=loss_id,
+                            delay_unscale=delay_unscale) as scaled_loss:
             accelerator.backward(scaled_loss, **kwargs)
-    """
+
+    ``delay_unscale=None`` (the default) is True on a micro-batch ``accelerator.accumulate()``
+    does not sync in a multi-process run: DDP's ``no_sync()`` leaves its gradients to the last
+    micro-batch's all-reduce, so they must stay in ``.grad``, scaled (docs/distributed.md,
+    "Gradient accumulation under DDP"); False otherwise."""
+    if delay_unscale is None:
+        delay_unscale = accelerator.num_processes > 1 and not accelerator.sync_gradients
     inner = [unwrap_optimizer(o) for o in _as_list(optimizers)]
     with amp.scale_loss(loss, inner, loss_id=loss_id, delay_unscale=delay_unscale) as scaled_loss:
         accelerator.backward(scaled_loss, **kwargs)
