@@ -13,14 +13,15 @@ from . import ops
 
 __all__ = ["local_shard", "group_by_device_dtype", "OverflowFlags", "merge_flags", "LossScale",
            "unscale_grads_", "core_attribute", "optimizer_gradients", "reduce_over_meshes",
-           "agree_on_overflow", "skip_leaves_state_unset", "check_scale"]
+           "agree_on_overflow", "skip_leaves_state_unset", "check_scale", "SMALLEST_SCALE"]
+SMALLEST_SCALE = 2.0 ** -127  # the smallest power of two whose reciprocal float32 holds
 
 
 def check_scale(what: str, scale: float) -> float:
-    """``scale`` if a loss scale can be it: finite, >= 2**-126 (below, 1/scale can be inf)."""
-    if math.isfinite(scale) and scale >= torch.finfo(torch.float32).tiny:
+    """``scale`` if a loss scale can be it: finite, >= SMALLEST_SCALE (below, 1/scale is inf)."""
+    if math.isfinite(scale) and scale >= SMALLEST_SCALE:
         return scale
-    raise ValueError(f"{what} must be finite and >= 2**-126 (1.18e-38), got {scale!r}")
+    raise ValueError(f"{what} must be finite and >= 2**-127 (5.9e-39), got {scale!r}")
 
 
 def local_shard(t):

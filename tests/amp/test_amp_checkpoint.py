@@ -86,7 +86,7 @@ def test_load_state_dict_apex_semantics():
                        # a NaN or inf scale would skip every step, 0 or a subnormal (1/scale
                        # is inf) would make NaN weights
                        *(({"loss_scaler0": {"loss_scale": v, "unskipped": 0}},
-                          r"loss_scaler0=.*'loss_scale': a finite float >= 2\*\*-126")
+                          r"loss_scaler0=.*'loss_scale': a finite float >= 2\*\*-127")
                          for v in (float("nan"), float("inf"), 0.0, -2.0, 1e-40)),
                        ({"loss_scaler0": {"loss_scale": 4.0, "unskipped": -1}}, "an int >= 0")):
         with pytest.raises(RuntimeError, match=match):

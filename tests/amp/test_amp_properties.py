@@ -133,9 +133,9 @@ def test_legal_unusual_combinations(level, kwargs):
     ("O2", {"keep_batchnorm_fp32": "maybe"}, AssertionError, "found keep_batchnorm_fp32='maybe'"),
     ("O2", {"master_weights": 1}, TypeError, "master_weights must be True, False"),
     ("O2", {"loss_scale": "big"}, ValueError, "'dynamic'"),
-    ("O2", {"loss_scale": -1.0}, ValueError, "finite and >= 2**-126 (1.18e-38)"),
+    ("O2", {"loss_scale": -1.0}, ValueError, "finite and >= 2**-127 (5.9e-39)"),
     # a scale whose reciprocal is inf in float32: the unscaled gradients would be NaN, unflagged
-    ("O2", {"loss_scale": 1e-45}, ValueError, "finite and >= 2**-126 (1.18e-38)"),
+    ("O2", {"loss_scale": 1e-45}, ValueError, "finite and >= 2**-127 (5.9e-39)"),
     ("O2", {"max_loss_scale": 0.0}, ValueError, "max_loss_scale must be >= 1.18e-38"),
     ("O1", {"max_loss_scale": 1e-45}, ValueError, "max_loss_scale must be >= 1.18e-38"),
     ("O2", {"cast_model_type": "float8"}, TypeError, "cast_model_type must be one of torch.float16"),

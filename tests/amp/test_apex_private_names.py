@@ -124,29 +124,60 @@ def test_an_overflow_buffer_swapped_in_reaches_update_scale_and_the_flag_given_b
     assert not scaler._has_overflow and scaler.update_scale() is False
     before = scaler.loss_scale()
     for bad in (0.0, 1e-40, float("nan")):  # (the next clean step would unscale by 1/0: NaN)
-        with pytest.raises(ValueError, match=r"_loss_scale must be finite and >= 2\*\*-126"):
+        with pytest.raises(ValueError, match=r"_loss_scale must be finite and >= 2\*\*-127"):
             scaler._loss_scale = bad
         assert scaler.loss_scale() == before
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_apexs_stash_lists_name_the_weights_each_group_steps(name, opt_level):
+def _frozen_tail_model_and_groups():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
                                 torch.nn.Linear(8, 2), torch.nn.Linear(2, 2))
-    model[3].requires_grad_(False)  # frozen, in the optimizer: not listed (as Apex)
+    model[3].requires_grad_(False)  # frozen, in the optimizer
     groups = [{"params": list(model[0].parameters()) + list(model[1].parameters())},
               {"params": list(model[2].parameters()) + list(model[3].parameters()), "lr": 0.5}]
+    return model, groups
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+_WITH_MASTERS = ("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups",
+                 "all_fp32_from_fp16_params", "all_fp32_from_fp32_params")
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("opt_level", ["O1", "O3"])
+def test_apexs_stash_without_master_weights_has_its_two_lists(name, opt_level):
+    """Apex's lazy_init_no_master_weights: all_fp16_params and all_fp32_params, every param of
+    each kind (frozen ones too); the master-weight lists are absent (hasattr is False)."""
+    model, groups = _frozen_tail_model_and_groups()
     model, optimizer = amp.initialize(model, OPTIMIZERS[name](groups, lr=1e-2),
-                                      opt_level=opt_level, verbosity=0)
+                                      opt_level=opt_level, keep_batchnorm_fp32=(
+                                          True if opt_level == "O3" else None), verbosity=0)
+    stash = optimizer._amp_stash
+    params = list(model.parameters())  # (group order is model order here)
+    assert _same(stash.all_fp16_params, [p for p in params if p.dtype == torch.float16])
+    assert _same(stash.all_fp32_params, [p for p in params if p.dtype == torch.float32])
+    assert any(not p.requires_grad for p in (stash.all_fp16_params if opt_level == "O3"
+                                             else stash.all_fp32_params))
+    for missing in _WITH_MASTERS:
+        assert not hasattr(stash, missing)
+    with pytest.raises(AttributeError, match="no fp32_from_fp16_groups without master weights"):
+        stash.fp32_from_fp16_groups
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_apexs_stash_lists_name_the_weights_each_group_steps(name):
+    model, groups = _frozen_tail_model_and_groups()  # the frozen Linear: not listed (as Apex)
+    model, optimizer = amp.initialize(model, OPTIMIZERS[name](groups, lr=1e-2),
+                                      opt_level="O2", verbosity=0)
     stash = optimizer._amp_stash
     low = [[p for p in m.parameters()] for m in (model[0], model[2])]
     fp32 = [list(model[1].parameters()), []]  # keep_batchnorm_fp32 under O2
-    if opt_level == "O1":  # (nothing cast: every weight is fp32 and stepped as it is)
-        low, fp32 = [[], []], [list(model[0].parameters()) + list(model[1].parameters()),
-                               list(model[2].parameters())]
-    same = lambda a, b: len(a) == len(b) and all(x is y for x, y in zip(a, b))  # noqa: E731
+    same = _same
+    assert not hasattr(stash, "all_fp32_params")  # (Apex's O1/O3 list: a script's hasattr)
     assert all(same(a, b) for a, b in zip(stash.fp16_groups, low))
     masters = {id(p): m for p, m in zip(low[0] + low[1], stash.all_fp32_from_fp16_params)}
     assert len(masters) == len(low[0] + low[1])
@@ -158,7 +189,6 @@ def test_apexs_stash_lists_name_the_weights_each_group_steps(name, opt_level):
     assert all(same(a, b) for a, b in zip(stash.fp32_from_fp32_groups, fp32))
     assert same(stash.all_fp16_params, low[0] + low[1])
     assert same(stash.all_fp32_from_fp32_params, fp32[0] + fp32[1])
-    assert same(stash.all_fp32_params, fp32[0] + fp32[1])  # (O1's name for them)
     assert [len(g) for g in stash.fp32_from_fp16_groups] == [len(g) for g in low]
 
 

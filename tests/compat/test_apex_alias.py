@@ -243,6 +243,33 @@ def test_an_installed_pth_stands_aside_for_a_real_apex_installed_later(tmp_path)
     assert peak.compat.uninstall_pth(str(site_dir))
 
 
+def test_a_real_apex_C_alone_keeps_the_alias_off_everywhere(tmp_path, monkeypatch):
+    """Apex's C extension left installed (apex_C.so beside no apex package) is a real Apex:
+    install refuses, status names it, and a .pth written before it appeared stands aside for
+    every aliased name (the alias would otherwise mix a real apex_C with peak's apex)."""
+    fake = tmp_path / "fake_site"
+    fake.mkdir()
+    (fake / "apex_C.py").write_text("REAL = True\n")
+    env = dict(_env_without_peak_pth(), PYTHONPATH=str(fake))
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    out = _run(["-m", "peak.compat", "install", "--site-dir", str(site_dir)], env=env)
+    assert out.returncode == 1 and "a real 'apex_C' is importable" in out.stderr
+    out = _run(["-m", "peak.compat", "status", "--site-dir", str(site_dir)], env=env)
+    assert f"real apex_C: {fake / 'apex_C.py'}" in out.stdout and "real apex: not" in out.stdout
+    peak.compat.install_pth(str(site_dir))
+    launcher = ("import site, sys; site.addsitedir(sys.argv[1]);"
+                "import apex_C; print(apex_C.REAL)\n"
+                "try:\n    import apex\nexcept ImportError:\n    print('no apex')")
+    out = _run(["-W", "always", "-c", launcher, str(site_dir)], env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "no", "apex"], out.stderr
+    assert "a real 'apex_C' is importable" in out.stderr
+    assert peak.compat.uninstall_pth(str(site_dir))
+    monkeypatch.syspath_prepend(str(fake))
+    with pytest.raises(RealApexError, match="real 'apex_C' is importable"):
+        peak.compat.install_apex_alias()
+
+
 # ---------------------------------------------------------------------------- in process
 @pytest.fixture
 def alias():
@@ -493,6 +520,18 @@ def test_apex_C_flattens_and_unflattens_as_apexs_extension(alias):
     assert [p.shape for p in parts] == [t.shape for t in tensors]
     assert all(torch.equal(p, t * 2) for p, t in zip(parts, tensors))
     assert torch.equal(flatten(tensors), flat) and len(unflatten(flat, tensors)) == 3
+
+
+def test_apex_parallel_distributed_is_reached_from_import_apex_alone(alias):
+    """Apex's __init__ imported apex.parallel.distributed: scripts write
+    apex.parallel.distributed.flat_dist_call(...) after a bare `import apex`."""
+    import peak.compat._apex.parallel as parallel
+    vars(parallel).pop("distributed", None)  # (an earlier import statement of it set it)
+    sys.modules.pop("apex.parallel.distributed", None)
+    import apex
+    assert apex.parallel.distributed.flat_dist_call is parallel.flat_dist_call
+    from apex.parallel import distributed
+    assert distributed is parallel
     with pytest.raises(ModuleNotFoundError, match="amp_C and apex_C"):
         import apex.no_such_module  # noqa: F401
 

@@ -79,6 +79,14 @@ def test_growth_after_window_and_state_dict_round_trip():
     assert opt2.loss_scale == 1024.0
     for a, b in zip(opt.master_params, opt2.master_params):
         assert torch.equal(a, b)
+    # a damaged scale (the next clean step would unscale by 1/0) is refused before anything loads
+    for bad in (0.0, 1e-40, float("nan")):
+        damaged = copy.deepcopy(sd)
+        damaged["loss_scaler"]["loss_scale"] = bad
+        damaged["dynamic_loss_scale"] = False
+        with pytest.raises(ValueError, match="load_state_dict: the checkpoint's loss scale must"):
+            opt2.load_state_dict(damaged)
+        assert opt2.loss_scale == 1024.0 and opt2.dynamic_loss_scale is True
 
 
 def test_bad_input():
@@ -191,7 +199,7 @@ def test_loss_scale_param_groups_and_state_are_settable():
     for p, m in zip(opt.model_params, opt.master_params):
         assert torch.equal(m.grad, p.grad.float() / 64.0)
     for bad in (0.0, 1e-40, float("inf")):  # (1/1e-40 is inf in float32)
-        with pytest.raises(ValueError, match=r"loss_scale must be finite and >= 2\*\*-126"):
+        with pytest.raises(ValueError, match=r"loss_scale must be finite and >= 2\*\*-127"):
             opt.loss_scale = bad
     assert opt.loss_scale == 64.0
     for bad in (dict(static_loss_scale=0.0), dict(static_loss_scale=1e-40),

@@ -90,7 +90,7 @@ def test_disabled_scaler_is_a_pass_through():
     (dict(init_scale=0.0), ValueError, "init_scale"),
     (dict(init_scale=float("inf")), ValueError, "init_scale"),
     # (1/1e-40 is inf in float32: every gradient would unscale to inf or NaN)
-    (dict(init_scale=1e-40), ValueError, r"init_scale must be finite and >= 2\*\*-126"),
+    (dict(init_scale=1e-40), ValueError, r"init_scale must be finite and >= 2\*\*-127"),
     (dict(init_scale="big"), TypeError, "init_scale must be a float"),
     (dict(growth_interval=0), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
     (dict(growth_interval=2**32 + 1), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),  # (an int32 counter would wrap)
@@ -115,10 +115,11 @@ def test_bad_constructor_arguments(kwargs, exc, match):
     (dict(_growth_tracker=-1), ValueError, r"_growth_tracker=-1 must be in \[0, inf\]"),
     (dict(_skipped_steps=-3), ValueError, "_skipped_steps=-3"),
     (dict(growth_factor=0.5), AssertionError, "growth factor must be > 1.0"),
-    (dict(scale=float("inf")), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-126 "
-                                           r"\(1.18e-38\), got inf"),
-    (dict(scale=0.0), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-126"),
-    (dict(scale=1e-40), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-126"),
+    (dict(scale=float("inf")), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-127 "
+                                           r"\(5.9e-39\), got inf"),
+    (dict(scale=0.0), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-127"),
+    (dict(scale=1e-40), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-127"),
+    (dict(scale=2.0 ** -128), ValueError, r"GradScaler: scale must be finite and >= 2\*\*-127"),
     (dict(scale="a"), TypeError, "GradScaler: scale must be a float, got str"),
     (dict(growth_interval=0), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
     (dict(growth_interval=2**31), ValueError, r"growth_interval must be in \[1, 2\*\*31 - 1\]"),
@@ -230,6 +231,28 @@ def test_closure_and_no_inf_checks():
             call(model)
 
 
+def test_a_torch_scaler_that_backed_off_to_2_to_the_minus_127_loads_and_trains():
+    """torch's scaler reaches 2**-127 after 143 overflows in a row (from 2**16) and still steps
+    right there (1/2**-127 is finite); peak loads that state and trains as torch does. The next
+    backoff, 2**-128, has no finite reciprocal: torch's next clean step writes inf/NaN."""
+    def run(scaler_cls, state):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s = scaler_cls("cpu")
+        s.load_state_dict(state)
+        s.scale(model(torch.ones(3, 4)).pow(2).sum() * 2.0 ** 100).backward()
+        s.step(opt)
+        s.update()
+        return model.weight.detach().clone(), s.get_scale()
+    state = torch.amp.GradScaler("cpu").state_dict() | {"scale": 2.0 ** -127}
+    theirs, ours = run(torch.amp.GradScaler, state), run(amp.GradScaler, state)
+    assert torch.isfinite(theirs[0]).all() and torch.equal(theirs[0], ours[0])
+    assert theirs[1] == ours[1]
+    with pytest.raises(ValueError, match=r"scale must be finite and >= 2\*\*-127"):
+        amp.GradScaler("cpu").load_state_dict(state | {"scale": 2.0 ** -128})
+
+
 def test_update_new_scale():
     s = scaler_at(4.0)
     s.update(8.0)
@@ -244,12 +267,12 @@ def test_update_new_scale():
     # A scale the next step would unscale by 1/0 or 1/1e-40 (inf in float32): torch takes it and
     # NaNs the weights at the next clean step; peak refuses it, keeping the scale it had.
     for bad in (0.0, 1e-40, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"update: new_scale must be finite and >= 2\*\*-126"):
+        with pytest.raises(ValueError, match=r"update: new_scale must be finite and >= 2\*\*-127"):
             s.update(bad)
         assert s.get_scale() == 16.0
-    # A tensor is not read on the host: a scale below 2**-126 is raised to it on the device (as a
-    # backoff stops there), so the next clean step's gradients stay finite.
-    tiny = torch.finfo(torch.float32).tiny
+    # A tensor is not read on the host: a scale below 2**-127 is raised to it on the device, so
+    # the next clean step's gradients stay finite.
+    tiny = 2.0 ** -127
     for low in (torch.tensor(0.0), torch.tensor([1e-40]), torch.tensor(-3.0),
                 torch.tensor(0.0, dtype=torch.float16), torch.tensor(0)):
         s.update(low)

@@ -302,7 +302,7 @@ def load_state_dict(state_dict):
                            .format(", ".join('"{}"'.format(k) for k in unexpected)))
     if bad := [f"{k}={e!r}" for k, e in items if not _is_scaler_state(e)]:
         raise RuntimeError(f"amp.load_state_dict: {bad} are not loss scaler states "
-                           "({'loss_scale': a finite float >= 2**-126, 'unskipped': an int >= "
+                           "({'loss_scale': a finite float >= 2**-127, 'unskipped': an int >= "
                            "0}); nothing was loaded")
     if len(items) != len(scalers) and _amp_state.verbosity > 0:
         warnings.warn(f"amp.load_state_dict: {len(items)} saved loss scalers, {len(scalers)} in "
@@ -317,7 +317,7 @@ def _is_scaler_state(entry) -> bool:
         return False
     scale, unskipped = entry["loss_scale"], entry["unskipped"]
     return (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-            and math.isfinite(scale) and scale >= torch.finfo(torch.float32).tiny  # (1/scale)
+            and math.isfinite(scale) and scale >= scaling.SMALLEST_SCALE  # (1/scale finite)
             and isinstance(unskipped, int) and not isinstance(unskipped, bool) and unskipped >= 0)
 
 

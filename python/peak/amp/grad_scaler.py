@@ -15,8 +15,8 @@ import torch
 import torch.amp.grad_scaler as _torch_grad_scaler
 
 from .. import _C
-from ..scaling import (LossScale, OverflowFlags, agree_on_overflow as _agree_on_overflow,
-                       check_scale, core_attribute, merge_flags, optimizer_gradients,
+from ..scaling import (SMALLEST_SCALE, LossScale, OverflowFlags, check_scale, core_attribute,
+                       agree_on_overflow as _agree_on_overflow, merge_flags, optimizer_gradients,
                        skip_leaves_state_unset, unscale_grads_)
 from .overflow_report import OverflowAttribution, OverflowReport
 
@@ -320,7 +320,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
         back off if any step overflowed (after ``hysteresis`` overflowing iterations in a row, not
         below ``min_scale``), grow after ``growth_interval`` clean iterations (not above
         ``max_scale``), on the device (no host sync but ``on_min_scale``'s); or set ``new_scale``:
-        a float >= 2**-126, or a one-element tensor (on the device: raised to 2**-126 if below)."""
+        a float >= 2**-127, or a one-element tensor (on the device: raised to 2**-127 if below)."""
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
@@ -336,7 +336,7 @@ class GradScaler(OverflowAttribution, torch.amp.GradScaler):
                 if (new_scale.device.type != self._device or new_scale.numel() != 1
                         or new_scale.requires_grad):
                     raise AssertionError(reason)
-                self._scale.copy_(new_scale.reshape(())).clamp_(min=torch.finfo(torch.float32).tiny)
+                self._scale.copy_(new_scale.reshape(())).clamp_(min=SMALLEST_SCALE)
         else:  # every optimizer's per-device flags: the op sums them on the scale's device
             found_infs = [found_inf for state in self._per_optimizer_states.values()
                           for found_inf in state["found_inf_per_device"].values()]

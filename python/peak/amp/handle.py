@@ -72,8 +72,7 @@ class LossScaler:
 
     def _set_loss_scale(self, value: float) -> None:
         self.scale.fill_(value := check_scale("a loss scaler's _loss_scale", float(value)))
-        if not self.dynamic:
-            self._static_value = value
+        self._static_value = None if self.dynamic else value
 
     # Apex's private names, which its tests and scripts set (``loss_scalers[0]._loss_scale = 4``;
     # NVIDIA's BERT sets its own ``_overflow_buf`` for ``update_scale()``: taken into the flag).

@@ -12,7 +12,7 @@ from . import RealApexError, _finder, install_pth, pth_paths, uninstall_pth
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m peak.compat",
-        description="Make `import apex` / `import amp_C` resolve to peak in this environment.")
+        description="Make `import apex` / `amp_C` / `apex_C` resolve to peak in this environment.")
     parser.add_argument("command", choices=["install", "uninstall", "status"])
     parser.add_argument("--site-dir", default=None, help="where to write the .pth file "
                         "(default: this environment's site-packages)")
@@ -32,9 +32,9 @@ def main(argv=None) -> int:
               else "peak's Apex alias was not installed")
     else:
         pth, _ = pth_paths(args.site_dir)
-        real = _finder.real_apex_location("apex")
         print(f"alias .pth: {'installed at ' + pth if os.path.exists(pth) else 'not installed'}")
-        print(f"real apex: {real or 'not importable'}")
+        for name in _finder.TOP_NAMES:  # (a real one of any of them keeps the alias off)
+            print(f"real {name}: {_finder.real_apex_location(name) or 'not importable'}")
     return 0
 
 

@@ -98,18 +98,18 @@ class ApexAliasFinder(importlib.abc.MetaPathFinder):
         self._warned = False
 
     def find_spec(self, fullname, path=None, target=None):
-        top = fullname.partition(".")[0]
-        if top not in TOP_NAMES:
+        if fullname.partition(".")[0] not in TOP_NAMES:
             return None
-        real = real_apex_location(top)
-        if real is not None:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"peak's Apex alias is installed, but a real {top!r} is importable "
-                    f"({real}); importing that one. Remove the alias (python -m peak.compat "
-                    "uninstall) or the real Apex.", RuntimeWarning, stacklevel=2)
-            return None
+        for top in TOP_NAMES:  # a real one of them: Apex is installed, the alias stands aside
+            real = real_apex_location(top)
+            if real is not None:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"peak's Apex alias is installed, but a real {top!r} is importable "
+                        f"({real}); importing the real Apex. Remove the alias (python -m "
+                        "peak.compat uninstall) or the real Apex.", RuntimeWarning, stacklevel=2)
+                return None
         aliased = target_of(fullname)
         if aliased is None:
             raise ModuleNotFoundError(

@@ -350,6 +350,8 @@ class FP16_Optimizer:
         if not isinstance(scaler, dict):  # (a LossScaler object: Apex's, unpickled under the
             scaler = {"loss_scale": float(scaler.loss_scale()),  # alias with its window)
                       "growth_tracker": int(getattr(scaler, "growth_tracker", 0))}
+        check_scale("FP16_Optimizer.load_state_dict: the checkpoint's loss scale",
+                    float(scaler["loss_scale"]))  # (before anything changes)
         self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
         self._core.scale.fill_(scaler["loss_scale"])
         self._core.growth_tracker.fill_(scaler.get("growth_tracker", 0))

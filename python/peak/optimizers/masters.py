@@ -487,27 +487,45 @@ def masters_by_param(optimizer) -> dict[int, Tensor]:
     return masters
 
 
-def apex_lists(optimizer, store: MasterWeights | None, which: int, flat: bool) -> list:
-    """Apex's amp stash lists (``fp16_groups`` ... ``all_fp32_from_fp32_params``), per param group:
-    the fp16/bf16 model params (``which`` 0), the fp32 weights stepped for them (1: their masters,
-    or themselves without) and the fp32 params (2); ``flat``: one list of all groups'."""
+def apex_lists(optimizer, store: MasterWeights | None, which: int, flat: bool,
+               trainable_only: bool = True) -> list:
+    """Apex's amp stash lists (``fp16_groups`` ... ``all_fp32_params``), per param group: the
+    fp16/bf16 model params (``which`` 0), the fp32 weights stepped for them (1: their masters, or
+    themselves without) and the fp32 params (2); ``flat``: one list of all groups'."""
     model_of = {id(m): p for p, m in zip(store.model_params, store.masters)} if store else {}
     lists = []
     for group in optimizer.param_groups:
         pairs = [(model_of.get(id(q), q), q if store else optimizer.state.get(q, {}).get(
             MASTER_KEY, q)) for q in group["params"]]
-        lists.append([pair[min(which, 1)] for pair in pairs  # (Apex's: trainable ones only)
-                      if pair[0].requires_grad and (pair[0].dtype in LOW_DTYPES) == (which < 2)])
+        lists.append([pair[min(which, 1)] for pair in pairs
+                      if (pair[0].requires_grad or not trainable_only)
+                      and (pair[0].dtype in LOW_DTYPES) == (which < 2)])
     return [t for group in lists for t in group] if flat else lists
+
+
+def _stash_list(name: str, which: int, flat: bool) -> property:
+    def read(self):
+        masters = getattr(self, "master_weights", True)
+        if name != "all_fp16_params" and masters == (name == "all_fp32_params"):
+            raise AttributeError(  # (an AttributeError: hasattr() answers as on Apex's stash)
+                f"Apex's amp stash has no {name} {'with' if masters else 'without'} master weights "
+                "(with: fp16_groups, fp32_from_fp16_groups, fp32_from_fp32_groups and the all_* "
+                "lists of them; without, as under O1 and O3: all_fp16_params, all_fp32_params)")
+        return apex_lists(self.optimizer, getattr(self, "store", None), which, flat, masters)
+    return property(read)
 
 
 class ApexStashLists:
     """Apex's amp stash lists, which scripts read (NVIDIA's BERT clears a skipped step's master
     gradients through ``optimizer._amp_stash.all_fp32_from_fp16_params``), of ``self.optimizer``
-    and ``self.store`` (if any): amp's per-optimizer state has them."""
+    and ``self.store`` (if any): amp's per-optimizer state has them. As Apex's: with master
+    weights the six lists of trainable params; without, ``all_fp16_params`` and
+    ``all_fp32_params``, frozen params included."""
 
-    fp16_groups, fp32_from_fp16_groups, fp32_from_fp32_groups, all_fp16_params, \
-        all_fp32_from_fp16_params, all_fp32_from_fp32_params = (property(
-            lambda self, i=i: apex_lists(self.optimizer, getattr(self, "store", None), i % 3,
-                                         i > 2)) for i in range(6))
-    all_fp32_params = all_fp32_from_fp32_params  # (Apex's name for them under O1)
+    all_fp32_params = _stash_list("all_fp32_params", 2, True)
+
+
+for _i, _name in enumerate(("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups",
+                            "all_fp16_params", "all_fp32_from_fp16_params",
+                            "all_fp32_from_fp32_params")):
+    setattr(ApexStashLists, _name, _stash_list(_name, _i % 3, _i > 2))

@@ -137,6 +137,8 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
 
 
 def __getattr__(name):
+    if name == "distributed":  # (Apex's `import apex` loaded it: apex.parallel.distributed.x)
+        return sys.modules[__name__]
     if name == "Reducer":
         message = ("apex.parallel.Reducer is not provided by peak's Apex alias: use "
                    "torch.nn.parallel.DistributedDataParallel (see docs/distributed.md)")
