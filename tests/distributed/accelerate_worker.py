@@ -34,12 +34,14 @@ def _weights(model, optimizer):
             "amp": amp.state_dict()}
 
 
-def through_accelerate(rank, opt_level, dtype, delay_unscale):
+def through_accelerate(rank, opt_level, dtype, delay_unscale, sync_each_batch=False):
     from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin
 
     from peak.integrations import accelerate as peak_accelerate
     reset_amp()
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=MICRO, sync_each_batch=sync_each_batch))
     assert accelerator.num_processes == 2
     model = make_model(0)
     micro = {"i": 0}
@@ -59,7 +61,7 @@ def through_accelerate(rank, opt_level, dtype, delay_unscale):
     return _weights(accelerator.unwrap_model(model), peak_accelerate.unwrap_optimizer(optimizer))
 
 
-def by_hand(rank, opt_level, dtype):
+def by_hand(rank, opt_level, dtype, sync_each_batch=False):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from peak import amp
@@ -75,9 +77,10 @@ def by_hand(rank, opt_level, dtype):
         micro["i"] = i
         last = i % MICRO == MICRO - 1
         x, y = batch(i, rank)
-        with contextlib.nullcontext() if last else ddp.no_sync():
+        synced = last or sync_each_batch  # (every micro-batch all-reduced: nothing to delay)
+        with contextlib.nullcontext() if synced else ddp.no_sync():
             loss = F.mse_loss(ddp(x).float(), y) / MICRO  # (Accelerate divides the loss too)
-            with amp.scale_loss(loss, optimizer, delay_unscale=not last) as scaled_loss:
+            with amp.scale_loss(loss, optimizer, delay_unscale=not synced) as scaled_loss:
                 scaled_loss.backward()
         if last:
             optimizer.step()
@@ -93,4 +96,6 @@ def worker(rank, world_size, opt_level, dtype):
         warnings.simplefilter("ignore")  # (the set-aside warning of the delay_unscale=False run)
         return {"default": through_accelerate(rank, opt_level, dtype, "default"),
                 "no_delay": through_accelerate(rank, opt_level, dtype, False),
-                "by_hand": by_hand(rank, opt_level, dtype)}
+                "by_hand": by_hand(rank, opt_level, dtype),
+                "sync_each_batch": through_accelerate(rank, opt_level, dtype, "default", True),
+                "by_hand_synced": by_hand(rank, opt_level, dtype, sync_each_batch=True)}

@@ -3,7 +3,8 @@
 ``no_sync()`` scaled in ``.grad`` (``delay_unscale``), so they reach the last micro-batch's
 all-reduce. The ranks then hold the same weights, masters and loss scale, bit for bit the run
 written by hand as docs/distributed.md says, an overflow in one rank's first micro-batch
-included; with ``delay_unscale=False`` forced they drift apart."""
+included; with ``delay_unscale=False`` forced they drift apart. With ``sync_each_batch=True``
+every micro-batch all-reduces and nothing is delayed."""
 
 from __future__ import annotations
 
@@ -29,7 +30,12 @@ def test_accumulate_on_two_ranks_keeps_the_replicas_equal(opt_level, dtype, tmp_
     ranks = run_ranks(W.worker, tmp_path, opt_level, dtype)
     for r in ranks:
         assert _equal(r["default"], r["by_hand"])
+        # sync_each_batch: every micro-batch all-reduces, so nothing is delayed (each pass is
+        # unscaled at its exit, as without DDP)
+        assert _equal(r["sync_each_batch"], r["by_hand_synced"])
     assert _equal(ranks[0]["default"], ranks[1]["default"])
+    assert _equal(ranks[0]["sync_each_batch"], ranks[1]["sync_each_batch"])
+    assert not _equal(ranks[0]["by_hand"], ranks[0]["by_hand_synced"])  # (the two paths differ)
     # the reference can fail: without the delay the first micro-batches miss the all-reduce
     assert not _equal(ranks[0]["no_delay"], ranks[1]["no_delay"])
     if dtype == "fp16":  # rank 1's overflow skipped the step on both ranks: the scale agrees

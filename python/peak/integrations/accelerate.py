@@ -87,11 +87,14 @@ def backward(accelerator, loss, optimizers, *, loss_id: int = 0,
             accelerator.backward(scaled_loss, **kwargs)
 
     ``delay_unscale=None`` (the default) is True on a micro-batch ``accelerator.accumulate()``
-    does not sync in a multi-process run: DDP's ``no_sync()`` leaves its gradients to the last
-    micro-batch's all-reduce, so they must stay in ``.grad``, scaled (docs/distributed.md,
-    "Gradient accumulation under DDP"); False otherwise."""
-    if delay_unscale is None:
-        delay_unscale = accelerator.num_processes > 1 and not accelerator.sync_gradients
+    runs under DDP's ``no_sync()`` (a distributed run, ``sync_gradients`` False, no
+    ``sync_each_batch``), whose gradients must stay in ``.grad``, scaled, for the last
+    micro-batch's all-reduce (docs/distributed.md, "Gradient accumulation under DDP"); False
+    otherwise. Inside ``accelerator.no_sync(model)`` written by hand, pass ``True``."""
+    if delay_unscale is None:  # (accumulate()'s own condition for entering no_sync)
+        delay_unscale = accelerator.use_distributed and not (
+            accelerator.sync_gradients
+            or accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
     inner = [unwrap_optimizer(o) for o in _as_list(optimizers)]
     with amp.scale_loss(loss, inner, loss_id=loss_id, delay_unscale=delay_unscale) as scaled_loss:
         accelerator.backward(scaled_loss, **kwargs)
