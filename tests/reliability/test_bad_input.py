@@ -154,6 +154,13 @@ def lbfgs_with_master_weights():
     opt.step(lambda: _loss(model))
 
 
+def lbfgs_with_a_dynamic_scale():
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.LBFGS(model.parameters()), opt_level="O1",
+                                low_precision_dtype=torch.float16, verbosity=0)
+    opt.step(lambda: _loss(model))
+
+
 def optimizer_without_optimizer_init():
     class Broken(torch.optim.Optimizer):
         def __init__(self, params):  # noqa: D107 (skips Optimizer.__init__, wraps nothing)

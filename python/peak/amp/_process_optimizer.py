@@ -100,7 +100,6 @@ class AmpOptimizerState(ApexStashLists):
     def master_params(self):
         yield from (p for group in self.optimizer.param_groups for p in group["params"])
 
-
     def before_step(self) -> None:
         """Checks of the step about to run."""
 
@@ -352,16 +351,17 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
         stash.store.attach(optimizer)
 
 
+@torch._disable_dynamo  # (eager, whole: a compiled step lost what it set before a graph break)
 def _step(self, closure=None):
     stash = self._amp_stash
     loss, args = None, ()
     if closure is not None:
         if isinstance(self, torch.optim.LBFGS):  # calls its closure several times in step()
-            if stash.master_weights or stash.pending_skip is not None:
-                raise RuntimeError(
-                    f"{type(self).__name__} evaluates its closure several times inside step(); amp "
-                    "supports that only without master weights (opt_level O0, O1 or O3) and when "
-                    "no step is pending a skip after a gradient overflow. Use opt_level='O1'.")
+            if stash.master_weights or any(s.dynamic for s in _amp_state.loss_scalers):
+                raise RuntimeError(  # (it cannot skip one whose gradients overflow)
+                    f"{type(self).__name__} runs its closure several times inside step(): amp "
+                    "takes it without master weights (O0, O1, O3) and with a static loss scale "
+                    "(amp.initialize(..., loss_scale=128.0); bf16's default is static 1.0)")
             args = (_with_casts(closure) if stash.o1 else closure,)
         else:
             # As torch.optim's step does first thing: the gradients and the overflow state the
