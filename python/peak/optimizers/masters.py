@@ -522,10 +522,11 @@ class ApexStashLists:
     weights the six lists of trainable params; without, ``all_fp16_params`` and
     ``all_fp32_params``, frozen params included."""
 
-    all_fp32_params = _stash_list("all_fp32_params", 2, True)
 
-
-for _i, _name in enumerate(("fp16_groups", "fp32_from_fp16_groups", "fp32_from_fp32_groups",
-                            "all_fp16_params", "all_fp32_from_fp16_params",
-                            "all_fp32_from_fp32_params")):
-    setattr(ApexStashLists, _name, _stash_list(_name, _i % 3, _i > 2))
+# (name, which, flat): the per-group lists, the same flat, and O1/O3's list of fp32 params
+for _name, _which, _flat in (("fp16_groups", 0, False), ("fp32_from_fp16_groups", 1, False),
+                             ("fp32_from_fp32_groups", 2, False), ("all_fp16_params", 0, True),
+                             ("all_fp32_from_fp16_params", 1, True),
+                             ("all_fp32_from_fp32_params", 2, True), ("all_fp32_params", 2, True)):
+    setattr(ApexStashLists, _name, _stash_list(_name, _which, _flat))
+del _name, _which, _flat
