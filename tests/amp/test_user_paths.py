@@ -456,6 +456,113 @@ def test_larc_sees_unscaled_gradients_under_o2(name):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)  # fp16 forward vs fp32
 
 
+class _LookaheadBase(torch.optim.Optimizer):
+    """Lookahead (k steps forward, one back): every k-th step the slow weights move alpha toward
+    the fast ones, which then take them; written in the wrapper's step after the inner step."""
+
+    def __init__(self, inner, k=2, alpha=0.5):  # noqa: D107 (no super().__init__: a wrapper)
+        setattr(self, self.INNER, inner)
+        self.k, self.alpha, self.count, self.slow = k, alpha, 0, {}
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    param_groups = property(lambda self: getattr(self, self.INNER).param_groups)
+    defaults = property(lambda self: getattr(self, self.INNER).defaults)
+    state = property(lambda self: getattr(self, self.INNER).state)
+
+    def zero_grad(self, set_to_none=True):
+        getattr(self, self.INNER).zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        loss = getattr(self, self.INNER).step(closure)
+        self.count += 1
+        if self.count % self.k == 0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.sync(p, self.slow.setdefault(p, p.detach().clone()))
+        return loss
+
+
+class TimmLikeLookahead(_LookaheadBase):
+    """timm's shape: the optimizer in .base_optimizer, weights without a gradient left alone,
+    written through .data (which no version counter sees)."""
+    INNER = "base_optimizer"
+
+    def sync(self, p, slow):
+        if p.grad is not None:
+            slow.add_(p.data - slow, alpha=self.alpha)
+            p.data.copy_(slow)
+
+
+class PlainLookahead(_LookaheadBase):
+    """The optimizer in .optimizer; every weight synced in place under no_grad."""
+    INNER = "optimizer"
+
+    @torch.no_grad()
+    def sync(self, p, slow):
+        slow.add_(p - slow, alpha=self.alpha)
+        p.copy_(slow)
+
+
+@pytest.mark.parametrize("wrap", [TimmLikeLookahead, PlainLookahead], ids=["timm", "plain"])
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_lookahead_under_o2_syncs_the_masters_and_the_model_follows(wrap, name):
+    """What a wrapper writes after the inner step (Lookahead's sync of the fp32 masters, reading
+    their gradients) reaches the model before the next forward: bit for bit the hand-written O2
+    loop (fp32 masters in the same wrapper, an fp16 copy of the model). Before, the sync of
+    .data wrappers saw no gradients (dropped by the inner step) and the model kept the unsynced
+    weights until the next step's copy; timm's attribute name was refused."""
+    torch.manual_seed(0)
+    base = make_mlp()
+    ref16, masters = copy.deepcopy(base).half(), copy.deepcopy(base)
+    ref_opt = wrap(TORCH[name](masters.parameters()))
+    model = copy.deepcopy(base)
+    model, opt = amp.initialize(model, wrap(TORCH[name](model.parameters())), opt_level="O2",
+                                loss_scale=128.0, verbosity=0)
+    for i in range(5):
+        x, y = data(i)
+        ref_opt.zero_grad()
+        for p in ref16.parameters():
+            p.grad = None
+        (F.cross_entropy(ref16(x.half()).float(), y) * 128.0).backward()
+        for p16, m in zip(ref16.parameters(), masters.parameters()):
+            m.grad = p16.grad.float() * (1.0 / 128.0)
+        ref_opt.step()
+        with torch.no_grad():
+            for p16, m in zip(ref16.parameters(), masters.parameters()):
+                p16.copy_(m)
+        opt.zero_grad()
+        with amp.scale_loss(F.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        _assert_bitwise(_weights(model), _weights(ref16))
+        _assert_bitwise([m.detach() for m in amp.master_params(opt)], _weights(masters))
+    assert opt.count == 5 and len(opt.slow) == len(list(masters.parameters()))
+
+
+def test_lookahead_work_on_a_skipped_step_reaches_the_model():
+    """On a skipped step the inner step is skipped but the wrapper's own work runs (the second
+    sync here): what it writes into the masters reaches the model, and the skip changed nothing
+    else (the masters equal the sync of unchanged weights)."""
+    torch.manual_seed(0)
+    model = make_mlp()
+    model, opt = amp.initialize(model, PlainLookahead(TORCH["SGD"](model.parameters()), k=2),
+                                opt_level="O2", verbosity=0)
+    for i in range(4):
+        x, y = data(i)
+        opt.zero_grad()
+        before = [m.detach().clone() for m in amp.master_params(opt)]
+        with amp.scale_loss(F.cross_entropy(model(x), y) * (float("inf") if i == 3 else 1.0),
+                            opt) as scaled:
+            scaled.backward()
+        opt.step()
+        masters = [m.detach() for m in amp.master_params(opt)]
+        if i == 3:  # skipped: the sync alone (slow moved half-way to unchanged fast weights)
+            expected = [opt.slow[m] for m in amp.master_params(opt)]
+            _assert_bitwise(masters, expected)
+            assert any(not torch.equal(a, b) for a, b in zip(masters, before))
+        _assert_bitwise(_weights(model), [m.half() for m in masters])
+
+
 def test_broken_optimizer_subclass_is_refused_before_anything_changes():
     class Broken(torch.optim.Optimizer):
         def __init__(self, params):  # noqa: D107 (forgets Optimizer.__init__; no inner optimizer)

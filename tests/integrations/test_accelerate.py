@@ -266,13 +266,23 @@ def test_torch_dialect_bad_uses():
 
 
 @pytest.mark.parametrize("opt_level, dtype", [("O1", "fp16"), ("O2", "fp16"), ("O2", "bf16")])
-def test_apex_dialect_gradient_accumulation_as_by_hand(opt_level, dtype):
+@pytest.mark.parametrize("prepared_first", [False, True],
+                         ids=["peak_accelerate.prepare", "amp.initialize(prepared optimizer)"])
+def test_apex_dialect_gradient_accumulation_as_by_hand(opt_level, dtype, prepared_first):
     """Accelerator(gradient_accumulation_steps=2) + accelerator.accumulate: the loss is halved,
-    zero_grad and step act every second batch; the same by hand with peak's API."""
+    zero_grad and step act every second batch; the same by hand with peak's API. Also with the
+    AcceleratedOptimizer given to amp.initialize (its step calls the inner one every second
+    call: amp's step around it keeps the first micro-batch's master gradients)."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = make_model()
-    model, optimizer = peak_accelerate.prepare(accelerator, model, make_optimizer(model),
-                                               opt_level=opt_level, low_precision_dtype=dtype, verbosity=0)
+    if prepared_first:
+        model, optimizer = amp.initialize(*accelerator.prepare(model, make_optimizer(model)),
+                                          opt_level=opt_level, low_precision_dtype=dtype, verbosity=0)
+        assert isinstance(optimizer, AcceleratedOptimizer)
+    else:
+        model, optimizer = peak_accelerate.prepare(accelerator, model, make_optimizer(model),
+                                                   opt_level=opt_level, low_precision_dtype=dtype,
+                                                   verbosity=0)
     for x, y in batches():
         with accelerator.accumulate(model):   # Accelerate's pattern: zero_grad after step
             peak_accelerate.backward(accelerator, F.cross_entropy(model(x), y), optimizer)

@@ -80,9 +80,9 @@ def check_inputs(models, optimizers):
             raise TypeError(
                 f"optimizers[{i}] ({type(opt).__name__}) is a torch.optim.Optimizer subclass that "
                 "did not run torch.optim.Optimizer.__init__, and amp finds no inner optimizer in "
-                "it (a wrapper keeps the torch optimizer in .optimizer or .optim and returns its "
-                "param_groups). Pass the inner optimizer to amp.initialize, then wrap the one amp "
-                "returns.")
+                "it (a wrapper keeps the torch optimizer in .optimizer, .optim or .base_optimizer "
+                "and returns its param_groups). Keep it in one of those, or pass the inner "
+                "optimizer to amp.initialize and wrap the one amp returns (docs/advanced.md).")
         if hasattr(opt, "_amp_stash") or hasattr(inner, "_amp_stash"):
             raise RuntimeError(
                 "A given optimizer should only be passed through amp.initialize once. "
@@ -186,11 +186,7 @@ def process(models, optimizers, properties, cast_model_outputs) -> None:
         # weights (not its fp32 ones): masters from the cast weights then agree on every rank.
         fp32_originals.clear()
     for optimizer in optimizers:
-        inner = inner_optimizer(optimizer)
-        process_optimizer(inner, properties, fp32_originals, wrapped=inner is not optimizer)
-        if inner is not optimizer:  # scale_loss and master_params accept the wrapper
-            optimizer._amp_stash = inner._amp_stash
-            optimizer._lazy_init_maybe_master_weights = optimizer._amp_lazy_init = lambda: None
+        process_optimizer(inner_optimizer(optimizer), properties, fp32_originals, optimizer)
     fp32_originals.clear()
     if properties.master_weights and not optimizers:
         _warn_on_training_without_masters(models, properties.opt_level)

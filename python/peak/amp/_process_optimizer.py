@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 
 import torch
 
 from peak import ops
 from peak.optimizers.masters import (LOW_DTYPES, ApexStashLists, MasterWeights, drop_left_grads,
                                     grad_versions, grads_left, own_grad, register_owner,
-                                    stepped_elsewhere, warn_bare_masters, warn_changed_grads)
+                                    stepped_elsewhere, warn_bare_masters, warn_bypassed_masters,
+                                    warn_changed_grads)
 
 from . import _caster
 from ._amp_state import _amp_state, log_skip_step, logger, maybe_print
-from .._bound import BoundMethod
-from .._stacklevel import user_stacklevel
+from .._bound import BoundMethod, stands_in_for
 from ..scaling import OverflowFlags, group_by_device_dtype, skip_leaves_state_unset, unscale_grads_
 
 
@@ -291,13 +290,7 @@ class UnscaledGradsState(AmpOptimizerState):
         """O2 steps the fp32 masters, whose gradients only ``scale_loss`` fills: a plain
         ``loss.backward()`` leaves them empty and the step changes nothing (in Apex too)."""
         if not self.warned_no_master_grads and self.store.bypassed():
-            self.warned_no_master_grads = True
-            warnings.warn(
-                f"{type(self.optimizer).__name__}.step(): the model's fp16/bf16 parameters have "
-                "gradients but their fp32 master weights (stepped under O2) have none, so this "
-                "step leaves those weights unchanged: run the backward pass as `with "
-                "amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()` per step.",
-                UserWarning, stacklevel=user_stacklevel())  # the script's step()
+            self.warned_no_master_grads = warn_bypassed_masters(type(self.optimizer).__name__)
 
     def prepare_backward(self, scaler) -> None:
         drop_left_grads(self.left)
@@ -308,27 +301,27 @@ class UnscaledGradsState(AmpOptimizerState):
         if found_inf is not None:  # torch's fused optimizers read it as an attribute
             opt.found_inf = found_inf.reshape(())
         self.store.follow_weights()
+        completed = False
         try:
             with _caster.disabled() if self.o1 else contextlib.nullcontext():
                 result = self.orig_step(*args)
+            completed = True
         finally:
             if found_inf is not None:
                 del opt.found_inf
-            if self.store.masters:  # (the model follows what a step wrote, raised or not)
-                self.store.copy_to_model()
-        if self.store.masters:  # (kept after a step that raised: called again, it steps them)
-            self.store.drop_grads()
+            self.store.after_step(completed)  # (the model follows what a step wrote)
         return result
 
     def drop_pending(self) -> None:
         self.store.drop_grads()
 
 
-def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool = False) -> None:
-    """``wrapped``: ``optimizer`` is a wrapper's inner optimizer (``inner_optimizer``); the wrapper
-    may read the gradients before the inner step (as LARC does): they are unscaled by then."""
+def process_optimizer(optimizer, properties, fp32_originals=None, wrapper=None) -> None:
+    """``wrapper``: the object given, around ``optimizer`` (``inner_optimizer``); it may read the
+    gradients before the inner step (as LARC does): they are unscaled by then; and work after it
+    (NOTE: [A wrapper's work after the step])."""
     from peak.optimizers import FusedOptimizer  # noqa: PLC0415 (it imports nothing of amp)
-    master_weights = bool(properties.master_weights)
+    master_weights, wrapped = bool(properties.master_weights), wrapper not in (None, optimizer)
     kind = (ScaledGradsState if master_weights and isinstance(optimizer, FusedOptimizer)
             and not wrapped else UnscaledGradsState)
     stash = kind(optimizer, master_weights, bool(properties.patch_torch_functions),
@@ -349,6 +342,10 @@ def process_optimizer(optimizer, properties, fp32_originals=None, wrapped: bool 
     optimizer.add_param_group = BoundMethod(_add_param_group, optimizer)
     if kind is UnscaledGradsState and master_weights:  # a fused optimizer saves its own masters
         stash.store.attach(optimizer)
+    if wrapped:  # scale_loss and master_params accept the wrapper; its step runs around amp's
+        wrapper._amp_stash, stash.orig_wrapper_step = stash, wrapper.step
+        wrapper._lazy_init_maybe_master_weights = wrapper._amp_lazy_init = lambda: None
+        wrapper.step = BoundMethod(_wrapper_step, wrapper, wrapper.step)
 
 
 @torch._disable_dynamo  # (eager, whole: a compiled step lost what it set before a graph break)
@@ -391,6 +388,11 @@ def _step(self, closure=None):
     stash.print_reports()  # at once where the report needs no copy (the CPU)
     stash.left = grads_left(stash.grad_holders) if stash.master_weights else []
     return loss if closure is not None and not args else result
+
+
+@stands_in_for(lambda wrapper: wrapper._amp_stash.orig_wrapper_step)
+def _wrapper_step(self, *args, **kwargs):  # NOTE: [A wrapper's work after the step]
+    return self._amp_stash.store.around_wrapper(self._amp_stash.orig_wrapper_step, *args, **kwargs)
 
 
 def _with_casts(closure):

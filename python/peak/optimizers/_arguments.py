@@ -201,14 +201,26 @@ def warn_bare_masters(name: str) -> None:
         stacklevel=user_stacklevel())  # the script's step()
 
 
+def warn_bypassed_masters(name: str) -> bool:
+    """An amp O2 step whose fp32 masters have no gradients where the model's weights have some:
+    a plain ``loss.backward()`` (only ``scale_loss`` fills the masters', in Apex too)."""
+    warnings.warn(
+        f"{name}.step(): the model's fp16/bf16 parameters have gradients but their fp32 master "
+        "weights (stepped under O2) have none, so this step leaves those weights unchanged: run "
+        "the backward pass as `with amp.scale_loss(loss, optimizer) as scaled_loss: "
+        "scaled_loss.backward()` per step.", UserWarning, stacklevel=user_stacklevel())
+    return True  # (said once per optimizer)
+
+
 def wrapper_chain(optimizer):
     """``optimizer``, then what it wraps, outermost first: each object a wrapper keeps in
-    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, ``FP16_Optimizer``) or ``.optim``
-    (``LARC``) and whose ``param_groups`` it shares."""
+    ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, ``FP16_Optimizer``), ``.optim``
+    (``LARC``) or ``.base_optimizer`` (timm's ``Lookahead``) and whose ``param_groups`` it shares."""
     for _ in range(8):  # wrappers of wrappers, not a cycle
         yield optimizer
         groups = None if isinstance(optimizer, type) else getattr(optimizer, "param_groups", None)
-        inners = (getattr(optimizer, attr, None) for attr in ("optimizer", "optim"))
+        inners = (getattr(optimizer, attr, None)
+                  for attr in ("optimizer", "optim", "base_optimizer"))
         optimizer = next((inner for inner in inners if inner is not None and inner is not optimizer
                           and getattr(inner, "param_groups", None) is groups is not None), None)
         if optimizer is None:

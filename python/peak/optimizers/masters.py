@@ -13,8 +13,8 @@ from torch.utils.weak import WeakIdKeyDictionary  # (keyed by optimizers, never 
 from .. import ops
 from ..scaling import group_by_device_dtype, local_shard
 from ._arguments import (  # noqa: F401 (the owner's rules; amp checks them)
-    check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_changed_grads,
-    wrapper_chain)
+    check_one_master_each, grad_versions, inner_optimizer, warn_bare_masters, warn_bypassed_masters,
+    warn_changed_grads, wrapper_chain)
 from ._followed import as_followed, followed, note_weight, settle_loads
 from ._memory_layout import (UNSEEN, follow_master_layouts, state_for_master, weight_stamp,
                              written_since)
@@ -93,6 +93,7 @@ class MasterWeights:
         self._had_grad: list | None = None  # (set_grads_aside: which weights had a gradient)
         self._loaded: dict | None = None
         self._versions: list[tuple] = []  # the weights' stamps at the last copy-back
+        self.held: list | None = None  # in a wrapper's step: each inner step's completion
         self.master_by_id: dict[int, Tensor | None] = {}  # id(p) -> its master (frozen: None)
         self.arrived: dict[int, bool] = {}  # id(p) -> whether a model load gave finer weights
         self.joins: dict[int, tuple] = {}  # id(p) -> (p, a loaded remainder), for a later weight
@@ -179,9 +180,44 @@ class MasterWeights:
         self.arrived.clear()
         self.joins.clear()
 
+    def after_step(self, completed: bool) -> None:
+        """After the optimizer's step: the model follows the masters, and after a step that
+        returned their gradients go (one that raised keeps them: called again, it steps them).
+        Inside a wrapper's step both wait for its end: NOTE: [A wrapper's work after the step]."""
+        if self.held is not None:
+            self.held.append(completed)
+        elif self.masters:
+            self.copy_to_model()
+            if completed:
+                self.drop_grads()
+
+    def around_wrapper(self, wrapper_step, *args, **kwargs):
+        """``wrapper_step``, the step of a wrapper given to amp around the optimizer amp set up.
+
+        NOTE: [A wrapper's work after the step] A wrapper may work on the weights after the inner
+        step (Lookahead syncs its slow weights into the masters, reading their gradients, often
+        through ``p.data``, which no version counter sees). The inner step's copy to the model and
+        its gradient drop wait for the wrapper's step to end, so that the masters still have their
+        gradients for that work and the model gets what it wrote, as under Apex, which patched the
+        step of the object it was given. A wrapper's step that does not call the inner one (an
+        accumulating call) leaves everything as it was."""
+        if self.held is not None or not self.masters:  # (a wrapper's step inside another's)
+            return wrapper_step(*args, **kwargs)
+        self.held = []
+        try:
+            return wrapper_step(*args, **kwargs)
+        finally:
+            held, self.held = self.held, None
+            if held:  # (the inner step ran, or was skipped: a skip drops the gradients at once)
+                self.copy_to_model()
+            if held and held[-1]:
+                self.drop_grads()
+
     def drop_grads(self) -> None:
         """After a step (or its skip): the masters' gradients go; which had one is kept, as
         ``zero_grad(set_to_none=False)`` gives those zeros again (as torch keeps zeroed ones)."""
+        if self.held is not None:  # (a skip inside a wrapper's step: its work may write masters)
+            self.held.append(False)
         self.had_grads = [None if m.grad is None else m.grad.layout for m in self.masters]
         self.took_grads = False
         self._settle()
