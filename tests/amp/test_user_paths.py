@@ -563,6 +563,73 @@ def test_lookahead_work_on_a_skipped_step_reaches_the_model():
         _assert_bitwise(_weights(model), [m.half() for m in masters])
 
 
+class StepsTwice(AcceleratedLikeOptimizer):
+    """A wrapper whose step runs the inner step twice (an extragradient or line-search shape)."""
+
+    def step(self, closure=None):
+        self.optimizer.step(closure)
+        return self.optimizer.step(closure)
+
+
+def test_inner_steps_inside_a_wrapper_step_see_each_other_under_o2():
+    """Inside the wrapper's step the model follows the masters after each inner step: a closure
+    evaluated by the second inner step and a step post-hook read the stepped weights."""
+    from peak.optimizers import LARC
+    torch.manual_seed(0)
+    model = make_mlp()
+    model, opt = amp.initialize(model, StepsTwice(LARC(TORCH["SGD"](model.parameters()))),
+                                opt_level="O2", verbosity=0)
+    evaluations, hooked = [], []
+    opt.optimizer.register_step_post_hook(lambda *_: hooked.append(_weights(model)))
+    for i in range(3):
+        x, y = data(i)
+
+        def closure():
+            opt.zero_grad()
+            evaluations.append(all(torch.equal(p, m.half()) for p, m in zip(
+                model.parameters(), amp.master_params(opt))))
+            with amp.scale_loss(F.cross_entropy(model(x), y), opt) as scaled:
+                scaled.backward()
+            return scaled
+
+        opt.step(closure)
+        _assert_bitwise(hooked[-1], _weights(model))
+    assert evaluations == [True] * 6 and len(hooked) == 6
+    assert not torch.equal(hooked[0][0], hooked[1][0])  # (the second inner step stepped)
+
+
+@pytest.mark.parametrize("name", ["Adam-fused", "FusedAdam"])
+def test_a_skip_holds_for_every_inner_step_of_a_wrapper_step(name):
+    """A device skip (a fused step's flag) inside a wrapper that steps twice on one backward:
+    both inner steps skip (the masters' inf gradients stay until the wrapper returns), nothing
+    turns NaN, and the next step steps."""
+    make = {"Adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True), **FUSED}[name]
+
+    class TwiceOnOneBackward(AcceleratedLikeOptimizer):
+        def step(self, closure=None):
+            self.optimizer.step()
+            return self.optimizer.step()
+
+    torch.manual_seed(0)
+    model = make_mlp()
+    model, opt = amp.initialize(model, TwiceOnOneBackward(make(model.parameters())),
+                                opt_level="O2", verbosity=0)
+    for i in range(3):
+        x, y = data(i)
+        before = _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+        opt.zero_grad()
+        with amp.scale_loss(F.cross_entropy(model(x), y) * (float("inf") if i == 1 else 1.0),
+                            opt) as scaled:
+            scaled.backward()
+        opt.step()
+        after = _weights(model) + [m.detach().clone() for m in amp.master_params(opt)]
+        if i == 1:
+            _assert_bitwise(after, before)
+        else:
+            assert all(torch.isfinite(t).all() for t in after)
+            assert not torch.equal(after[0], before[0])
+
+
 def test_broken_optimizer_subclass_is_refused_before_anything_changes():
     class Broken(torch.optim.Optimizer):
         def __init__(self, params):  # noqa: D107 (forgets Optimizer.__init__; no inner optimizer)

@@ -47,6 +47,7 @@ class AmpOptimizerState(ApexStashLists):
         self.orig_step, self.orig_zero_grad, self.orig_add_param_group = (
             optimizer.step, optimizer.zero_grad, optimizer.add_param_group)
 
+    in_wrapper_step = False  # (its skip's flag is kept: NOTE: [A wrapper's work after the step])
     # Apex's "a skip is pending" (a host read when asked).
     already_patched = property(lambda self: self.pending_skip is not None or (
         self.found_inf is not None and bool(self.found_inf.any())))
@@ -268,6 +269,7 @@ class UnscaledGradsState(AmpOptimizerState):
         self.store = MasterWeights()
 
     masters = property(lambda self: self.store.masters)  # Apex scripts' view
+    in_wrapper_step = property(lambda self: self.store.held is not None)
 
     def register_params(self, params, fp32_originals=None) -> list:
         return self.store.register(params, self.master_weights, fp32_originals)
@@ -359,7 +361,7 @@ def _step(self, closure=None):
                     f"{type(self).__name__} runs its closure several times inside step(): amp "
                     "takes it without master weights (O0, O1, O3) and with a static loss scale "
                     "(amp.initialize(..., loss_scale=128.0); bf16's default is static 1.0)")
-            args = (_with_casts(closure) if stash.o1 else closure,)
+            args = (_caster.resumed()(closure) if stash.o1 else closure,)  # (casts on in it)
         else:
             # As torch.optim's step does first thing: the gradients and the overflow state the
             # step reads are the closure's (run with O1 casts on, as the forward would be).
@@ -379,7 +381,7 @@ def _step(self, closure=None):
         stash.left = grads_left(stash.grad_holders) if stash.master_weights else []
         return loss
     stash.before_step()
-    found_inf, stash.found_inf = stash.found_inf, None
+    found_inf, stash.found_inf = stash.found_inf, stash.found_inf if stash.in_wrapper_step else None
     try:
         result = stash.run_step(args, found_inf)
     except BaseException:  # a step that raises keeps what it was handed
@@ -392,15 +394,9 @@ def _step(self, closure=None):
 
 @stands_in_for(lambda wrapper: wrapper._amp_stash.orig_wrapper_step)
 def _wrapper_step(self, *args, **kwargs):  # NOTE: [A wrapper's work after the step]
-    return self._amp_stash.store.around_wrapper(self._amp_stash.orig_wrapper_step, *args, **kwargs)
-
-
-def _with_casts(closure):
-    """LBFGS calls its closure inside step(), which O1 runs without casts: on again for it."""
-    def closure_with_casts():
-        with _caster.resumed():
-            return closure()
-    return closure_with_casts
+    stash = self._amp_stash  # (a skip's flag is kept for the rest of it)
+    ended = lambda: setattr(stash, "found_inf", None)  # noqa: E731
+    return stash.store.around_wrapper(stash.orig_wrapper_step, ended, *args, **kwargs)
 
 
 def _zero_grad(self, set_to_none: bool | None = None):  # (None: Apex's set_grad_none, or True)

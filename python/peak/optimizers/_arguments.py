@@ -215,12 +215,13 @@ def warn_bypassed_masters(name: str) -> bool:
 def wrapper_chain(optimizer):
     """``optimizer``, then what it wraps, outermost first: each object a wrapper keeps in
     ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, ``FP16_Optimizer``), ``.optim``
-    (``LARC``) or ``.base_optimizer`` (timm's ``Lookahead``) and whose ``param_groups`` it shares."""
+    (``LARC``) or ``.base_optimizer`` / ``._base_optimizer`` (timm's ``Lookahead``, earlier and
+    later) and whose ``param_groups`` it shares."""
     for _ in range(8):  # wrappers of wrappers, not a cycle
         yield optimizer
         groups = None if isinstance(optimizer, type) else getattr(optimizer, "param_groups", None)
         inners = (getattr(optimizer, attr, None)
-                  for attr in ("optimizer", "optim", "base_optimizer"))
+                  for attr in ("optimizer", "optim", "base_optimizer", "_base_optimizer"))
         optimizer = next((inner for inner in inners if inner is not None and inner is not optimizer
                           and getattr(inner, "param_groups", None) is groups is not None), None)
         if optimizer is None:

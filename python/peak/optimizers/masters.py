@@ -182,36 +182,37 @@ class MasterWeights:
 
     def after_step(self, completed: bool) -> None:
         """After the optimizer's step: the model follows the masters, and after a step that
-        returned their gradients go (one that raised keeps them: called again, it steps them).
-        Inside a wrapper's step both wait for its end: NOTE: [A wrapper's work after the step]."""
+        returned their gradients go (one that raised keeps them: called again, it steps them;
+        inside a wrapper's step they go when it returns: NOTE: [A wrapper's work after the step])."""
+        if self.masters:
+            self.copy_to_model()
         if self.held is not None:
             self.held.append(completed)
-        elif self.masters:
-            self.copy_to_model()
-            if completed:
-                self.drop_grads()
+        elif completed and self.masters:
+            self.drop_grads()
 
-    def around_wrapper(self, wrapper_step, *args, **kwargs):
-        """``wrapper_step``, the step of a wrapper given to amp around the optimizer amp set up.
+    def around_wrapper(self, wrapper_step, ended, *args, **kwargs):
+        """``wrapper_step``, the step of a wrapper given to amp around the optimizer amp set up;
+        ``ended()`` after it, when it ran the inner step.
 
         NOTE: [A wrapper's work after the step] A wrapper may work on the weights after the inner
         step (Lookahead syncs its slow weights into the masters, reading their gradients, often
-        through ``p.data``, which no version counter sees). The inner step's copy to the model and
-        its gradient drop wait for the wrapper's step to end, so that the masters still have their
-        gradients for that work and the model gets what it wrote, as under Apex, which patched the
-        step of the object it was given. A wrapper's step that does not call the inner one (an
-        accumulating call) leaves everything as it was."""
-        if self.held is not None or not self.masters:  # (a wrapper's step inside another's)
+        through ``p.data``, which no version counter sees). The masters keep their gradients until
+        the wrapper's step returns, and the model follows the masters after each inner step and
+        again then, so that the work reaches the model, as under Apex, which patched the step of
+        the object it was given. A skip holds for the rest of the wrapper's step (amp keeps the
+        overflow flag: a second inner step on the same gradients skips too). A wrapper's step that
+        does not call the inner one (an accumulating call) leaves everything as it was."""
+        if self.held is not None:  # (a wrapper's step inside another's)
             return wrapper_step(*args, **kwargs)
         self.held = []
         try:
             return wrapper_step(*args, **kwargs)
         finally:
             held, self.held = self.held, None
-            if held:  # (the inner step ran, or was skipped: a skip drops the gradients at once)
-                self.copy_to_model()
-            if held and held[-1]:
-                self.drop_grads()
+            if held:  # (the inner step ran, or was skipped)
+                self.after_step(held[-1])
+                ended()
 
     def drop_grads(self) -> None:
         """After a step (or its skip): the masters' gradients go; which had one is kept, as
