@@ -94,8 +94,12 @@ $(CUDA_VENV)/.ready: Makefile
 	$(call check_torch,$(CUDA_VENV),$(TORCH_CUDA))
 	touch $@
 
+# Its device code for each of the two paths the source has (host_device.h's bf16 conversion is
+# the one split by architecture, at sm_80): compute_75 PTX and sm_90 code. The wheel's default
+# (CMakeLists.txt) adds 80-real, the same source as 90-real's; `make cuda-build CUDA_ARCHS=...`.
+CUDA_ARCHS ?= 75-virtual;90-real
 cuda-build: $(CUDA_VENV)/.ready
-	PEAK_CUDA=ON $(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . -C build-dir=build/cuda $(TWINS) \
+	PEAK_CUDA=ON PEAK_CUDA_ARCHS="$(CUDA_ARCHS)" $(CUDA_VENV)/bin/pip install $(PIP_QUIET) --no-build-isolation --no-deps -e . -C build-dir=build/cuda $(TWINS) \
 	  -C cmake.define.PEAK_CPU_ISA=native
 
 test-cuda-build: cuda-build

@@ -131,6 +131,19 @@ def _run_optimizers():
         out[f"lamb {dtype}"] = _train(FusedLAMB, dtype)
     out["adam bf16 stochastic rounding"] = _train(FusedAdam, torch.bfloat16, master_weights=False,
                                                   stochastic_rounding=True)
+    # The lean states (each its own kernel instantiation): moments in bf16 and in 8 bits, bf16
+    # masters as remainders, gradients not stored back.
+    for moments in ("bf16", "8bit"):
+        for dtype in (torch.float32, torch.bfloat16):
+            out[f"adam {moments} moments {dtype}"] = _train(
+                FusedAdam, dtype, exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+        out[f"sgd {moments} momentum"] = _train(FusedSGD, torch.bfloat16, momentum=0.9,
+                                                momentum_dtype=moments)
+    out["adam bf16 remainders"] = _train(FusedAdam, torch.bfloat16, store_param_remainders=True)
+    out["adam remainders 8bit"] = _train(FusedAdam, torch.bfloat16, store_param_remainders=True,
+                                         exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit")
+    out["adam fp16 grads kept scaled"] = _train(FusedAdam, torch.float16,
+                                                store_unscaled_grads=False)
     out["sgd bf16 stochastic rounding"] = _train(FusedSGD, torch.bfloat16, momentum=0.9,
                                                  master_weights=False, stochastic_rounding=True)
     return out
