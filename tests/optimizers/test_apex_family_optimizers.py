@@ -955,6 +955,29 @@ def test_larc_pickles_as_torchs_optimizers_do():
         assert torch.equal(p, q)
 
 
+def test_larc_under_amp_pickles_as_torchs_optimizers_do():
+    """Under amp O2 a LARC's pickle carried amp's state of it (a weak reference in the masters'
+    store, lambdas): torch.save(optimizer) raised, where a torch optimizer under amp saves its
+    groups and state. Now the same: the copy steps the fp32 masters as the original's inner step."""
+    from peak import amp
+    model = torch.nn.Linear(8, 4)
+    model, opt = amp.initialize(model, LARC(torch.optim.SGD(model.parameters(), lr=0.1)),
+                                opt_level="O2", verbosity=0)
+    try:
+        with amp.scale_loss(model(torch.randn(2, 8)).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        copy_ = pickle.loads(pickle.dumps(opt))
+        assert isinstance(copy_, LARC) and "_amp_stash" not in vars(copy_)
+        masters = [p.detach() for g in opt.param_groups for p in g["params"]]
+        copied = [p.detach() for g in copy_.param_groups for p in g["params"]]
+        assert [p.dtype for p in copied] == [torch.float32] * len(masters)
+        for p, q in zip(masters, copied):
+            assert torch.equal(p, q)
+    finally:
+        amp._amp_state.reset()
+
+
 def test_step_hooks_run_once_for_optimizers_with_a_step_of_their_own():
     """FusedMixedPrecisionLamb and the Apex alias's FusedAdam have a step of their own over their
     base class's: once an instance of the base class was built, torch's hook machinery had

@@ -10,6 +10,7 @@ from ..scaling import core_attribute
 
 
 # What torch's Optimizer machinery keeps on an instance (torch's __init__ would make them).
+_FIELDS = ("optim", "trust_coefficient", "clip", "eps")
 _HOOKS = tuple(f"_optimizer_{when}_hooks" for when in (
     "step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
     "load_state_dict_post"))
@@ -57,8 +58,8 @@ class LARC(torch.optim.Optimizer):
     state = core_attribute("state", "optim")
     defaults = core_attribute("defaults", "optim")
 
-    def __getstate__(self):  # (as torch's optimizers: no hooks, nor an LR scheduler's step)
-        return {k: v for k, v in self.__dict__.items() if k not in _HOOKS and k != "step"}
+    def __getstate__(self):  # (as torch's optimizers: its own fields only; no hooks, nor an LR
+        return {k: self.__dict__[k] for k in _FIELDS}  # scheduler's step, nor what amp set)
 
     def __setstate__(self, state):
         self.__dict__.update(state)
